@@ -1,0 +1,100 @@
+"""The ``andrea`` command line: one subcommand per pipeline stage.
+
+    andrea --help
+    andrea prep-megachat --help
+    andrea train --phase warmup --profile tiny -S train.max_steps=50 ...
+
+Each stage lives in its own module exposing ``add_arguments(parser)`` and
+``run(args, cfg) -> int``; this file only knows the table below and imports the
+one module a call needs, so start-up stays fast. Every stage that reads params
+gets the same three options: ``--params`` (default ``params.yaml``), ``--profile``
+(an overlay from ``params/``, default: the ``profile`` key of the params file) and
+``-S/--set key=value`` (dotted keys, as in ``dvc exp run -S``). The merged config
+is validated against the schema before the stage starts.
+
+Exit codes: 0 ok; 2 bad input or unmet precondition; 3 invalid config;
+130 interrupted. Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+from andrea.errors import AndreaError
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    help: str
+    needs_config: bool = True
+
+
+COMMANDS: dict[str, Command] = {
+    "build-embedded": Command("andrea.data.embedded", "build the embedded corpus from text that ships with CPython", False),
+    "pull-hermes3": Command("andrea.data.hermes3", "fetch Hermes-3 (hub | local | embedded) into Parquet + MANIFEST.json"),
+    "prep-megachat": Command("andrea.data.megachat", "merge, filter, dedupe and split the sources into megachat"),
+    "tokenizer": Command("andrea.tokenizer", "train the Harris morpheme tokenizer"),
+    "diet-alignment": Command("andrea.diet", "measure the tokenizer against the data diet; write token shards"),
+    "train": Command("andrea.train", "train a model (--phase warmup | main)"),
+    "audit": Command("andrea.reports.audit", "sample fixed prompts from a run and score coherence"),
+    "eval": Command("andrea.reports.evaluate", "held-out bits per byte, coherence, judge; eval.html + metrics.json"),
+    "sample": Command("andrea.generate", "sample text from a checkpoint"),
+    "chat": Command("andrea.chat", "chat with a checkpoint in the chat template"),
+    "dashboard": Command("andrea.reports.dashboard", "serve a live loss dashboard for a run on 127.0.0.1"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="andrea",
+        description="ANDREA pipeline stages. `andrea STAGE --help` for one stage.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="stages:\n" + "\n".join(f"  {name:<16} {c.help}" for name, c in COMMANDS.items()),
+    )
+    p.add_argument("stage", choices=sorted(COMMANDS), metavar="STAGE")
+    return p
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("params")
+    g.add_argument("--params", default="params.yaml", help="base params file (default: %(default)s)")
+    g.add_argument("--profile", default=None, help="overlay params/<PROFILE>.yaml (default: the params file's `profile` key)")
+    g.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one dotted key, e.g. -S bandit.coverage_bonus=1.3 (repeatable)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        _top_parser().parse_args(argv or ["--help"])  # prints help or a clear "invalid choice" and exits
+        return 2
+    name, rest = argv[0], argv[1:]
+    cmd = COMMANDS[name]
+    module = importlib.import_module(cmd.module)
+    parser = argparse.ArgumentParser(prog=f"andrea {name}", description=(module.__doc__ or cmd.help).strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    if cmd.needs_config:
+        add_config_arguments(parser)
+    args = parser.parse_args(rest)
+    try:
+        cfg = None
+        if cmd.needs_config:
+            from andrea.config import load_config
+
+            cfg = load_config(args.params, args.profile, args.overrides)
+        return int(module.run(args, cfg) or 0)
+    except AndreaError as e:
+        print(f"andrea {name}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"andrea {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
