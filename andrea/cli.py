@@ -37,7 +37,7 @@ COMMANDS: dict[str, Command] = {
     "build-embedded": Command("andrea.data.embedded", "build the embedded corpus from text that ships with CPython", False),
     "pull-hermes3": Command("andrea.data.hermes3", "fetch Hermes-3 (hub | local | embedded) into Parquet + MANIFEST.json"),
     "prep-megachat": Command("andrea.data.megachat", "merge, filter, dedupe and split the sources into megachat"),
-    "tokenizer": Command("andrea.tokenizer", "train the Harris morpheme tokenizer"),
+    "tokenizer": Command("andrea.tokenizer.stage", "train the Harris morpheme tokenizer"),
     "diet-alignment": Command("andrea.diet", "measure the tokenizer against the data diet; write token shards"),
     "train": Command("andrea.train", "train a model (--phase warmup | main)"),
     "audit": Command("andrea.reports.audit", "sample fixed prompts from a run and score coherence"),
