@@ -1,0 +1,36 @@
+# Training: curriculum warmup, then the main run from the warmup checkpoint.
+
+
+rule train_warmup:
+    input:
+        tokenizer="data/tokenizer/{variant}/tokenizer.json",
+        tokens="data/tokens/{variant}",
+    output:
+        "runs/{variant}/warmup/model.bin",
+    conda:
+        "../envs/andrea.yaml"
+    log:
+        "logs/train_warmup/{variant}.log",
+    params:
+        cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "seed"),
+    shell:
+        "andrea train --phase warmup --profile {wildcards.variant} --tokenizer {input.tokenizer}"
+        " --tokens {input.tokens} --out runs/{wildcards.variant}/warmup > {log} 2>&1"
+
+
+rule train_main:
+    input:
+        tokenizer="data/tokenizer/{variant}/tokenizer.json",
+        tokens="data/tokens/{variant}",
+        warmup="runs/{variant}/warmup/model.bin",
+    output:
+        "runs/{variant}/main/model.bin",
+    conda:
+        "../envs/andrea.yaml"
+    log:
+        "logs/train_main/{variant}.log",
+    params:
+        cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "coherence", "seed"),
+    shell:
+        "andrea train --phase main --profile {wildcards.variant} --tokenizer {input.tokenizer}"
+        " --tokens {input.tokens} --init runs/{wildcards.variant}/warmup --out runs/{wildcards.variant}/main > {log} 2>&1"
