@@ -1,0 +1,243 @@
+"""Source-mixing policies: ``uniform`` (the baseline) and ``ucb1`` (the FIREHOSE bandit).
+
+A policy picks the source of every batch (``select``) and learns from the loss the
+engine reports back (``observe``). Both keep a per-source loss EMA
+``ema <- a * ema + (1 - a) * loss`` (a = ``bandit.ema``; the first loss of a source
+sets it) and derive the reward of an observation from it:
+
+  * ``bandit.reward: progress`` -- learning progress, the drop of the EMA
+    ``(ema_before - ema_after) * bandit.reward_scale``;
+  * ``bandit.reward: loss`` -- the ODM-style ablation: the EMA itself (in nats, not
+    scaled), so the bandit prefers the sources the model still finds hard.
+
+``UCB1Policy`` (docs/curriculum.md has the full reading of the seeds):
+  * a *pull* chooses a source and holds it for a dwell of 1dN batches rolled on the
+    seeded dice (N = ``bandit.dice_warmup`` in the warmup phase, ``bandit.dice_main``
+    after); its reward is the mean reward over its batches;
+  * the run is cut into phases of ``bandit.phases[k % len] * bandit.phase_unit``
+    batches; a dwell never crosses a phase boundary, and at each boundary the bandit
+    halves its pull counts and reward sums (means kept, confidence widened), so it
+    re-explores on the 7/14/21/28/42 cadence while learning progress drifts;
+  * score of source i: the UCB1 index ``mean_i + c * sqrt(2 ln N / n_i)`` (an unpulled
+    source scores +inf), times the epoch penalty ``1 / (1 + epochs_i)``, times the
+    freshness factor ``1 + (bonus - 1) * unseen_share_i``. A factor below one always
+    lowers a score and one above one always raises it: a negative score is divided by
+    the factor instead of multiplied;
+  * floors: before scoring, a source whose share of this phase's batches is below
+    ``bandit.floor`` is pulled (largest deficit first), so every source keeps its floor.
+
+Policies hold no RNG of their own: the curriculum passes its seeded dice generator, so
+the whole state is the curriculum's ``state_dict()``. Tests: ``pytest tests/test_curriculum.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from andrea.errors import AndreaError
+
+
+def _finite(v: float | None) -> float | None:
+    """JSON-safe number: inf/nan become None."""
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+def apply_factor(score: float, factor: float) -> float:
+    """Scale a score so that factor < 1 lowers it and factor > 1 raises it, whatever its sign."""
+    if not math.isfinite(score):
+        return score
+    return score * factor if score >= 0 else score / factor
+
+
+class _EmaRewards:
+    """Per-source loss EMA and the reward derived from it."""
+
+    def __init__(self, sources: list[str], bandit_cfg: dict):
+        self.a = float(bandit_cfg["ema"])
+        self.mode = bandit_cfg["reward"]
+        self.scale = float(bandit_cfg["reward_scale"])
+        self.ema: dict[str, float | None] = {s: None for s in sources}
+
+    def update(self, source: str, loss: float) -> float | None:
+        """Fold one loss into the source's EMA; return the reward, or None for a non-finite loss."""
+        if not math.isfinite(loss):
+            return None
+        before = self.ema[source]
+        after = loss if before is None else self.a * before + (1.0 - self.a) * loss
+        self.ema[source] = after
+        if self.mode == "loss":
+            return after
+        return 0.0 if before is None else (before - after) * self.scale
+
+
+class UniformPolicy:
+    """Every batch from a source chosen uniformly at random among the eligible ones."""
+
+    name = "uniform"
+
+    def __init__(self, sources: list[str], eligible: list[str], cfg: dict, phase: str):
+        self.sources, self.eligible = sources, eligible
+        self.rewards = _EmaRewards(sources, cfg["bandit"])
+        self.current: str | None = None
+
+    def select(self, dice: np.random.Generator, streams: dict) -> str:
+        self.current = self.eligible[int(dice.integers(len(self.eligible)))]
+        return self.current
+
+    def observe(self, step: int, source: str, loss: float, streams: dict) -> dict | None:
+        r = self.rewards.update(source, loss)
+        share = 1.0 / len(self.eligible)
+        return {"step": int(step), "source": source, "reward": _finite(r), "why": "uniform", "dwell": 1,
+                "scores": {s: share for s in self.eligible}, "ema": _finite(self.rewards.ema[source]),
+                "epochs": streams[source].epochs, "coverage": 1.0 - streams[source].unseen_share}
+
+    def state_dict(self) -> dict:
+        return {"ema": dict(self.rewards.ema), "current": self.current}
+
+    def load_state_dict(self, d: dict, same_phase: bool) -> None:
+        _load_ema(self.rewards, d)
+        self.current = d.get("current") if same_phase else None
+
+
+def _load_ema(rewards: _EmaRewards, d: dict) -> None:
+    for s, v in d.get("ema", {}).items():
+        if s in rewards.ema:
+            rewards.ema[s] = None if v is None else float(v)
+
+
+class UCB1Policy:
+    """The FIREHOSE bandit: UCB1 over sources with dice dwell, phases, floors, epochs, coverage."""
+
+    name = "ucb1"
+
+    def __init__(self, sources: list[str], eligible: list[str], cfg: dict, phase: str):
+        b = cfg["bandit"]
+        self.sources, self.eligible = sources, eligible
+        self.rewards = _EmaRewards(sources, b)
+        self.c = float(b["ucb_c"])
+        self.phases = [int(p) for p in b["phases"]]
+        self.unit = int(b["phase_unit"])
+        self.die = int(b["dice_warmup"] if phase == "warmup" else b["dice_main"])
+        self.floor = float(b["floor"])
+        self.bonus = float(b["coverage_bonus"])
+        if self.floor * len(eligible) > 1.0:
+            raise AndreaError(f"bandit.floor = {self.floor}: {len(eligible)} sources cannot each keep that share "
+                              f"(floor x sources must be <= 1)")
+        self.n = {s: 0.0 for s in sources}        # pulls, halved at each phase boundary
+        self.rsum = {s: 0.0 for s in sources}     # summed pull rewards, halved alongside
+        self.batches = {s: 0 for s in sources}    # batches drawn in this training phase (floors)
+        self.t = 0                                # batches drawn in total
+        self.phase_idx = 0
+        self.phase_end = self.phases[0] * self.unit
+        self.pull: dict | None = None
+
+    # ---- scoring ---------------------------------------------------------------------
+    def scores(self, streams: dict) -> dict[str, float]:
+        total = sum(self.n[s] for s in self.eligible)
+        log_n = math.log(total) if total > 1.0 else 0.0
+        out = {}
+        for s in self.eligible:
+            if self.n[s] <= 0.0:
+                out[s] = math.inf
+                continue
+            idx = self.rsum[s] / self.n[s] + self.c * math.sqrt(2.0 * log_n / self.n[s])
+            idx = apply_factor(idx, 1.0 / (1.0 + streams[s].epochs))
+            out[s] = apply_factor(idx, 1.0 + (self.bonus - 1.0) * streams[s].unseen_share)
+        return out
+
+    def _advance_phase(self) -> None:
+        while self.t >= self.phase_end:
+            self.phase_idx += 1
+            self.phase_end += self.phases[self.phase_idx % len(self.phases)] * self.unit
+            for s in self.sources:
+                self.n[s] *= 0.5
+                self.rsum[s] *= 0.5
+
+    def _choose(self, dice: np.random.Generator, scores: dict[str, float]) -> tuple[str, str]:
+        total = sum(self.batches[s] for s in self.eligible)
+        if total > 0 and self.floor > 0:
+            deficit = {s: self.floor * total - self.batches[s] for s in self.eligible}
+            worst = max(self.eligible, key=lambda s: (deficit[s], -self.eligible.index(s)))
+            if deficit[worst] > 0:
+                return worst, "floor"
+        unpulled = [s for s in self.eligible if math.isinf(scores[s])]
+        if unpulled:
+            return unpulled[int(dice.integers(len(unpulled)))], "explore"
+        best = max(scores.values())
+        top = [s for s in self.eligible if scores[s] == best]
+        return top[int(dice.integers(len(top)))] if len(top) > 1 else top[0], "ucb"
+
+    # ---- the policy interface ----------------------------------------------------------
+    def select(self, dice: np.random.Generator, streams: dict) -> str:
+        if self.pull is not None and self.pull["left"] <= 0:
+            self._finish()  # the engine skipped observe() on the pull's last batch
+        if self.pull is None:
+            self._advance_phase()
+            sc = self.scores(streams)
+            source, why = self._choose(dice, sc)
+            roll = int(dice.integers(1, self.die + 1))
+            dwell = min(roll, self.phase_end - self.t)
+            self.pull = {"source": source, "why": why, "dwell": dwell, "left": dwell, "rsum": 0.0, "k": 0,
+                         "scores": {s: _finite(v) for s, v in sc.items()}, "phase": self.phase_idx}
+        self.pull["left"] -= 1
+        self.t += 1
+        source = self.pull["source"]
+        self.batches[source] += 1
+        return source
+
+    def observe(self, step: int, source: str, loss: float, streams: dict) -> dict | None:
+        if self.pull is None or source != self.pull["source"]:
+            want = None if self.pull is None else self.pull["source"]
+            raise AndreaError(f"curriculum.observe(step={step}): loss reported for source {source!r} but the "
+                              f"open pull is {want!r}; call observe once after each next_batch")
+        r = self.rewards.update(source, loss)
+        if r is not None:
+            self.pull["rsum"] += r
+            self.pull["k"] += 1
+        if self.pull["left"] > 0:
+            return None
+        rec = self._finish()
+        rec["step"] = int(step)
+        rec["epochs"] = streams[source].epochs
+        rec["coverage"] = 1.0 - streams[source].unseen_share
+        return rec
+
+    def _finish(self) -> dict:
+        p, self.pull = self.pull, None
+        s = p["source"]
+        reward = p["rsum"] / p["k"] if p["k"] else None
+        if reward is not None:
+            self.n[s] += 1.0
+            self.rsum[s] += reward
+        return {"step": None, "source": s, "reward": reward, "why": p["why"], "dwell": p["dwell"],
+                "phase": p["phase"], "scores": p["scores"], "ema": _finite(self.rewards.ema[s])}
+
+    def state_dict(self) -> dict:
+        return {"ema": dict(self.rewards.ema), "n": dict(self.n), "rsum": dict(self.rsum),
+                "batches": dict(self.batches), "t": self.t, "phase_idx": self.phase_idx,
+                "phase_end": self.phase_end, "pull": None if self.pull is None else dict(self.pull)}
+
+    def load_state_dict(self, d: dict, same_phase: bool) -> None:
+        """Restore; a state from the other training phase keeps what was learned (EMAs,
+        counts, the phase clock) but starts the floors' batch shares and the pull afresh."""
+        _load_ema(self.rewards, d)
+        try:
+            for key in ("n", "rsum"):
+                for s, v in d[key].items():
+                    if s in self.sources:
+                        getattr(self, key)[s] = float(v)
+            self.t, self.phase_idx, self.phase_end = int(d["t"]), int(d["phase_idx"]), int(d["phase_end"])
+            if same_phase:
+                for s, v in d["batches"].items():
+                    if s in self.sources:
+                        self.batches[s] = int(v)
+                self.pull = None if d["pull"] is None else dict(d["pull"])
+            else:
+                self.pull = None
+        except (KeyError, TypeError, ValueError) as e:
+            raise AndreaError(f"curriculum state (bandit): malformed ({e})") from None
+
+
+POLICIES = {"uniform": UniformPolicy, "ucb1": UCB1Policy}
