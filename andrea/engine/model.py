@@ -1,0 +1,172 @@
+"""Model layout: parameter names, shapes and offsets in one flat fp32 buffer, and the
+activation buffer plan. Pure arithmetic on shapes: nothing here allocates.
+
+    from andrea.engine.model import ModelConfig, param_layout, activation_plan
+    mc = ModelConfig(vocab_size=1281, d_model=128, n_head=4, n_layer=4, context=128)
+    layout = param_layout(mc)          # layout.n_params, layout.n_decay, layout.tensors
+    plan = activation_plan(mc, batch_size=16)
+
+The model (decoder-only GPT, pre-LN, no biases except LayerNorm beta):
+
+    x = wte[idx] + wpe[:T]                                    embed         (B, T, C)
+    for each layer l:
+        x = x + attn_out(attn(attn_qkv(ln1(x))))              pre-LN attention
+        x = x + mlp(ln2(x))                                   pre-LN MLP, GELU(tanh), width 4C
+    logits = lnf(x) @ wte.T                                   tied output projection (B, T, V)
+    loss = mean cross-entropy(logits, targets)
+
+Flat parameter layout, in this order (offsets are element offsets into the flat buffer).
+Everything that gets weight decay comes first, so AdamW decays the prefix ``[0, n_decay)``:
+
+    wte                (V, C)        token embedding, also the output projection
+    wpe                (context, C)  learned position embedding
+    h.{l}.attn.w_qkv   (C, 3C)       columns [q | k | v], each split into H heads of D
+    h.{l}.attn.w_o     (C, C)
+    h.{l}.mlp.w_fc     (C, 4C)
+    h.{l}.mlp.w_proj   (4C, C)
+    --- n_decay ---
+    h.{l}.ln1.g, h.{l}.ln1.b, h.{l}.ln2.g, h.{l}.ln2.b   (C,) each
+    lnf.g, lnf.b       (C,)
+
+Matrices are (C_in, C_out): a linear layer is ``y = x @ W`` on row-major (N, C_in) rows.
+Gradients, Adam m and Adam v use the same layout in their own flat buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from andrea.errors import AndreaError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_head: int
+    n_layer: int
+    context: int
+
+    def __post_init__(self):
+        for k in ("vocab_size", "d_model", "n_head", "n_layer", "context"):
+            if int(getattr(self, k)) < 1:
+                raise AndreaError(f"model.{k}: must be >= 1, got {getattr(self, k)}")
+        if self.d_model % self.n_head:
+            raise AndreaError(f"model.d_model: {self.d_model} is not divisible by model.n_head={self.n_head}")
+
+    @classmethod
+    def from_cfg(cls, cfg: dict, vocab_size: int) -> "ModelConfig":
+        m = cfg["model"]
+        return cls(int(vocab_size), int(m["d_model"]), int(m["n_head"]), int(m["n_layer"]), int(m["context"]))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    decay: bool
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    tensors: tuple[Tensor, ...]
+    n_params: int
+    n_decay: int
+    by_name: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def param_layout(mc: ModelConfig) -> ParamLayout:
+    C, V, L = mc.d_model, mc.vocab_size, mc.n_layer
+    decayed: list[tuple[str, tuple[int, ...]]] = [("wte", (V, C)), ("wpe", (mc.context, C))]
+    for l in range(L):
+        decayed += [(f"h.{l}.attn.w_qkv", (C, 3 * C)), (f"h.{l}.attn.w_o", (C, C)),
+                    (f"h.{l}.mlp.w_fc", (C, 4 * C)), (f"h.{l}.mlp.w_proj", (4 * C, C))]
+    plain: list[tuple[str, tuple[int, ...]]] = []
+    for l in range(L):
+        plain += [(f"h.{l}.ln1.g", (C,)), (f"h.{l}.ln1.b", (C,)), (f"h.{l}.ln2.g", (C,)), (f"h.{l}.ln2.b", (C,))]
+    plain += [("lnf.g", (C,)), ("lnf.b", (C,))]
+    tensors, off = [], 0
+    for group, decay in ((decayed, True), (plain, False)):
+        for name, shape in group:
+            t = Tensor(name, shape, off, decay)
+            tensors.append(t)
+            off += t.size
+        if decay:
+            n_decay = off
+    layout = ParamLayout(tuple(tensors), off, n_decay)
+    layout.by_name.update({t.name: t for t in tensors})
+    return layout
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One planned buffer: ``kind`` is saved (forward activations kept for the backward),
+    dgrad (activation gradients, zeroed every backward), work (op scratch), index (int32
+    token ids), const (built once), stat (float64 reduction partials)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    dtype: str = "float"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def activation_plan(mc: ModelConfig, batch_size: int, work_elems: int,
+                    att_shape: tuple[int, ...] | None = None, n_partials: int = 64) -> list[Buffer]:
+    """Every non-parameter buffer one training step needs, for microbatch (B, T=context).
+
+    ``att_shape`` is what attn_forward saves per layer for its backward: the softmax
+    probabilities (B, H, T, T) on the NumPy backend; a fused backend saves less (e.g. the
+    row log-sum-exp (B, H, T)) and passes its own shape. ``work_elems`` comes from the
+    backend's ops (``ops.work_elems``).
+    """
+    B, T, C, H, V, L = batch_size, mc.context, mc.d_model, mc.n_head, mc.vocab_size, mc.n_layer
+    N = B * T
+    att_shape = tuple(att_shape) if att_shape is not None else (B, H, T, T)
+    return [
+        Buffer("idx", (B, T), "index", "int32"),
+        Buffer("targets", (B, T), "index", "int32"),
+        Buffer("mask", (T, T), "const"),
+        # saved activations
+        Buffer("res", (2 * L + 1, N, C), "saved"),       # residual stream: embed, then after each sublayer
+        Buffer("ln1", (L, N, C), "saved"),
+        Buffer("ln1_mean", (L, N), "saved"),
+        Buffer("ln1_rstd", (L, N), "saved"),
+        Buffer("qkv", (L, N, 3 * C), "saved"),
+        Buffer("att", (L, *att_shape), "saved"),
+        Buffer("atty", (L, N, C), "saved"),              # attention heads concatenated, before w_o
+        Buffer("ln2", (L, N, C), "saved"),
+        Buffer("ln2_mean", (L, N), "saved"),
+        Buffer("ln2_rstd", (L, N), "saved"),
+        Buffer("h_pre", (L, N, 4 * C), "saved"),
+        Buffer("h_act", (L, N, 4 * C), "saved"),
+        Buffer("branch", (N, C), "saved"),               # sublayer output before its residual add
+        Buffer("lnf", (N, C), "saved"),
+        Buffer("lnf_mean", (N,), "saved"),
+        Buffer("lnf_rstd", (N,), "saved"),
+        Buffer("logits", (N, V), "saved"),
+        Buffer("probs", (N, V), "saved"),
+        Buffer("losses", (N,), "saved"),
+        # activation gradients (one flat buffer, reused layer after layer)
+        Buffer("dres", (2, N, C), "dgrad"),              # ping-pong: grad of the residual stream
+        Buffer("dbranch", (N, C), "dgrad"),
+        Buffer("dln", (N, C), "dgrad"),
+        Buffer("dqkv", (N, 3 * C), "dgrad"),
+        Buffer("datty", (N, C), "dgrad"),
+        # scratch
+        Buffer("work", (work_elems,), "work"),
+        Buffer("partials", (n_partials,), "stat", "float64"),
+    ]

@@ -1,0 +1,397 @@
+"""NumPy op pairs: the reference implementation of every forward/backward op of the engine.
+
+    from andrea.engine import ops_numpy as ops
+    ops.layernorm_forward(out, mean, rstd, x, g, b)        # writes out, mean, rstd
+    ops.layernorm_backward(dx, dg, db, dout, x, mean, rstd, g, work)   # dx += ..., dg += ..., db += ...
+
+This module is the contract the CuPy backend (``andrea/cuda``) mirrors name for name and
+argument for argument; the engine (``andrea/engine/engine.py``) calls only these functions,
+so the training step is written once and the backend supplies the ops.
+
+Conventions (every op):
+- Shapes: B batch, T context, C d_model, H heads, D = C // H head size, V vocab,
+  N = B * T rows. Activations are row-major ``(N, C)`` (the same memory as ``(B, T, C)``).
+  Weight matrices are stored ``(C_in, C_out)`` so a linear layer is ``y = x @ W``.
+- Forward functions write (``=``) into preallocated outputs; they never allocate
+  anything the size of an activation.
+- Backward functions ADD (``+=``) into every gradient they produce, parameter gradients
+  and input gradients alike; the caller zeroes gradient buffers (``Engine.zero_grads``).
+- ``work`` is a flat scratch buffer of the activations' dtype owned by the caller, at
+  least ``work_elems(B, T, C, H, V)`` long (or ``n_params`` long for ``adamw``, which
+  instead consumes its ``g``); ops carve views from it and leave garbage in it.
+- Every op is dtype-generic (float32 in training, float64 in the gradient checks).
+- Determinism: no op depends on anything but its arguments (same inputs, same thread
+  count -> same bits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+GELU_K = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+LN_EPS = 1e-5
+
+
+def _carve(work: np.ndarray, *shapes: tuple[int, ...]) -> list[np.ndarray]:
+    """Consecutive views of ``work`` with the given shapes (no copy)."""
+    views, off = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if off + n > work.size:
+            raise ValueError(f"work buffer too small: need {off + n} elements, have {work.size}")
+        views.append(work[off:off + n].reshape(shape))
+        off += n
+    return views
+
+
+def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
+    """Scratch elements the largest op needs (the engine allocates ``work`` once with this size)."""
+    N = B * T
+    return max(
+        2 * N * C + 2 * N,                     # layernorm_backward: xhat, dxhat, two row stats
+        N * 4 * C + 4 * C * C,                 # linear backward (attn_qkv: 3C, mlp in/out: 4C)
+        N * C + B * H * T,                     # attn_forward: y (B, H, T, D), row stat (B, H, T)
+        B * H * T * T + N * C + B * H * T,     # attn_backward: datt, dq/dk/dv tmp, row dot
+        3 * N * 4 * C,                         # mlp_backward: dh, tanh, gelu' term (weight tmps reuse them)
+        N * C + V * C + N,                     # loss_backward: dx tmp, dwte tmp, row index
+        N,                                     # loss_forward: row sums
+    )
+
+
+# --------------------------------------------------------------------------- embed
+def embed_forward(out: np.ndarray, idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray) -> None:
+    """out (B, T, C) = wte[idx] + wpe[:T].  idx int32 (B, T); wte (V, C); wpe (context, C)."""
+    B, T = idx.shape
+    np.take(wte, idx, axis=0, out=out)
+    out += wpe[:T]
+
+
+def embed_backward(dwte: np.ndarray, dwpe: np.ndarray, dout: np.ndarray, idx: np.ndarray) -> None:
+    """dwte[idx] += dout; dwpe[:T] += sum_b dout[b].  dout (B, T, C)."""
+    B, T = idx.shape
+    np.add.at(dwte, idx.reshape(-1), dout.reshape(B * T, -1))
+    for b in range(B):
+        dwpe[:T] += dout[b]
+
+
+# ----------------------------------------------------------------------- layernorm
+def layernorm_forward(out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+                      x: np.ndarray, g: np.ndarray, b: np.ndarray) -> None:
+    """out (N, C) = (x - mean) * rstd * g + b; saves mean (N,), rstd (N,) for the backward.
+
+    Biased variance, eps = 1e-5 (as torch.nn.LayerNorm).
+    """
+    C = x.shape[-1]
+    np.mean(x, axis=-1, out=mean)
+    np.subtract(x, mean[:, None], out=out)
+    np.einsum("ij,ij->i", out, out, out=rstd)          # sum of squares
+    rstd *= 1.0 / C
+    rstd += LN_EPS
+    np.sqrt(rstd, out=rstd)
+    np.reciprocal(rstd, out=rstd)
+    out *= rstd[:, None]
+    out *= g
+    out += b
+
+
+def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.ndarray,
+                       x: np.ndarray, mean: np.ndarray, rstd: np.ndarray, g: np.ndarray,
+                       work: np.ndarray) -> None:
+    """dx (N, C) += ...; dg (C,) += sum(dout * xhat); db (C,) += sum(dout).
+
+    With xhat = (x - mean) * rstd and dxhat = dout * g:
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
+    """
+    N, C = x.shape
+    xhat, tmp, a, c = _carve(work, (N, C), (N, C), (N,), (N,))
+    np.subtract(x, mean[:, None], out=xhat)
+    xhat *= rstd[:, None]
+    np.multiply(dout, xhat, out=tmp)
+    dg += tmp.sum(axis=0)
+    db += dout.sum(axis=0)
+    np.multiply(dout, g, out=tmp)                      # tmp = dxhat
+    np.mean(tmp, axis=-1, out=a)
+    np.einsum("ij,ij->i", tmp, xhat, out=c)
+    c *= 1.0 / C
+    tmp -= a[:, None]
+    xhat *= c[:, None]
+    tmp -= xhat
+    tmp *= rstd[:, None]
+    dx += tmp
+
+
+# -------------------------------------------------------------------------- linear
+def _linear_backward(dx: np.ndarray, dw: np.ndarray, dout: np.ndarray, x: np.ndarray,
+                     w: np.ndarray, work: np.ndarray) -> None:
+    """y = x @ w with x (N, Cin), w (Cin, Cout): dx += dout @ w.T; dw += x.T @ dout."""
+    N, Cin = x.shape
+    Cout = w.shape[1]
+    tx, tw = _carve(work, (N, Cin), (Cin, Cout))
+    np.matmul(dout, w.T, out=tx)
+    dx += tx
+    np.matmul(x.T, dout, out=tw)
+    dw += tw
+
+
+# ------------------------------------------------------------------------ attn_qkv
+def attn_qkv_forward(qkv: np.ndarray, x: np.ndarray, w_qkv: np.ndarray) -> None:
+    """qkv (N, 3C) = x (N, C) @ w_qkv (C, 3C); columns are [q | k | v], each head-major (H, D)."""
+    np.matmul(x, w_qkv, out=qkv)
+
+
+def attn_qkv_backward(dx: np.ndarray, dw_qkv: np.ndarray, dqkv: np.ndarray, x: np.ndarray,
+                      w_qkv: np.ndarray, work: np.ndarray) -> None:
+    """dx (N, C) += dqkv @ w_qkv.T; dw_qkv (C, 3C) += x.T @ dqkv."""
+    _linear_backward(dx, dw_qkv, dqkv, x, w_qkv, work)
+
+
+# ---------------------------------------------------------------------------- attn
+def _heads(qkv: np.ndarray, B: int, T: int, H: int) -> np.ndarray:
+    """View qkv (B*T, 3C) as (3, B, H, T, D): q, k, v per head (strided, no copy)."""
+    C = qkv.shape[-1] // 3
+    return qkv.reshape(B, T, 3, H, C // H).transpose(2, 0, 3, 1, 4)
+
+
+def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
+                 n_head: int, work: np.ndarray) -> None:
+    """Causal scaled dot-product attention.
+
+    qkv (B, T, 3C) -> out (B, T, C) = concat_h softmax(q k^T / sqrt(D) + mask) v.
+    att (B, H, T, T) saves the softmax probabilities for the backward.
+    mask (T, T): 0 on and below the diagonal, -inf above (a constant the engine owns).
+    """
+    B, T = out.shape[0], out.shape[1]
+    H = n_head
+    C = out.shape[-1]
+    D = C // H
+    q, k, v = _heads(qkv, B, T, H)
+    y, stat = _carve(work, (B, H, T, D), (B, H, T, 1))
+    np.matmul(q, k.swapaxes(-1, -2), out=att)
+    att *= 1.0 / math.sqrt(D)
+    att += mask
+    np.max(att, axis=-1, keepdims=True, out=stat)
+    att -= stat
+    np.exp(att, out=att)
+    np.sum(att, axis=-1, keepdims=True, out=stat)
+    att /= stat
+    np.matmul(att, v, out=y)
+    np.copyto(out.reshape(B, T, H, D), y.transpose(0, 2, 1, 3))
+
+
+def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray,
+                  n_head: int, work: np.ndarray) -> None:
+    """dqkv (B, T, 3C) += d/dqkv of attn_forward, given dout (B, T, C) and the saved att (B, H, T, T)."""
+    B, T = dout.shape[0], dout.shape[1]
+    H = n_head
+    C = dout.shape[-1]
+    D = C // H
+    q, k, v = _heads(qkv, B, T, H)
+    dq, dk, dv = _heads(dqkv, B, T, H)
+    dy = dout.reshape(B, T, H, D).transpose(0, 2, 1, 3)          # (B, H, T, D) view
+    datt, tmp, rowdot = _carve(work, (B, H, T, T), (B, H, T, D), (B, H, T, 1))
+    np.matmul(att.swapaxes(-1, -2), dy, out=tmp)                  # dv = att^T dy
+    dv += tmp
+    np.matmul(dy, v.swapaxes(-1, -2), out=datt)                   # datt = dy v^T
+    # softmax backward: ds = att * (datt - sum(datt * att, -1)), then the 1/sqrt(D) scale
+    np.einsum("bhij,bhij->bhi", datt, att, out=rowdot[..., 0])
+    datt -= rowdot
+    datt *= att
+    datt *= 1.0 / math.sqrt(D)
+    np.matmul(datt, k, out=tmp)                                   # dq = ds k
+    dq += tmp
+    np.matmul(datt.swapaxes(-1, -2), q, out=tmp)                  # dk = ds^T q
+    dk += tmp
+
+
+# ------------------------------------------------------------------------ attn_out
+def attn_out_forward(out: np.ndarray, y: np.ndarray, w_o: np.ndarray) -> None:
+    """out (N, C) = y (N, C) @ w_o (C, C): the output projection of the attention heads."""
+    np.matmul(y, w_o, out=out)
+
+
+def attn_out_backward(dy: np.ndarray, dw_o: np.ndarray, dout: np.ndarray, y: np.ndarray,
+                      w_o: np.ndarray, work: np.ndarray) -> None:
+    """dy (N, C) += dout @ w_o.T; dw_o (C, C) += y.T @ dout."""
+    _linear_backward(dy, dw_o, dout, y, w_o, work)
+
+
+# ----------------------------------------------------------------------------- mlp
+def _gelu(out: np.ndarray, x: np.ndarray) -> None:
+    """out = 0.5 x (1 + tanh(k (x + a x^3))), the tanh form (as torch approximate='tanh')."""
+    np.multiply(x, x, out=out)
+    out *= GELU_A
+    out += 1.0
+    out *= x
+    out *= GELU_K
+    np.tanh(out, out=out)
+    out += 1.0
+    out *= x
+    out *= 0.5
+
+
+def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.ndarray,
+                w_fc: np.ndarray, w_proj: np.ndarray) -> None:
+    """out (N, C) = gelu(x @ w_fc) @ w_proj; w_fc (C, 4C), w_proj (4C, C).
+
+    Saves h_pre = x @ w_fc and h_act = gelu(h_pre), both (N, 4C), for the backward.
+    """
+    np.matmul(x, w_fc, out=h_pre)
+    _gelu(h_act, h_pre)
+    np.matmul(h_act, w_proj, out=out)
+
+
+def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: np.ndarray,
+                 x: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray,
+                 w_fc: np.ndarray, w_proj: np.ndarray, work: np.ndarray) -> None:
+    """dx (N, C) += ...; dw_fc (C, 4C) += ...; dw_proj (4C, C) += ... for mlp_forward.
+
+    gelu'(u) = 0.5 (1 + th) + 0.5 u (1 - th^2) k (1 + 3a u^2) with th = tanh(k (u + a u^3)),
+    evaluated in place as (1 + th) * (0.5 dh - r (th - 1)) with r = dh * 0.5 u k (1 + 3a u^2).
+    """
+    N, C = x.shape
+    F = w_fc.shape[1]
+    dh, th, s = _carve(work, (N, F), (N, F), (N, F))
+    np.matmul(dout, w_proj.T, out=dh)                  # dL/dh_act
+    tw = th.reshape(-1)[:F * C].reshape(F, C)
+    np.matmul(h_act.T, dout, out=tw)
+    dw_proj += tw
+    np.multiply(h_pre, h_pre, out=th)                  # th = tanh(k (u + a u^3))
+    th *= GELU_A
+    th += 1.0
+    th *= h_pre
+    th *= GELU_K
+    np.tanh(th, out=th)
+    np.multiply(h_pre, h_pre, out=s)                   # s = 0.5 u k (1 + 3a u^2) * dh
+    s *= 3.0 * GELU_A
+    s += 1.0
+    s *= h_pre
+    s *= 0.5 * GELU_K
+    s *= dh
+    th -= 1.0
+    s *= th                                            # r (th - 1)
+    th += 2.0                                          # 1 + th
+    dh *= 0.5
+    dh -= s
+    dh *= th                                           # dh = dL/dh_pre
+    tw = th.reshape(-1)[:C * F].reshape(C, F)
+    np.matmul(x.T, dh, out=tw)
+    dw_fc += tw
+    tx = s.reshape(-1)[:N * C].reshape(N, C)
+    np.matmul(dh, w_fc.T, out=tx)
+    dx += tx
+
+
+# ---------------------------------------------------------------------- residual
+def residual_add_forward(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """out (N, C) = a + b."""
+    np.add(a, b, out=out)
+
+
+def residual_add_backward(da: np.ndarray, db: np.ndarray, dout: np.ndarray) -> None:
+    """da (N, C) += dout; db (N, C) += dout."""
+    da += dout
+    db += dout
+
+
+# ---------------------------------------------------------------------------- loss
+def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: np.ndarray,
+                 wte: np.ndarray, targets: np.ndarray | None, work: np.ndarray) -> None:
+    """Tied output projection, softmax and cross-entropy.
+
+    logits (N, V) = x (N, C) @ wte.T (wte is the token embedding (V, C));
+    probs (N, V) = softmax(logits) (saved for the backward);
+    losses (N,) = -log probs[n, targets[n]] (computed as logsumexp - logit, so it never
+    takes the log of an underflowed probability). targets int (N,) or None (logits only).
+    """
+    N, V = logits.shape
+    np.matmul(x, wte.T, out=logits)
+    if targets is None:
+        return
+    (rowsum,) = _carve(work, (N,))
+    np.max(logits, axis=1, out=losses)                 # losses holds the row max for now
+    np.subtract(logits, losses[:, None], out=probs)
+    np.exp(probs, out=probs)
+    np.sum(probs, axis=1, out=rowsum)
+    probs /= rowsum[:, None]
+    np.log(rowsum, out=rowsum)
+    losses += rowsum                                   # logsumexp
+    losses -= np.take_along_axis(logits, targets.reshape(N, 1), axis=1)[:, 0]
+
+
+def loss_backward(dx: np.ndarray, dwte: np.ndarray, probs: np.ndarray, x: np.ndarray,
+                  wte: np.ndarray, targets: np.ndarray, dloss: float, work: np.ndarray) -> None:
+    """dx (N, C) += dlogits @ wte; dwte (V, C) += dlogits.T @ x, with
+    dlogits = (probs - onehot(targets)) * dloss, where dloss is dL/dlosses[n] (1/N for a mean).
+
+    probs is consumed: it holds dlogits on return.
+    """
+    N, V = probs.shape
+    C = x.shape[1]
+    tx, tw, flat = _carve(work, (N, C), (V, C), (N,))
+    flat_i = flat.view(np.int32) if flat.dtype == np.float32 else flat.view(np.int64)
+    np.multiply(np.arange(N, dtype=flat_i.dtype), V, out=flat_i)   # row starts
+    flat_i += targets.reshape(N)
+    p = probs.reshape(-1)
+    p[flat_i] -= 1.0
+    probs *= dloss
+    np.matmul(probs, wte, out=tx)
+    dx += tx
+    np.matmul(probs.T, x, out=tw)
+    dwte += tw
+
+
+# ---------------------------------------------------------------- clipping + AdamW
+def grad_norm_partial(partials: np.ndarray, grads: np.ndarray) -> None:
+    """partials (P,) float64: partials[i] = sum of squares of chunk i of the flat grads (n,),
+    chunk = ceil(n / P), each chunk reduced by one BLAS dot in the grads' dtype; the final
+    sum over the P partials runs in float64."""
+    P = partials.shape[0]
+    n = grads.shape[0]
+    chunk = -(-n // P)
+    for i in range(P):
+        seg = grads[i * chunk:(i + 1) * chunk]
+        partials[i] = np.dot(seg, seg) if seg.size else 0.0
+
+
+def grad_norm_final(partials: np.ndarray) -> float:
+    """The global L2 norm sqrt(sum(partials)) as a Python float (nan/inf pass through)."""
+    return float(math.sqrt(float(np.sum(partials)))) if np.isfinite(partials).all() else float("nan")
+
+
+def grad_scale(grads: np.ndarray, scale: float) -> None:
+    """grads (n,) *= scale, in place (clipping and the 1/n of gradient accumulation)."""
+    grads *= grads.dtype.type(scale)
+
+
+def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: int, t: int,
+          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW step over the flat buffers w, g, m, v (n,), as torch.optim.AdamW:
+
+    w[:n_decay] *= 1 - lr * weight_decay           (decoupled decay; the layout puts every
+                                                     decayed matrix before the norm params)
+    m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+    w -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    t is the 1-based step count. g is consumed as scratch (garbage on return).
+    """
+    dt = w.dtype.type
+    if weight_decay and n_decay:
+        w[:n_decay] *= dt(1.0 - lr * weight_decay)
+    bc1 = 1.0 - beta1 ** t
+    bc2 = 1.0 - beta2 ** t
+    m *= dt(beta1)
+    v *= dt(beta2)
+    g *= dt(1.0 - beta1)
+    m += g
+    np.multiply(g, g, out=g)                           # (1 - beta1)^2 g^2
+    g *= dt((1.0 - beta2) / (1.0 - beta1) ** 2)
+    v += g
+    np.sqrt(v, out=g)
+    g *= dt(1.0 / math.sqrt(bc2))
+    g += dt(eps)
+    np.divide(m, g, out=g)
+    g *= dt(lr / bc1)
+    w -= g
