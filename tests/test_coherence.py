@@ -1,0 +1,115 @@
+"""Coherence scores and the early-stop monitor.
+
+    pytest tests/test_coherence.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from andrea.coherence import PROMPTS, CoherenceMonitor, is_degenerate, reasons, scores
+from andrea.config import load_config
+from andrea.data.template import ASSISTANT_PREFIX
+from andrea.errors import AndreaError
+
+PROSE = ("A list is a mutable sequence, typically used to store collections of homogeneous items. "
+         "Lists may be constructed in several ways: using a pair of square brackets to denote the empty "
+         "list, using square brackets and separating items with commas, or using a list comprehension. "
+         "Many other operations also produce lists, including the sorted built-in.")
+CODE = "def area(r):\n    \"\"\"Area of a circle.\"\"\"\n    return 3.14159 * r * r\n\nprint(area(2.0))\n"
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config("params.yaml", "tiny")
+
+
+def test_normal_text_is_not_degenerate(cfg):
+    lim = cfg["coherence"]["max_repeat"]
+    for text in (PROSE, CODE, "Hello there."):
+        s = scores(text)
+        assert not is_degenerate(s, lim), (text, s)
+        assert s["distinct_2"] > 0.8
+
+
+@pytest.mark.parametrize("text,rate", [
+    ("the the the the the the the the the the the the", "word"),
+    ("I am a model. I am a model. I am a model. I am a model. I am a model.", "trigram"),
+    ("=" * 80, "char"),
+    ("abababababababababababababababababababababab", "char"),
+])
+def test_repetitive_text_is_degenerate(cfg, text, rate):
+    s = scores(text)
+    assert is_degenerate(s, cfg["coherence"]["max_repeat"])
+    assert any(r.startswith(rate) for r in reasons(s, cfg["coherence"]["max_repeat"])), s
+
+
+def test_score_values():
+    s = scores("a b a b a b")  # words a b a b a b: 2 distinct of 6; bigrams ab ba: 2 of 5; trigrams 2 of 4
+    assert s["word"] == pytest.approx(1 - 2 / 6, abs=1e-6)
+    assert s["bigram"] == pytest.approx(1 - 2 / 5, abs=1e-6)
+    assert s["trigram"] == pytest.approx(0.5, abs=1e-6)
+    assert s["distinct_3"] == pytest.approx(0.5, abs=1e-6)
+    assert s["n_words"] == 6 and s["n_chars"] == 11
+    empty = scores("")
+    assert empty["bigram"] == empty["char"] == 0.0 and empty["distinct_1"] == 1.0
+    with pytest.raises(AndreaError):
+        scores(None)
+
+
+def test_monitor_needs_patience_consecutive_degenerate_checks(cfg):
+    mon = CoherenceMonitor(cfg)
+    p = cfg["coherence"]["patience"]
+    bad = [("q", "no no no no no no no no no no")] * 3
+    good = [("q", PROSE)] * 3
+    mixed = [("q", PROSE), ("q", PROSE), bad[0]]  # a minority degenerate: the check passes
+    for _ in range(p - 1):
+        assert mon.check(10, bad)["halt"] is None
+    assert mon.check(11, mixed)["streak"] == 0
+    for _ in range(p - 1):
+        assert mon.check(12, bad)["halt"] is None
+    res = mon.check(13, bad)
+    assert res["halt"]["step"] == 13 and "coherence" in res["halt"]["reason"]
+    json.dumps(res["samples"], allow_nan=False)
+    assert res["samples"][0]["degenerate"] and not mon.check(14, good)["degenerate"]
+
+
+def test_monitor_run_check_samples_every_prompt(cfg):
+    mon = CoherenceMonitor(cfg)
+    seen = []
+    res = mon.run_check(5, lambda prompt: seen.append(prompt) or PROSE)
+    assert seen == PROMPTS and len(res["samples"]) == len(PROMPTS)
+    assert any(p.endswith(ASSISTANT_PREFIX) for p in PROMPTS)
+    assert mon.due(cfg["coherence"]["every"]) and not mon.due(0) and not mon.due(cfg["coherence"]["every"] + 1)
+
+
+def test_diverging_loss_halts_and_noisy_loss_does_not(cfg):
+    mon = CoherenceMonitor(cfg)
+    halt = None
+    for step in range(400):
+        loss = 5.0 - step * 0.005 + (0.3 if step % 2 else -0.3)
+        assert mon.observe_loss(step, loss) is None
+    for step in range(400, 1000):
+        halt = mon.observe_loss(step, 3.0 + (step - 400) * 0.05)
+        if halt:
+            break
+    assert halt is not None and "diverge" in halt["reason"] and halt["step"] < 1000
+    off = CoherenceMonitor({**cfg, "coherence": {**cfg["coherence"], "diverge_ratio": 0}})
+    assert all(off.observe_loss(s, 1.0 + s) is None for s in range(300))
+    assert mon.observe_loss(1, float("nan")) is None
+
+
+def test_monitor_state_round_trip(cfg):
+    a = CoherenceMonitor(cfg)
+    for s in range(120):
+        a.observe_loss(s, 4.0 - 0.01 * s)
+    a.check(1, [("q", "x x x x x x x x")])
+    b = CoherenceMonitor(cfg)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    for s in range(120, 200):
+        assert a.observe_loss(s, 9.0) == b.observe_loss(s, 9.0)
+    with pytest.raises(AndreaError, match="coherence state"):
+        b.load_state_dict({"streak": 1})
