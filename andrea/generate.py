@@ -1,0 +1,409 @@
+"""Text generation from an ANDREA model: a KV-cache forward, sampling, and ``andrea sample``.
+
+    andrea sample --profile tiny --run runs/tiny/main --tokenizer data/tokenizer/tiny/tokenizer.json \\
+                  --prompt "The list type" --max-new-tokens 64 --temperature 0.8 --top-k 40 --seed 1
+
+In code (the curriculum's coherence check calls this on the training weights):
+
+    from andrea.generate import InferenceModel, SamplingOptions, generate
+    im = InferenceModel(model_config, flat_params)            # views into the SAME flat buffer
+    out = generate(im, tok.encode("Hello"), SamplingOptions(max_new_tokens=48, temperature=0.8, top_k=40),
+                   rng=np.random.default_rng(1), eot_id=tok.eot_id)
+    tok.decode(out.ids)
+
+``InferenceModel`` runs the model of ``andrea.engine.model`` (pre-LN GPT, tied
+embeddings, learned positions, GELU-tanh MLP) on top of the flat fp32 parameter buffer
+the engine trains, one view per tensor (no copy: new weights are seen at once). It keeps
+a key/value cache per layer, so the prompt costs one forward over its tokens and each
+new token costs one position. Embedding, LayerNorm, the QKV/output projections, the MLP,
+the residual adds and the tied output projection are the backend's own op functions
+(``backend.ops``); only attention is done here, against the cache. It runs on whatever
+array module the backend has (NumPy, or CuPy on the GPU); sampling runs on the host in
+float64 with a seeded ``numpy.random.Generator``, so the same seed gives the same text.
+
+When a sequence outgrows the context (learned positions stop there), the cache is
+rebuilt from the last ``context // 2`` tokens and generation goes on from there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from andrea.engine.backend import NumpyBackend
+from andrea.engine.model import ModelConfig, param_layout
+from andrea.errors import AndreaError
+
+
+# ------------------------------------------------------------------------- sampling
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to pick tokens. temperature 0 means greedy; top_k 0 and top_p 1 mean no cut."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_at_eot: bool = True
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if int(self.max_new_tokens) < 0:
+            raise AndreaError(f"max_new_tokens: must be >= 0, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise AndreaError(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        if int(self.top_k) < 0:
+            raise AndreaError(f"top_k: must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise AndreaError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+
+def next_token_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Sampling distribution (V,) float64 from one row of logits (V,).
+
+    Temperature divides the logits (0: all mass on the arg-max, first on ties); top-k keeps
+    the k largest logits (ties at the k-th value are all kept); top-p then keeps the
+    smallest set of most likely tokens whose mass reaches p. The result sums to 1.
+    """
+    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    V = logits.size
+    if not np.isfinite(logits).any():
+        raise AndreaError("sampling: every logit is NaN or infinite (the model weights are broken)")
+    logits = np.where(np.isnan(logits), -np.inf, logits)
+    if temperature == 0:
+        p = np.zeros(V)
+        p[int(np.argmax(logits))] = 1.0
+        return p
+    z = logits / temperature
+    if 0 < top_k < V:
+        kth = np.partition(z, V - top_k)[V - top_k]
+        z = np.where(z < kth, -np.inf, z)
+    z = z - np.max(z)
+    p = np.exp(z)
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        csum = np.cumsum(p[order])
+        n_keep = int(np.searchsorted(csum, top_p * csum[-1], side="left")) + 1
+        keep = np.zeros(V, dtype=bool)
+        keep[order[:n_keep]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One id from the distribution ``p`` (V,), by inverse CDF with one ``rng.random()`` draw."""
+    cdf = np.cumsum(p)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    if i >= p.size or p[i] == 0:          # float edge at the very top of the CDF
+        i = int(np.flatnonzero(p)[-1])
+    return i
+
+
+# ---------------------------------------------------------------- KV-cache forward
+class InferenceModel:
+    """The engine's model for inference, one position at a time, with a key/value cache.
+
+    ``params`` is the flat fp32 parameter buffer (n_params,) in the layout of
+    ``andrea.engine.model.param_layout`` (the engine's training weights, or a loaded
+    checkpoint); this object only takes views of it. ``backend`` supplies ``xp`` and the
+    op functions (default: NumPy). Every buffer is allocated here, once.
+    """
+
+    def __init__(self, mc: ModelConfig, params, backend=None):
+        self.mc = mc
+        self.be = backend if backend is not None else NumpyBackend()
+        xp, ops = self.be.xp, self.be.ops
+        self.xp, self.ops = xp, ops
+        layout = param_layout(mc)
+        if params.ndim != 1 or params.shape[0] != layout.n_params:
+            raise AndreaError(f"model weights: expected a flat buffer of {layout.n_params} parameters for "
+                              f"{mc}, got shape {tuple(params.shape)}")
+        self.dtype = params.dtype
+        self.w = {t.name: params[t.offset:t.offset + t.size].reshape(t.shape) for t in layout.tensors}
+        self.n_params = layout.n_params
+        L, H, T, C, V, D = mc.n_layer, mc.n_head, mc.context, mc.d_model, mc.vocab_size, mc.head_dim
+        f = self.dtype
+        # (L, H, T, D) keys and values of every position seen so far
+        self.k_cache = xp.zeros((L, H, T, D), dtype=f)
+        self.v_cache = xp.zeros((L, H, T, D), dtype=f)
+        self.idx = xp.zeros((1, T), dtype=xp.int32)
+        self.x = xp.zeros((T, C), dtype=f)          # residual stream of the new rows
+        self.h = xp.zeros((T, C), dtype=f)          # LayerNorm output
+        self.mean = xp.zeros((T,), dtype=f)
+        self.rstd = xp.zeros((T,), dtype=f)
+        self.qkv = xp.zeros((T, 3 * C), dtype=f)
+        self.y = xp.zeros((T, C), dtype=f)          # attention heads concatenated
+        self.branch = xp.zeros((T, C), dtype=f)     # sublayer output before the residual add
+        self.h_pre = xp.zeros((T, 4 * C), dtype=f)
+        self.h_act = xp.zeros((T, 4 * C), dtype=f)
+        self.att = xp.zeros((H * T * T,), dtype=f)  # scores (H, n, p + n), carved per call
+        self.att_stat = xp.zeros((H * T,), dtype=f)
+        self.logits = xp.zeros((T, V), dtype=f)
+        self.probs = xp.zeros((T, V), dtype=f)
+        self.losses = xp.zeros((T,), dtype=f)
+        self.work = xp.zeros((T,), dtype=f)
+        mask = np.triu(np.full((T, T), -np.inf, dtype=np.float64), k=1).astype(f)
+        self.mask = xp.asarray(mask)                # (T, T): 0 on/below the diagonal, -inf above
+        self.pos = 0
+
+    @property
+    def context(self) -> int:
+        return self.mc.context
+
+    def reset(self) -> None:
+        """Forget the cache: the next ``forward`` starts at position 0."""
+        self.pos = 0
+
+    def _attend(self, l: int, n: int) -> None:
+        """Causal attention of the n new rows (positions pos..pos+n-1) over the cache of layer l."""
+        xp = self.xp
+        H, D, C = self.mc.n_head, self.mc.head_dim, self.mc.d_model
+        p, S = self.pos, self.pos + n
+        qkv = self.qkv[:n].reshape(n, 3, H, D)
+        self.k_cache[l, :, p:S] = qkv[:, 1].transpose(1, 0, 2)
+        self.v_cache[l, :, p:S] = qkv[:, 2].transpose(1, 0, 2)
+        q = qkv[:, 0].transpose(1, 0, 2)                                  # (H, n, D) view
+        att = self.att[:H * n * S].reshape(H, n, S)
+        stat = self.att_stat[:H * n].reshape(H, n, 1)
+        xp.matmul(q, self.k_cache[l, :, :S].swapaxes(-1, -2), out=att)     # (H, n, S)
+        att *= self.dtype.type(1.0 / math.sqrt(D))
+        if n > 1:
+            att += self.mask[p:S, :S]
+        xp.max(att, axis=-1, keepdims=True, out=stat)
+        att -= stat
+        xp.exp(att, out=att)
+        xp.sum(att, axis=-1, keepdims=True, out=stat)
+        att /= stat
+        y = self.y[:n].reshape(n, H, D).transpose(1, 0, 2)                # (H, n, D) view into y
+        y[...] = xp.matmul(att, self.v_cache[l, :, :S])
+
+    def forward(self, ids, all_logits: bool = False):
+        """Feed ``ids`` (n,) at positions pos..pos+n-1; return logits (n, V) or, by default,
+        only the last row's (1, V). The rows are views of an internal buffer (copy to keep)."""
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        n = ids.size
+        if n == 0:
+            raise AndreaError("forward: no tokens to feed")
+        if self.pos + n > self.mc.context:
+            raise AndreaError(f"forward: {self.pos} cached + {n} new tokens exceed the context of {self.mc.context}")
+        if ids.min() < 0 or ids.max() >= self.mc.vocab_size:
+            raise AndreaError(f"forward: token id outside [0, {self.mc.vocab_size})")
+        ops, w, C = self.ops, self.w, self.mc.d_model
+        self.be.copy_from_host(self.idx[:, :n], ids.reshape(1, n))
+        x = self.x[:n]
+        ops.embed_forward(x.reshape(1, n, C), self.idx[:, :n], w["wte"], w["wpe"][self.pos:])
+        h, mean, rstd, branch = self.h[:n], self.mean[:n], self.rstd[:n], self.branch[:n]
+        for l in range(self.mc.n_layer):
+            pre = f"h.{l}."
+            ops.layernorm_forward(h, mean, rstd, x, w[pre + "ln1.g"], w[pre + "ln1.b"])
+            ops.attn_qkv_forward(self.qkv[:n], h, w[pre + "attn.w_qkv"])
+            self._attend(l, n)
+            ops.attn_out_forward(branch, self.y[:n], w[pre + "attn.w_o"])
+            ops.residual_add_forward(x, x, branch)
+            ops.layernorm_forward(h, mean, rstd, x, w[pre + "ln2.g"], w[pre + "ln2.b"])
+            ops.mlp_forward(branch, self.h_pre[:n], self.h_act[:n], h, w[pre + "mlp.w_fc"], w[pre + "mlp.w_proj"])
+            ops.residual_add_forward(x, x, branch)
+        self.pos += n
+        rows = slice(0, n) if all_logits else slice(n - 1, n)
+        m = rows.stop - rows.start
+        ops.layernorm_forward(h[rows], mean[rows], rstd[rows], x[rows], w["lnf.g"], w["lnf.b"])
+        ops.loss_forward(self.losses[:m], self.logits[:m], self.probs[:m], h[rows], w["wte"], None, self.work)
+        return self.logits[:m]
+
+
+# ----------------------------------------------------------------------- generation
+@dataclass
+class Generation:
+    """What ``generate`` produced: the new ids (without the prompt, without EOT) and why it stopped."""
+
+    ids: list[int] = field(default_factory=list)
+    stop: str = "max_tokens"          # max_tokens | eot | stop_string
+    text: str | None = None           # set when a tokenizer was given
+
+
+def generate(model: InferenceModel, prompt_ids: Sequence[int], opts: SamplingOptions,
+             rng: np.random.Generator | int, eot_id: int | None = None, tokenizer=None,
+             on_token: Callable[[int], None] | None = None) -> Generation:
+    """Continue ``prompt_ids`` by up to ``opts.max_new_tokens`` sampled tokens.
+
+    Stops at the end-of-text id (when ``opts.stop_at_eot``; the EOT is not returned) or, when
+    a ``tokenizer`` is given, as soon as the decoded new text contains one of
+    ``opts.stop_strings`` (``text`` is then cut before it). An empty prompt starts from EOT,
+    the document separator the model was trained on. ``rng`` is a Generator (its state
+    advances, so a caller can save it) or an int seed.
+    """
+    if not isinstance(rng, np.random.Generator):
+        rng = np.random.default_rng(int(rng))
+    seq = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+    if not seq:
+        if eot_id is None:
+            raise AndreaError("generate: an empty prompt needs eot_id to start from")
+        seq = [int(eot_id)]
+    T = model.context
+    keep = max(1, T // 2)
+    model.reset()
+    window = seq if len(seq) <= T else seq[-keep:]
+    logits = model.forward(window)
+    out = Generation()
+    stops = [s.encode("utf-8") for s in opts.stop_strings if s] if tokenizer is not None else []
+    new_bytes = b""
+    for _ in range(int(opts.max_new_tokens)):
+        row = model.be.to_host(logits[-1])
+        tok = draw(next_token_probs(row, opts.temperature, opts.top_k, opts.top_p), rng)
+        if opts.stop_at_eot and eot_id is not None and tok == eot_id:
+            out.stop = "eot"
+            break
+        out.ids.append(tok)
+        seq.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if stops:
+            new_bytes += tokenizer.token_bytes(tok)
+            if any(s in new_bytes for s in stops):
+                out.stop = "stop_string"
+                break
+        if len(out.ids) == opts.max_new_tokens:
+            break
+        if model.pos >= T:
+            model.reset()
+            logits = model.forward(seq[-keep:])
+        else:
+            logits = model.forward([tok])
+    if tokenizer is not None:
+        text = tokenizer.decode(out.ids)
+        if out.stop == "stop_string":
+            cut = min(i for i in (text.find(s) for s in opts.stop_strings if s) if i >= 0)
+            text = text[:cut]
+        out.text = text
+    return out
+
+
+# ------------------------------------------------------------------ loading a run
+@dataclass
+class LoadedModel:
+    model: InferenceModel
+    tokenizer: object
+    config: ModelConfig
+    step: int
+    checkpoint: Path
+    state: dict | None
+
+
+def find_checkpoint(run: str | Path) -> Path:
+    """``run`` may be a checkpoint file or a run folder holding ``model.bin``."""
+    p = Path(run)
+    if p.is_dir():
+        p = p / "model.bin"
+    if not p.is_file():
+        raise AndreaError(f"{p}: checkpoint not found (train the run first, or pass a model.bin)")
+    return p
+
+
+def read_state(ckpt: Path) -> dict | None:
+    """The ``.state.json`` beside a checkpoint (``model.bin`` -> ``model.state.json``), or None."""
+    sp = ckpt.with_name(ckpt.stem + ".state.json")
+    if not sp.is_file():
+        return None
+    try:
+        return json.loads(sp.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AndreaError(f"{sp}: not valid JSON: {e}") from None
+
+
+def check_state(state: dict | None, state_path: Path, cfg: dict, tokenizer) -> None:
+    """Refuse a checkpoint whose ``.state.json`` names another tokenizer or model shape."""
+    if state is None:
+        return
+    sha = state.get("tokenizer_sha256")
+    if sha and sha != tokenizer.sha256:
+        raise AndreaError(f"{state_path}: tokenizer_sha256 {sha[:12]}... does not match the tokenizer given "
+                          f"({tokenizer.sha256[:12]}...): this checkpoint was trained with another tokenizer")
+    saved = state.get("config")
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        for k, v in saved["model"].items():
+            if k in cfg["model"] and cfg["model"][k] != v:
+                raise AndreaError(f"{state_path}: model.{k}={v} in the run, but the config says "
+                                  f"model.{k}={cfg['model'][k]} (wrong --profile?)")
+
+
+def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=None) -> LoadedModel:
+    """Load a checkpoint, its tokenizer and config for inference, refusing any mismatch clearly."""
+    from andrea.engine import checkpoint as ckio
+    from andrea.tokenizer import load as load_tokenizer
+
+    ckpt = find_checkpoint(run)
+    tok = load_tokenizer(tokenizer_path)
+    mc = ModelConfig.from_cfg(cfg, tok.vocab_size)
+    state = read_state(ckpt)
+    check_state(state, ckpt.with_name(ckpt.stem + ".state.json"), cfg, tok)
+    n_params = param_layout(mc).n_params
+    step, weights = ckio.read_weights(ckpt, n_params)
+    be = backend if backend is not None else NumpyBackend()
+    flat = be.xp.asarray(weights) if be.xp is not np else weights
+    return LoadedModel(InferenceModel(mc, flat, be), tok, mc, int(step), ckpt, state)
+
+
+def options_from(args, section: dict) -> SamplingOptions:
+    """SamplingOptions from CLI flags, falling back to a params section (audit/coherence)."""
+    def pick(name, key, default):
+        v = getattr(args, name, None)
+        return v if v is not None else section.get(key, default)
+    return SamplingOptions(max_new_tokens=int(pick("max_new_tokens", "max_new_tokens", 64)),
+                           temperature=float(pick("temperature", "temperature", 0.8)),
+                           top_k=int(pick("top_k", "top_k", 0)),
+                           top_p=float(pick("top_p", "top_p", 1.0)),
+                           stop_at_eot=not getattr(args, "no_stop_at_eot", False))
+
+
+def add_sampling_arguments(p) -> None:
+    g = p.add_argument_group("sampling (defaults: the params' audit section)")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = no top-k cut")
+    g.add_argument("--top-p", type=float, default=None, help="1 = no nucleus cut")
+    g.add_argument("--no-stop-at-eot", action="store_true", help="keep going past the end-of-text token")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: the params' seed)")
+    g.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="numpy",
+                   help="array backend for inference (default: %(default)s)")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--run", required=True, help="run folder (holding model.bin) or a checkpoint file")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json the run was trained with")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable); default: start from EOT")
+    p.add_argument("--prompt-file", default=None, help="read one prompt from this file ('-' = stdin)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    add_sampling_arguments(p)
+
+
+def run(args, cfg) -> int:
+    from andrea.engine.backend import select_backend
+
+    be, _ = select_backend(args.backend)
+    lm = load_model(args.run, args.tokenizer, cfg, be)
+    opts = options_from(args, cfg["audit"])
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        prompts.append(sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8"))
+    if not prompts:
+        prompts = [""]
+    rng = np.random.default_rng(cfg["seed"] if args.seed is None else args.seed)
+    for prompt in prompts:
+        for i in range(max(1, args.n)):
+            g = generate(lm.model, lm.tokenizer.encode(prompt), opts, rng, lm.tokenizer.eot_id, lm.tokenizer)
+            if args.json:
+                print(json.dumps({"step": lm.step, "prompt": prompt, "sample": i, "text": g.text, "stop": g.stop,
+                                  "n_tokens": len(g.ids)}, ensure_ascii=False))
+            else:
+                print(f"--- step {lm.step} | sample {i} | {len(g.ids)} tokens | stop: {g.stop}")
+                print(prompt + (g.text or ""))
+    return 0
