@@ -1,0 +1,627 @@
+// attention.cu: fused causal scaled-dot-product attention, forward and backward (the `attn` op pair).
+//
+// Layout: q, k, v are row-major (B*T, ld) views with head h at columns [h*D, h*D+D) (ld = 3C for a
+// packed qkv buffer); y and dy are (B*T, ldy); lse2 and dvec are (B*H, T) fp32.
+// No T x T matrix is ever stored: the forward keeps a running max/sum per query row (online softmax)
+// and saves only lse2 = log2-sum-exp of the scaled scores per row; the backward recomputes the
+// probabilities tile by tile.
+//
+// Deterministic backward without atomics: dK/dV are computed per key tile by a block that walks the
+// query tiles in order (k_attn_bwd_dkv_*); dQ per query tile by a block that walks the key tiles
+// (k_attn_bwd_dq_*). Each output element has exactly one writer.
+//
+// Two implementations with the same contract:
+//   *_simt_<t>_d<D>: one thread per row, fp32 FMA; any storage type; D in {8, 16, 32, 64, 128}.
+//   *_mma_<t>_d<D>:  tensor cores (mma.sync m16n8k16, fp32 accumulate), bf16/fp16 storage,
+//                    D in {32, 64}; 4 warps x 16 rows = 64-row tiles; P and dS are rounded to the
+//                    storage type before their matmuls (as FlashAttention does).
+// sl2 = log2(e) / sqrt(D): scores are kept in the log2 domain so exp2f can be used.
+
+// ---------------------------------------------------------------------------------------------
+// D_i = sum_d dy[i, d] * y[i, d]  (per row and head), the softmax-backward correction term.
+template <typename T>
+__device__ void attn_dvec(const T* __restrict__ y, const T* __restrict__ dy, int ldy, float* __restrict__ dvec,
+                          int B, int Tn, int H, int D) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // over B*H*T
+    if (i >= (long long)B * H * Tn) return;
+    const int t = (int)(i % Tn);
+    const int bh = (int)(i / Tn);
+    const int b = bh / H, h = bh % H;
+    const long long off = ((long long)b * Tn + t) * ldy + (long long)h * D;
+    float s = 0.0f;
+    for (int d = 0; d < D; ++d) s += to_f(dy[off + d]) * to_f(y[off + d]);
+    dvec[i] = s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIMT versions: a block of TILE threads; thread = one query row (fwd, dq) or one key row (dkv).
+template <typename T, int D, int TILE>
+__device__ void attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, int ld,
+                              T* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H, float sl2) {
+    __shared__ float Ks[TILE][D];
+    __shared__ float Vs[TILE][D];
+    const int tid = threadIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long base = (long long)b * Tn;
+    const int qi = blockIdx.x * TILE + tid;
+    float qr[D], o[D];
+    float m = -ANDREA_INF, l = 0.0f;
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        qr[d] = (qi < Tn) ? to_f(q[(base + qi) * ld + h * D + d]) * sl2 : 0.0f;
+        o[d] = 0.0f;
+    }
+    const int last = min(Tn, (int)(blockIdx.x + 1) * TILE) - 1;
+    for (int kt = 0; kt * TILE <= last; ++kt) {
+        __syncthreads();
+        for (int idx = tid; idx < TILE * D; idx += TILE) {
+            const int r = idx / D, d = idx % D;
+            const int key = kt * TILE + r;
+            Ks[r][d] = key < Tn ? to_f(k[(base + key) * ld + h * D + d]) : 0.0f;
+            Vs[r][d] = key < Tn ? to_f(v[(base + key) * ld + h * D + d]) : 0.0f;
+        }
+        __syncthreads();
+        if (qi < Tn) {
+            const int jmax = min(TILE, qi - kt * TILE + 1);
+            for (int j = 0; j < jmax; ++j) {
+                float s = 0.0f;
+#pragma unroll
+                for (int d = 0; d < D; ++d) s += qr[d] * Ks[j][d];
+                if (s > m) {
+                    const float corr = exp2f(m - s);
+                    l *= corr;
+#pragma unroll
+                    for (int d = 0; d < D; ++d) o[d] *= corr;
+                    m = s;
+                }
+                const float p = exp2f(s - m);
+                l += p;
+#pragma unroll
+                for (int d = 0; d < D; ++d) o[d] += p * Vs[j][d];
+            }
+        }
+    }
+    if (qi < Tn) {
+        const float inv = 1.0f / l;
+#pragma unroll
+        for (int d = 0; d < D; ++d) y[(base + qi) * ldy + h * D + d] = from_f<T>(o[d] * inv);
+        lse2[(long long)bh * Tn + qi] = m + log2f(l);
+    }
+}
+
+template <typename T, int D, int TILE>
+__device__ void attn_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                 int ld, const T* __restrict__ dy, int ldy, const float* __restrict__ lse2,
+                                 const float* __restrict__ dvec, T* __restrict__ dq, int Tn, int H, float sl2,
+                                 float scale, int accumulate) {
+    __shared__ float Ks[TILE][D];
+    __shared__ float Vs[TILE][D];
+    const int tid = threadIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long base = (long long)b * Tn;
+    const int qi = blockIdx.x * TILE + tid;
+    float qr[D], dor[D], acc[D];
+    float l2 = 0.0f, di = 0.0f;
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        qr[d] = (qi < Tn) ? to_f(q[(base + qi) * ld + h * D + d]) * sl2 : 0.0f;
+        dor[d] = (qi < Tn) ? to_f(dy[(base + qi) * ldy + h * D + d]) : 0.0f;
+        acc[d] = 0.0f;
+    }
+    if (qi < Tn) { l2 = lse2[(long long)bh * Tn + qi]; di = dvec[(long long)bh * Tn + qi]; }
+    const int last = min(Tn, (int)(blockIdx.x + 1) * TILE) - 1;
+    for (int kt = 0; kt * TILE <= last; ++kt) {
+        __syncthreads();
+        for (int idx = tid; idx < TILE * D; idx += TILE) {
+            const int r = idx / D, d = idx % D;
+            const int key = kt * TILE + r;
+            Ks[r][d] = key < Tn ? to_f(k[(base + key) * ld + h * D + d]) : 0.0f;
+            Vs[r][d] = key < Tn ? to_f(v[(base + key) * ld + h * D + d]) : 0.0f;
+        }
+        __syncthreads();
+        if (qi < Tn) {
+            const int jmax = min(TILE, qi - kt * TILE + 1);
+            for (int j = 0; j < jmax; ++j) {
+                float s = 0.0f, dp = 0.0f;
+#pragma unroll
+                for (int d = 0; d < D; ++d) { s += qr[d] * Ks[j][d]; dp += dor[d] * Vs[j][d]; }
+                const float p = exp2f(s - l2);
+                const float ds = p * (dp - di);
+#pragma unroll
+                for (int d = 0; d < D; ++d) acc[d] += ds * Ks[j][d];
+            }
+        }
+    }
+    if (qi < Tn) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const long long o = (base + qi) * ld + h * D + d;
+            const float prev = accumulate ? to_f(dq[o]) : 0.0f;
+            dq[o] = from_f<T>(prev + acc[d] * scale);
+        }
+    }
+}
+
+template <typename T, int D, int TILE>
+__device__ void attn_bwd_dkv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                  int ld, const T* __restrict__ dy, int ldy, const float* __restrict__ lse2,
+                                  const float* __restrict__ dvec, T* __restrict__ dk, T* __restrict__ dv, int Tn,
+                                  int H, float sl2, float scale, int accumulate) {
+    __shared__ float Qs[TILE][D];
+    __shared__ float Ds[TILE][D];
+    __shared__ float Ls[TILE];
+    __shared__ float Es[TILE];
+    const int tid = threadIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long base = (long long)b * Tn;
+    const int kj = blockIdx.x * TILE + tid;
+    float kr[D], vr[D], dkr[D], dvr[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        kr[d] = (kj < Tn) ? to_f(k[(base + kj) * ld + h * D + d]) * sl2 : 0.0f;
+        vr[d] = (kj < Tn) ? to_f(v[(base + kj) * ld + h * D + d]) : 0.0f;
+        dkr[d] = 0.0f;
+        dvr[d] = 0.0f;
+    }
+    const int ntiles = (Tn + TILE - 1) / TILE;
+    for (int qt = blockIdx.x; qt < ntiles; ++qt) {
+        __syncthreads();
+        for (int idx = tid; idx < TILE * D; idx += TILE) {
+            const int r = idx / D, d = idx % D;
+            const int qq = qt * TILE + r;
+            Qs[r][d] = qq < Tn ? to_f(q[(base + qq) * ld + h * D + d]) : 0.0f;
+            Ds[r][d] = qq < Tn ? to_f(dy[(base + qq) * ldy + h * D + d]) : 0.0f;
+        }
+        {
+            const int qq = qt * TILE + tid;
+            Ls[tid] = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
+            Es[tid] = qq < Tn ? dvec[(long long)bh * Tn + qq] : 0.0f;
+        }
+        __syncthreads();
+        if (kj < Tn) {
+            const int i0 = max(0, kj - qt * TILE);
+            const int i1 = min(TILE, Tn - qt * TILE);
+            for (int i = i0; i < i1; ++i) {
+                float s = 0.0f, dp = 0.0f;
+#pragma unroll
+                for (int d = 0; d < D; ++d) { s += kr[d] * Qs[i][d]; dp += vr[d] * Ds[i][d]; }
+                const float p = exp2f(s - Ls[i]);
+                const float ds = p * (dp - Es[i]);
+#pragma unroll
+                for (int d = 0; d < D; ++d) { dvr[d] += p * Ds[i][d]; dkr[d] += ds * Qs[i][d]; }
+            }
+        }
+    }
+    if (kj < Tn) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const long long o = (base + kj) * ld + h * D + d;
+            const float pk = accumulate ? to_f(dk[o]) : 0.0f;
+            const float pv = accumulate ? to_f(dv[o]) : 0.0f;
+            dk[o] = from_f<T>(pk + dkr[d] * scale);
+            dv[o] = from_f<T>(pv + dvr[d]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core versions (bf16 / fp16 storage). Fragment layout of mma.m16n8k16 (g = lane/4, t = lane%4):
+//   A 16x16 row: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8 col:  b0 (k=2t..2t+1, n=g)  b1 (k=2t+8.., n=g)
+//   C 16x8:      c0,c1 (g, 2t..2t+1)  c2,c3 (g+8, 2t..2t+1)
+// Two neighbouring C tiles (n = 8j..8j+15) in registers are exactly the A fragment of a k16 slice.
+
+template <bool BF>
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    if (BF) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Pack two floats into a 32-bit pair: lo in the low half (the lower column index).
+template <bool BF>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+    if (BF) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <bool BF>
+__device__ __forceinline__ float lo_f(unsigned u) {
+    if (BF) return __uint_as_float(u << 16);
+    float f; unsigned short h = (unsigned short)(u & 0xffffu);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+template <bool BF>
+__device__ __forceinline__ float hi_f(unsigned u) {
+    if (BF) return __uint_as_float(u & 0xffff0000u);
+    float f; unsigned short h = (unsigned short)(u >> 16);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+typedef unsigned short u16;
+
+// Load a 64-row tile (rows r0.., D columns) of a (B*T, ld) 16-bit matrix into smem, row-major with
+// pitch P, and optionally its transpose (D rows, pitch PT). Rows >= Tn are zero.
+template <int D, int P, int PT>
+__device__ __forceinline__ void load_tile(const u16* __restrict__ src, long long row_base, int r0, int Tn, int ld,
+                                          u16 (*dst)[P], u16 (*dstT)[PT]) {
+    for (int idx = threadIdx.x; idx < 64 * D / 8; idx += blockDim.x) {
+        const int r = idx / (D / 8), c8 = (idx % (D / 8)) * 8;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (r0 + r < Tn) val = *reinterpret_cast<const uint4*>(src + (row_base + r0 + r) * ld + c8);
+        if (dst != nullptr) *reinterpret_cast<uint4*>(&dst[r][c8]) = val;
+        if (dstT != nullptr) {
+            const u16* e = reinterpret_cast<const u16*>(&val);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dstT[c8 + i][r] = e[i];
+        }
+    }
+}
+
+// A fragment (16 rows x D) of rows ra/rb straight from global memory, as KS k16 slices.
+template <int D>
+__device__ __forceinline__ void load_afrag(const u16* __restrict__ src, long long row_base, int ra, int rb, int Tn,
+                                           int ld, int t4, unsigned (*a)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int c = kk * 16 + 2 * t4;
+        a[kk][0] = ra < Tn ? *reinterpret_cast<const unsigned*>(src + (row_base + ra) * ld + c) : 0u;
+        a[kk][1] = rb < Tn ? *reinterpret_cast<const unsigned*>(src + (row_base + rb) * ld + c) : 0u;
+        a[kk][2] = ra < Tn ? *reinterpret_cast<const unsigned*>(src + (row_base + ra) * ld + c + 8) : 0u;
+        a[kk][3] = rb < Tn ? *reinterpret_cast<const unsigned*>(src + (row_base + rb) * ld + c + 8) : 0u;
+    }
+}
+
+#define ATT_PAD 8
+
+template <bool BF, int D>
+__device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                             int ld, u16* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H,
+                             float sl2) {
+    constexpr int KS = D / 16, ND = D / 8;
+    __shared__ __align__(16) u16 Ks[64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Vt[D][64 + ATT_PAD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int qt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long rb = (long long)b * Tn;
+    const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
+    unsigned qa[KS][4];
+    load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
+    float o[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m0 = -ANDREA_INF, m1 = -ANDREA_INF, l0 = 0.0f, l1 = 0.0f;
+    const int last = min(Tn, qt * 64 + 64) - 1;
+    for (int kt = 0; kt * 64 <= last; ++kt) {
+        __syncthreads();
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(k + h * D, rb, kt * 64, Tn, ld, Ks, (u16(*)[64 + ATT_PAD]) nullptr);
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(v + h * D, rb, kt * 64, Tn, ld, (u16(*)[D + ATT_PAD]) nullptr, Vt);
+        __syncthreads();
+        float s[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(s[j], qa[kk], b0, b1);
+            }
+        }
+        float mx0 = -ANDREA_INF, mx1 = -ANDREA_INF;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kt * 64 + j * 8 + 2 * t4 + (e & 1);
+                const int row = e < 2 ? r0 : r1;
+                s[j][e] = (key <= row && key < Tn) ? s[j][e] * sl2 : -ANDREA_INF;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float z0 = (n0 == -ANDREA_INF) ? 0.0f : n0, z1 = (n1 == -ANDREA_INF) ? 0.0f : n1;
+        const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);
+        m0 = n0; m1 = n1;
+        float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            s[j][0] = exp2f(s[j][0] - z0); s[j][1] = exp2f(s[j][1] - z0);
+            s[j][2] = exp2f(s[j][2] - z1); s[j][3] = exp2f(s[j][3] - z1);
+            ps0 += s[j][0] + s[j][1];
+            ps1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * c0 + ps0;
+        l1 = l1 * c1 + ps1;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) { o[n][0] *= c0; o[n][1] *= c0; o[n][2] *= c1; o[n][3] *= c1; }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            unsigned pa[4];
+            pa[0] = pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Vt[n * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Vt[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(o[n], pa, b0, b1);
+            }
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = h * D + n * 8 + 2 * t4;
+        if (r0 < Tn) *reinterpret_cast<unsigned*>(y + (rb + r0) * ldy + c) = pack2<BF>(o[n][0] * i0, o[n][1] * i0);
+        if (r1 < Tn) *reinterpret_cast<unsigned*>(y + (rb + r1) * ldy + c) = pack2<BF>(o[n][2] * i1, o[n][3] * i1);
+    }
+    if (t4 == 0) {
+        if (r0 < Tn) lse2[(long long)bh * Tn + r0] = m0 + log2f(l0);
+        if (r1 < Tn) lse2[(long long)bh * Tn + r1] = m1 + log2f(l1);
+    }
+}
+
+template <bool BF, int D>
+__device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
+                                const float* __restrict__ dvec, u16* __restrict__ dq, int Tn, int H, float sl2,
+                                float scale, int accumulate) {
+    constexpr int KS = D / 16, ND = D / 8;
+    __shared__ __align__(16) u16 Ks[64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Vs[64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Kt[D][64 + ATT_PAD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int qt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long rb = (long long)b * Tn;
+    const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
+    unsigned qa[KS][4], da[KS][4];
+    load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
+    load_afrag<D>(dy + h * D, rb, r0, r1, Tn, ldy, t4, da);
+    const float L0 = r0 < Tn ? lse2[(long long)bh * Tn + r0] : 0.0f;
+    const float L1 = r1 < Tn ? lse2[(long long)bh * Tn + r1] : 0.0f;
+    const float E0 = r0 < Tn ? dvec[(long long)bh * Tn + r0] : 0.0f;
+    const float E1 = r1 < Tn ? dvec[(long long)bh * Tn + r1] : 0.0f;
+    float acc[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const int last = min(Tn, qt * 64 + 64) - 1;
+    for (int kt = 0; kt * 64 <= last; ++kt) {
+        __syncthreads();
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(k + h * D, rb, kt * 64, Tn, ld, Ks, Kt);
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(v + h * D, rb, kt * 64, Tn, ld, Vs, (u16(*)[64 + ATT_PAD]) nullptr);
+        __syncthreads();
+        float s[8][4], dp[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(s[j], qa[kk], b0, b1);
+                const unsigned c0 = *reinterpret_cast<const unsigned*>(&Vs[j * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned c1 = *reinterpret_cast<const unsigned*>(&Vs[j * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(dp[j], da[kk], c0, c1);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kt * 64 + j * 8 + 2 * t4 + (e & 1);
+                const int row = e < 2 ? r0 : r1;
+                const float p = (key <= row && key < Tn) ? exp2f(s[j][e] * sl2 - (e < 2 ? L0 : L1)) : 0.0f;
+                s[j][e] = p * (dp[j][e] - (e < 2 ? E0 : E1));  // dS
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            unsigned pa[4];
+            pa[0] = pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Kt[n * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Kt[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(acc[n], pa, b0, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = h * D + n * 8 + 2 * t4;
+        if (r0 < Tn) {
+            unsigned* p = reinterpret_cast<unsigned*>(dq + (rb + r0) * ld + c);
+            const unsigned old = accumulate ? *p : 0u;
+            *p = pack2<BF>(lo_f<BF>(old) + acc[n][0] * scale, hi_f<BF>(old) + acc[n][1] * scale);
+        }
+        if (r1 < Tn) {
+            unsigned* p = reinterpret_cast<unsigned*>(dq + (rb + r1) * ld + c);
+            const unsigned old = accumulate ? *p : 0u;
+            *p = pack2<BF>(lo_f<BF>(old) + acc[n][2] * scale, hi_f<BF>(old) + acc[n][3] * scale);
+        }
+    }
+}
+
+template <bool BF, int D>
+__device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                 int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
+                                 const float* __restrict__ dvec, u16* __restrict__ dk, u16* __restrict__ dv, int Tn,
+                                 int H, float sl2, float scale, int accumulate) {
+    constexpr int KS = D / 16, ND = D / 8;
+    __shared__ __align__(16) u16 Qs[64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Os[64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Qt[D][64 + ATT_PAD];
+    __shared__ __align__(16) u16 Ot[D][64 + ATT_PAD];
+    __shared__ float Ls[64];
+    __shared__ float Es[64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long rb = (long long)b * Tn;
+    const int k0 = kt * 64 + warp * 16 + g, k1 = k0 + 8;
+    unsigned ka[KS][4], va[KS][4];
+    load_afrag<D>(k + h * D, rb, k0, k1, Tn, ld, t4, ka);
+    load_afrag<D>(v + h * D, rb, k0, k1, Tn, ld, t4, va);
+    float dka[ND][4], dva[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;
+        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
+    }
+    const int ntiles = (Tn + 63) / 64;
+    for (int qt = kt; qt < ntiles; ++qt) {
+        __syncthreads();
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(q + h * D, rb, qt * 64, Tn, ld, Qs, Qt);
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(dy + h * D, rb, qt * 64, Tn, ldy, Os, Ot);
+        if (tid < 64) {
+            const int qq = qt * 64 + tid;
+            Ls[tid] = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
+            Es[tid] = qq < Tn ? dvec[(long long)bh * Tn + qq] : 0.0f;
+        }
+        __syncthreads();
+        float s[8][4], dp[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Qs[j * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Qs[j * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(s[j], ka[kk], b0, b1);
+                const unsigned c0 = *reinterpret_cast<const unsigned*>(&Os[j * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned c1 = *reinterpret_cast<const unsigned*>(&Os[j * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(dp[j], va[kk], c0, c1);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ql = j * 8 + 2 * t4 + (e & 1);
+                const int qq = qt * 64 + ql;
+                const int key = e < 2 ? k0 : k1;
+                const float p = (qq >= key && qq < Tn) ? exp2f(s[j][e] * sl2 - Ls[ql]) : 0.0f;
+                s[j][e] = p;                        // P^T
+                dp[j][e] = p * (dp[j][e] - Es[ql]);  // dS^T
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            unsigned pa[4], sa[4];
+            pa[0] = pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            sa[0] = pack2<BF>(dp[2 * kk][0], dp[2 * kk][1]);
+            sa[1] = pack2<BF>(dp[2 * kk][2], dp[2 * kk][3]);
+            sa[2] = pack2<BF>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            sa[3] = pack2<BF>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Ot[n * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Ot[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(dva[n], pa, b0, b1);
+                const unsigned c0 = *reinterpret_cast<const unsigned*>(&Qt[n * 8 + g][kk * 16 + 2 * t4]);
+                const unsigned c1 = *reinterpret_cast<const unsigned*>(&Qt[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                mma16816<BF>(dka[n], sa, c0, c1);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = h * D + n * 8 + 2 * t4;
+        if (k0 < Tn) {
+            unsigned* pk = reinterpret_cast<unsigned*>(dk + (rb + k0) * ld + c);
+            unsigned* pv = reinterpret_cast<unsigned*>(dv + (rb + k0) * ld + c);
+            const unsigned ok = accumulate ? *pk : 0u, ov = accumulate ? *pv : 0u;
+            *pk = pack2<BF>(lo_f<BF>(ok) + dka[n][0] * scale, hi_f<BF>(ok) + dka[n][1] * scale);
+            *pv = pack2<BF>(lo_f<BF>(ov) + dva[n][0], hi_f<BF>(ov) + dva[n][1]);
+        }
+        if (k1 < Tn) {
+            unsigned* pk = reinterpret_cast<unsigned*>(dk + (rb + k1) * ld + c);
+            unsigned* pv = reinterpret_cast<unsigned*>(dv + (rb + k1) * ld + c);
+            const unsigned ok = accumulate ? *pk : 0u, ov = accumulate ? *pv : 0u;
+            *pk = pack2<BF>(lo_f<BF>(ok) + dka[n][2] * scale, hi_f<BF>(ok) + dka[n][3] * scale);
+            *pv = pack2<BF>(lo_f<BF>(ov) + dva[n][2], hi_f<BF>(ov) + dva[n][3]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// extern "C" entry points, one per (implementation, storage type, head dim).
+
+#define ATTN_SIMT_INST(SUF, T, D, TILE)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TILE) k_attn_fwd_simt_##SUF##_d##D(                         \
+        const T* q, const T* k, const T* v, int ld, T* y, int ldy, float* lse2, int Tn, int H, float sl2) {  \
+        attn_fwd_simt<T, D, TILE>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                    \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(TILE) k_attn_bwd_dq_simt_##SUF##_d##D(                      \
+        const T* q, const T* k, const T* v, int ld, const T* dy, int ldy, const float* lse2,                 \
+        const float* dvec, T* dq, int Tn, int H, float sl2, float scale, int accumulate) {                   \
+        attn_bwd_dq_simt<T, D, TILE>(q, k, v, ld, dy, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate);   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(TILE) k_attn_bwd_dkv_simt_##SUF##_d##D(                     \
+        const T* q, const T* k, const T* v, int ld, const T* dy, int ldy, const float* lse2,                 \
+        const float* dvec, T* dk, T* dv, int Tn, int H, float sl2, float scale, int accumulate) {            \
+        attn_bwd_dkv_simt<T, D, TILE>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale,           \
+                                      accumulate);                                                           \
+    }
+
+#define ATTN_SIMT_ALL(SUF, T)          \
+    ATTN_SIMT_INST(SUF, T, 8, 64)      \
+    ATTN_SIMT_INST(SUF, T, 16, 64)     \
+    ATTN_SIMT_INST(SUF, T, 32, 64)     \
+    ATTN_SIMT_INST(SUF, T, 64, 64)     \
+    ATTN_SIMT_INST(SUF, T, 128, 32)    \
+    extern "C" __global__ void k_attn_dvec_##SUF(const T* y, const T* dy, int ldy, float* dvec, int B, int Tn, \
+                                                 int H, int D) {                                             \
+        attn_dvec<T>(y, dy, ldy, dvec, B, Tn, H, D);                                                         \
+    }
+
+ATTN_SIMT_ALL(f32, float)
+ATTN_SIMT_ALL(bf16, bf16_t)
+ATTN_SIMT_ALL(f16, f16_t)
+
+#define ATTN_MMA_INST(SUF, BF, D)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) k_attn_fwd_mma_##SUF##_d##D(                           \
+        const u16* q, const u16* k, const u16* v, int ld, u16* y, int ldy, float* lse2, int Tn, int H,       \
+        float sl2) {                                                                                         \
+        attn_fwd_mma<BF, D>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                          \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dq_mma_##SUF##_d##D(                        \
+        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
+        const float* dvec, u16* dq, int Tn, int H, float sl2, float scale, int accumulate) {                 \
+        attn_bwd_dq_mma<BF, D>(q, k, v, ld, dy, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate);         \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dkv_mma_##SUF##_d##D(                       \
+        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
+        const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate) {        \
+        attn_bwd_dkv_mma<BF, D>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale, accumulate);    \
+    }
+
+ATTN_MMA_INST(bf16, true, 32)
+ATTN_MMA_INST(bf16, true, 64)
+ATTN_MMA_INST(f16, false, 32)
+ATTN_MMA_INST(f16, false, 64)

@@ -1,0 +1,66 @@
+// common.cuh: helpers shared by every ANDREA kernel file (the loader prepends this file).
+//
+// Storage types: float (fp32), bf16_t and f16_t (16-bit payloads, converted with PTX cvt,
+// so no CUDA header is needed under NVRTC). Arithmetic is always fp32.
+// Reductions use fixed shapes and fixed orders (warp shuffles, then shared memory in
+// warp order): the same launch geometry gives the same bits on every run. No float atomics.
+
+#define ANDREA_INF __int_as_float(0x7f800000)
+
+struct bf16_t { unsigned short x; };
+struct f16_t { unsigned short x; };
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(bf16_t v) { return __uint_as_float(((unsigned)v.x) << 16); }
+__device__ __forceinline__ float to_f(f16_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f(float f);
+template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
+template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    bf16_t r; r.x = h; return r;
+}
+template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    f16_t r; r.x = h; return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024); every thread gets
+// the result. `buf` holds 32 floats of shared memory. Fixed order: warps, then warp 0.
+__device__ __forceinline__ float block_sum(float v, float* buf) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    float r = (lane < nw) ? buf[lane] : 0.0f;
+    r = warp_sum(r);
+    return r;
+}
+__device__ __forceinline__ float block_max(float v, float* buf) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    float r = (lane < nw) ? buf[lane] : -ANDREA_INF;
+    r = warp_max(r);
+    return r;
+}
