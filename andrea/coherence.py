@@ -21,6 +21,8 @@ and chat markup count too.
 degenerate (any rate above ``coherence.max_repeat``) halt the run. ``observe_loss`` also
 halts a run whose loss diverges: its EMA (smoothing ``DIVERGE_EMA``, tracked after
 ``DIVERGE_WARM`` steps) rises above ``coherence.diverge_ratio`` x the lowest EMA seen.
+``sample_check(step, model, tokenizer, seed)`` does the sampling itself with
+``andrea.generate`` on an ``InferenceModel`` built once over the training weights.
 The monitor's state (streak, loss EMA, best) is JSON-able for ``.state.json``.
 Tests: ``pytest tests/test_coherence.py``.
 """
@@ -30,6 +32,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from andrea.errors import AndreaError
 
@@ -109,6 +113,8 @@ class CoherenceMonitor:
         self.patience = int(c["patience"])
         self.max_repeat = dict(c["max_repeat"])
         self.diverge_ratio = float(c["diverge_ratio"])
+        self.max_new_tokens = int(c["max_new_tokens"])
+        self.temperature, self.top_k = float(c["temperature"]), int(c["top_k"])
         self.streak = 0
         self.loss_ema: float | None = None
         self.best_ema: float | None = None
@@ -144,6 +150,22 @@ class CoherenceMonitor:
     def run_check(self, step: int, generate: Callable[[str], str], prompts: Sequence[str] = PROMPTS) -> dict:
         """Sample every prompt with ``generate(prompt) -> continuation`` and ``check`` the texts."""
         return self.check(step, [(p, generate(p)) for p in prompts])
+
+    def sample_check(self, step: int, model, tokenizer, seed: int) -> dict:
+        """Sample every prompt from an ``andrea.generate.InferenceModel`` and ``check`` the texts.
+
+        Sampling uses ``coherence.max_new_tokens`` / ``temperature`` / ``top_k`` and a
+        Generator seeded by ``(seed, step)``, so a check is reproducible and leaves no RNG
+        state behind; chat answers stop at the template's end tag.
+        """
+        from andrea.data.template import STOP_STRINGS
+        from andrea.generate import SamplingOptions, generate
+
+        opts = SamplingOptions(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                               top_k=self.top_k, stop_strings=tuple(STOP_STRINGS))
+        rng = np.random.default_rng([int(seed), int(step)])
+        return self.run_check(step, lambda p: generate(model, tokenizer.encode(p), opts, rng,
+                                                       eot_id=tokenizer.eot_id, tokenizer=tokenizer).text)
 
     def observe_loss(self, step: int, loss: float) -> dict | None:
         """Fold one training loss in; returns ``{"reason", "step"}`` when the loss diverges."""

@@ -113,3 +113,38 @@ def test_monitor_state_round_trip(cfg):
         assert a.observe_loss(s, 9.0) == b.observe_loss(s, 9.0)
     with pytest.raises(AndreaError, match="coherence state"):
         b.load_state_dict({"streak": 1})
+
+
+class ByteTokenizer:
+    """Ids 0-255 are bytes, 256 is end-of-text: the part of the tokenizer API generate uses."""
+
+    vocab_size, eot_id = 257, 256
+
+    def encode(self, text):
+        import numpy as np
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids):
+        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, i):
+        return bytes([i]) if i < 256 else b""
+
+
+def test_sample_check_samples_the_model_reproducibly(cfg):
+    import numpy as np
+
+    from andrea.engine.model import ModelConfig, param_layout
+    from andrea.generate import InferenceModel
+
+    mc = ModelConfig(vocab_size=257, d_model=16, n_head=2, n_layer=1, context=32)
+    params = np.random.default_rng(0).normal(0, 0.3, param_layout(mc).n_params).astype(np.float32)
+    im = InferenceModel(mc, params)
+    c = {**cfg, "coherence": {**cfg["coherence"], "max_new_tokens": 12}}
+    a = CoherenceMonitor(c).sample_check(200, im, ByteTokenizer(), seed=3)
+    b = CoherenceMonitor(c).sample_check(200, im, ByteTokenizer(), seed=3)
+    assert [s["text"] for s in a["samples"]] == [s["text"] for s in b["samples"]]
+    assert [s["prompt"] for s in a["samples"]] == PROMPTS
+    assert all(len(s["text"].encode("utf-8", "replace")) <= 12 * 3 for s in a["samples"])
+    other = CoherenceMonitor(c).sample_check(400, im, ByteTokenizer(), seed=3)
+    assert [s["text"] for s in other["samples"]] != [s["text"] for s in a["samples"]]
