@@ -1,0 +1,149 @@
+"""Engine gradients against float64 central finite differences, for every parameter tensor,
+and the += contract of every backward op.
+
+    pytest tests/test_engine_grad.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from andrea.engine import ops_numpy as ops
+from andrea.engine.backend import NumpyBackend
+from andrea.engine.engine import Engine
+from andrea.engine.model import ModelConfig, param_layout
+
+MICRO = ModelConfig(vocab_size=11, d_model=8, n_head=2, n_layer=2, context=5)
+B = 2
+
+
+def _engine64(seed=0):
+    eng = Engine(MICRO, B, NumpyBackend(), dtype="float64")
+    eng.init_weights(seed)
+    rng = np.random.default_rng(seed + 1)
+    # larger, non-trivial weights (incl. LayerNorm g/b) so every term of every gradient matters
+    eng.w[:] = rng.normal(0.0, 0.3, eng.n_params)
+    for t in eng.layout.tensors:
+        if t.name.endswith(".g"):
+            eng.W[t.name][:] += 1.0
+    x = rng.integers(0, MICRO.vocab_size, (B, MICRO.context)).astype(np.int32)
+    y = rng.integers(0, MICRO.vocab_size, (B, MICRO.context)).astype(np.int32)
+    return eng, x, y
+
+
+def test_layout_offsets_cover_the_flat_buffer_and_decay_prefix():
+    lay = param_layout(MICRO)
+    off = 0
+    for t in lay.tensors:
+        assert t.offset == off
+        off += t.size
+    assert off == lay.n_params
+    assert all(t.decay == (t.offset < lay.n_decay) for t in lay.tensors)
+    assert {t.name for t in lay.tensors if not t.decay} == {
+        *(f"h.{l}.{k}" for l in range(2) for k in ("ln1.g", "ln1.b", "ln2.g", "ln2.b")), "lnf.g", "lnf.b"}
+    # 12M recipe: the seeds quote 12.8M parameters
+    assert round(param_layout(ModelConfig(4353, 384, 12, 6, 1024)).n_params / 1e6, 1) == 12.7
+
+
+def test_every_parameter_gradient_matches_central_differences():
+    eng, x, y = _engine64()
+    eng.zero_grads()
+    eng.forward(x, y)
+    eng.backward(1.0 / eng.N)
+    analytic = eng.g.copy()
+    h = 1e-6
+    numeric = np.zeros_like(analytic)
+    for i in range(eng.n_params):
+        old = eng.w[i]
+        eng.w[i] = old + h
+        lp = eng.forward(x, y)
+        eng.w[i] = old - h
+        lm = eng.forward(x, y)
+        eng.w[i] = old
+        numeric[i] = (lp - lm) / (2 * h)
+    for t in eng.layout.tensors:
+        a = analytic[t.offset:t.offset + t.size]
+        n = numeric[t.offset:t.offset + t.size]
+        assert np.abs(a).max() > 1e-6, f"{t.name}: gradient vanishes, the check would be vacuous"
+        # tolerance: tol + |ref| * eps, with ref the finite difference
+        bad = np.abs(a - n) > 1e-7 + 1e-5 * np.abs(n)
+        assert not bad.any(), f"{t.name}: max abs err {np.abs(a - n).max():.3e}"
+
+
+def _rand(rng, *shape):
+    return rng.normal(size=shape)
+
+
+def test_every_backward_op_adds_into_its_gradients():
+    rng = np.random.default_rng(3)
+    Bb, T, C, H, V = 2, 4, 8, 2, 7
+    N = Bb * T
+    work = np.zeros(ops.work_elems(Bb, T, C, H, V))
+    x = _rand(rng, N, C)
+    g, b = _rand(rng, C), _rand(rng, C)
+    mean, rstd = np.zeros(N), np.zeros(N)
+    ops.layernorm_forward(np.zeros((N, C)), mean, rstd, x, g, b)
+    qkv = _rand(rng, Bb, T, 3 * C)
+    att = np.zeros((Bb, H, T, T))
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    ops.attn_forward(np.zeros((Bb, T, C)), att, qkv, mask, H, work)
+    w_fc, w_proj = _rand(rng, C, 4 * C), _rand(rng, 4 * C, C)
+    h_pre, h_act = np.zeros((N, 4 * C)), np.zeros((N, 4 * C))
+    ops.mlp_forward(np.zeros((N, C)), h_pre, h_act, x, w_fc, w_proj)
+    wte = _rand(rng, V, C)
+    targets = rng.integers(0, V, N).astype(np.int32)
+    idx = targets.reshape(Bb, T)
+    probs = np.zeros((N, V))
+
+    def fresh_probs():
+        ops.loss_forward(np.zeros(N), np.zeros((N, V)), probs, x, wte, targets, work)
+        return probs
+
+    cases = {
+        "embed": (lambda gs: ops.embed_backward(*gs, _rand(np.random.default_rng(0), Bb, T, C), idx),
+                  [(V, C), (T, C)]),
+        "layernorm": (lambda gs: ops.layernorm_backward(*gs, np.ones((N, C)), x, mean, rstd, g, work),
+                      [(N, C), (C,), (C,)]),
+        "attn_qkv": (lambda gs: ops.attn_qkv_backward(*gs, np.ones((N, 3 * C)), x, np.ones((C, 3 * C)), work),
+                     [(N, C), (C, 3 * C)]),
+        "attn": (lambda gs: ops.attn_backward(*gs, np.ones((Bb, T, C)), qkv, att, H, work), [(Bb, T, 3 * C)]),
+        "attn_out": (lambda gs: ops.attn_out_backward(*gs, np.ones((N, C)), x, np.ones((C, C)), work),
+                     [(N, C), (C, C)]),
+        "mlp": (lambda gs: ops.mlp_backward(*gs, np.ones((N, C)), x, h_pre, h_act, w_fc, w_proj, work),
+                [(N, C), (C, 4 * C), (4 * C, C)]),
+        "residual_add": (lambda gs: ops.residual_add_backward(*gs, np.ones((N, C))), [(N, C), (N, C)]),
+        "loss": (lambda gs: ops.loss_backward(*gs, fresh_probs(), x, wte, targets, 1.0 / N, work),
+                 [(N, C), (V, C)]),
+    }
+    for name, (run, shapes) in cases.items():
+        zeros = [np.zeros(s) for s in shapes]
+        run(zeros)
+        assert all(np.abs(z).max() > 0 for z in zeros), f"{name}: a gradient stayed zero"
+        base = [_rand(rng, *s) for s in shapes]
+        acc = [b_.copy() for b_ in base]
+        run(acc)
+        for k, (z, b_, a) in enumerate(zip(zeros, base, acc)):
+            np.testing.assert_allclose(a, b_ + z, rtol=1e-12, atol=1e-12, err_msg=f"{name} grad {k}")
+
+
+def test_grad_norm_scale_and_adamw_ops():
+    rng = np.random.default_rng(5)
+    gr = rng.normal(size=1001).astype(np.float32)
+    parts = np.zeros(7)
+    ops.grad_norm_partial(parts, gr)
+    assert ops.grad_norm_final(parts) == pytest.approx(float(np.linalg.norm(gr.astype(np.float64))), rel=1e-6)
+    gr[500] = np.inf
+    ops.grad_norm_partial(parts, gr)
+    assert not np.isfinite(ops.grad_norm_final(parts))
+    ops.grad_scale(gr[:10], 0.5)
+    # AdamW, one step from zero moments in float64, against the closed form
+    w, g = rng.normal(size=6), rng.normal(size=6)
+    w0, g0 = w.copy(), g.copy()
+    m, v = np.zeros(6), np.zeros(6)
+    ops.adamw(w, g, m, v, n_decay=4, t=1, lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.5)
+    decayed = w0 * np.r_[np.full(4, 1 - 0.1 * 0.5), np.ones(2)]
+    expect = decayed - 0.1 * g0 / (np.abs(g0) + 1e-8)
+    np.testing.assert_allclose(w, expect, rtol=1e-10)
+    np.testing.assert_allclose(m, 0.1 * g0, rtol=1e-12)
+    np.testing.assert_allclose(v, 0.05 * g0 * g0, rtol=1e-12)
