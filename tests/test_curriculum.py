@@ -183,3 +183,18 @@ def test_sequential_windows_score_each_target_once(tmp_path):
     assert sum(x.shape[0] for x, _ in batches) == 8
     np.testing.assert_array_equal(ys, np.asarray(sh.tokens)[1:81])
     assert len(list(sequential_windows(sh, B=2, T=10, max_batches=1))) == 1
+
+
+@pytest.mark.parametrize("policy", ["uniform", "ucb1"])
+def test_summary_counts_batches_epochs_and_coverage(cfg, shards, policy):
+    c = copy.deepcopy(cfg)
+    c["bandit"]["policy"] = policy
+    cur = make_curriculum(c, shards, "main", seed=4)
+    batches, _ = drive(cur, 60, B=4, T=16)
+    summ = cur.summary()
+    assert sum(v["batches"] for v in summ.values()) == 60
+    for s, v in summ.items():
+        assert v["batches"] == sum(1 for src, _, _ in batches if src == s)
+        assert v["epochs"] == v["batches"] * 4 * 16 // shards[s].n_tokens
+        assert 0.0 < v["coverage"] <= 1.0 or v["passes"] > 0
+    json.dumps(summ, allow_nan=False)

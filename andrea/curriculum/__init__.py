@@ -84,7 +84,7 @@ class Curriculum:
         return self.policy.observe(step, source, float(loss), self.streams)
 
     def summary(self) -> dict:
-        return {s: {"batches": int(getattr(self.policy, "batches", {}).get(s, 0)),
+        return {s: {"batches": int(self.policy.batches[s]),
                     "epochs": st.epochs, "coverage": round(1.0 - st.unseen_share, 6), "passes": st.passes,
                     "ema": self.policy.rewards.ema[s]}
                 for s, st in self.streams.items()}

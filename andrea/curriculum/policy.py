@@ -40,8 +40,8 @@ from andrea.errors import AndreaError
 
 
 def _finite(v: float | None) -> float | None:
-    """JSON-safe number: inf/nan become None."""
-    return None if v is None or not math.isfinite(v) else float(v)
+    """JSON-safe number for a log record: inf/nan become None; 7 significant digits."""
+    return None if v is None or not math.isfinite(v) else float(f"{v:.7g}")
 
 
 def apply_factor(score: float, factor: float) -> float:
@@ -80,10 +80,12 @@ class UniformPolicy:
     def __init__(self, sources: list[str], eligible: list[str], cfg: dict, phase: str):
         self.sources, self.eligible = sources, eligible
         self.rewards = _EmaRewards(sources, cfg["bandit"])
+        self.batches = {s: 0 for s in sources}    # batches drawn in this training phase
         self.current: str | None = None
 
     def select(self, dice: np.random.Generator, streams: dict) -> str:
         self.current = self.eligible[int(dice.integers(len(self.eligible)))]
+        self.batches[self.current] += 1
         return self.current
 
     def observe(self, step: int, source: str, loss: float, streams: dict) -> dict | None:
@@ -94,11 +96,15 @@ class UniformPolicy:
                 "epochs": streams[source].epochs, "coverage": 1.0 - streams[source].unseen_share}
 
     def state_dict(self) -> dict:
-        return {"ema": dict(self.rewards.ema), "current": self.current}
+        return {"ema": dict(self.rewards.ema), "batches": dict(self.batches), "current": self.current}
 
     def load_state_dict(self, d: dict, same_phase: bool) -> None:
         _load_ema(self.rewards, d)
         self.current = d.get("current") if same_phase else None
+        if same_phase:
+            for s, v in d.get("batches", {}).items():
+                if s in self.batches:
+                    self.batches[s] = int(v)
 
 
 def _load_ema(rewards: _EmaRewards, d: dict) -> None:
@@ -211,7 +217,7 @@ class UCB1Policy:
         if reward is not None:
             self.n[s] += 1.0
             self.rsum[s] += reward
-        return {"step": None, "source": s, "reward": reward, "why": p["why"], "dwell": p["dwell"],
+        return {"step": None, "source": s, "reward": _finite(reward), "why": p["why"], "dwell": p["dwell"],
                 "phase": p["phase"], "scores": p["scores"], "ema": _finite(self.rewards.ema[s])}
 
     def state_dict(self) -> dict:
