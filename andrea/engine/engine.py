@@ -95,6 +95,7 @@ class Engine:
         self.work = self._flat["work"]
         mask = np.triu(np.full((self.T, self.T), -np.inf, dtype=self.dtype), k=1)
         backend.copy_from_host(self.a["mask"], mask)
+        self._pad = (np.zeros((self.B, self.T), np.int32), np.zeros((self.B, self.T), np.int32))  # eval_batch
         self._views()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -253,20 +254,21 @@ class Engine:
         self.ops.grad_norm_partial(self.a["partials"], self.g)
         return self.ops.grad_norm_final(self.a["partials"])
 
-    def train_step(self, batches, lr: float, t: int, hp: Hyper) -> StepResult:
-        """One optimizer step over ``batches`` = [(x, y), ...] microbatches of int32 (B, T).
-        ``t`` is the 1-based AdamW step count (global step + 1)."""
-        self.zero_grads()
-        n = len(batches)
-        loss = 0.0
-        for x, y in batches:
-            li = self.forward(x, y)
-            loss += li / n
-            if not math.isfinite(li):
-                return StepResult(li, float("nan"), False)
+    def micro_step(self, x, y) -> float:
+        """Forward + backward of one microbatch, accumulating (+=) its mean-loss gradient into
+        ``self.g``. Returns the microbatch's mean loss (nan/inf: nothing was accumulated)."""
+        loss = self.forward(x, y)
+        if math.isfinite(loss):
             self.backward(1.0 / self.N)
-        if n > 1:
-            self.ops.grad_scale(self.g, 1.0 / n)
+        return loss
+
+    def apply_update(self, n_micro: int, loss: float, lr: float, t: int, hp: Hyper) -> StepResult:
+        """Average the accumulated gradients over ``n_micro`` microbatches, clip, AdamW step.
+        A non-finite ``loss`` or gradient norm skips the update: the weights, m and v are untouched."""
+        if not math.isfinite(loss):
+            return StepResult(loss, float("nan"), False)
+        if n_micro > 1:
+            self.ops.grad_scale(self.g, 1.0 / n_micro)
         norm = self.grad_norm()
         if not math.isfinite(norm):
             return StepResult(loss, norm, False)
@@ -275,3 +277,28 @@ class Engine:
         self.ops.adamw(self.w, self.g, self.m, self.v, self.layout.n_decay, t, lr,
                        hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
         return StepResult(loss, norm, True)
+
+    def train_step(self, batches, lr: float, t: int, hp: Hyper) -> StepResult:
+        """One optimizer step over ``batches`` = [(x, y), ...] microbatches of int32 (B, T).
+        ``t`` is the 1-based AdamW step count (global step + 1)."""
+        self.zero_grads()
+        loss = 0.0
+        for x, y in batches:
+            li = self.micro_step(x, y)
+            loss += li / len(batches)
+            if not math.isfinite(li):
+                break
+        return self.apply_update(len(batches), loss, lr, t, hp)
+
+    def eval_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        """Summed loss and token count of b <= B rows (b < B is padded with row 0 and the
+        padding is not counted). Touches activations only, never weights or gradients."""
+        b = x.shape[0]
+        if b == self.B:
+            return self.forward(x, y) * self.N, self.N
+        px, py = self._pad
+        px[:b], py[:b] = x, y
+        px[b:], py[b:] = x[0], y[0]
+        self.forward(px, py)
+        losses = self.be.to_host(self.a["losses"])
+        return float(np.asarray(losses[:b * self.T], dtype=np.float64).sum()), b * self.T

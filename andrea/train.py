@@ -1,0 +1,486 @@
+"""The train stage: ``andrea train --phase warmup|main``.
+
+    andrea train --phase warmup --profile tiny --tokenizer data/tokenizer/tiny/tokenizer.json \\
+                 --tokens data/tokens/tiny --out runs/tiny/warmup
+    andrea train --phase main   --profile tiny --tokenizer data/tokenizer/tiny/tokenizer.json \\
+                 --tokens data/tokens/tiny --init runs/tiny/warmup --out runs/tiny/main
+
+Steps count globally across the two phases: the warmup phase runs global steps
+[0, curriculum.warmup_steps) drawing only from ``curriculum.warmup_sources``; the main
+phase starts from the warmup checkpoint (weights, Adam m/v, curriculum state, step) and
+runs [curriculum.warmup_steps, train.max_steps) over every source. The LR schedule
+(andrea/engine/schedule.py) and AdamW's step count use the global step, so warmup + main
+is one run cut in two. One step = ``train.grad_accum`` microbatches of
+``train.batch_size`` x ``model.context`` tokens.
+
+Run folder (``--out``): ``model.bin`` (the fixed checkpoint, andrea/engine/checkpoint.py),
+``model.state.json``, ``model.loss.json``, ``model.samples.json`` (docs/architecture.md).
+If ``model.bin`` exists the run resumes from it, bit-exactly (same config and tokenizer
+required; only train.log_every / checkpoint_every / eval_every / eval_batches and the
+audit/eval sections may differ); a finished run is left as it is.
+
+Signals: SIGTERM writes a checkpoint and exits 0; SIGUSR1 writes a checkpoint and goes
+on. Checkpoints are also written every ``train.checkpoint_every`` steps and at the end.
+A step whose loss or gradient norm is NaN/inf is skipped (the weights, m and v are not
+touched) and counted; ``train.max_bad_steps`` in a row halt the run: the checkpoint
+holds the last good weights and ``.state.json`` the reason (exit 2). Hooks every N steps
+(the coherence check of andrea/coherence.py is one) may halt the run with a reason
+(checkpoint, exit 0).
+
+Held-out loss: every ``train.eval_every`` steps and at the end, ``train.eval_batches``
+fixed batches per val shard; ``.loss.json`` "val" gets the mean over sources, the loss
+per source, and the unigram baseline (train-split token frequencies, add-one smoothed)
+on the very same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from andrea.config import config_hash
+from andrea.engine import checkpoint as ck
+from andrea.engine.backend import select_backend
+from andrea.engine.engine import Engine, Hyper
+from andrea.engine.model import ModelConfig
+from andrea.engine.schedule import lr_at
+from andrea.errors import AndreaError
+from andrea.fsutil import atomic_write_json, sha256_file
+from andrea.shards import Shard
+
+STATE_FORMAT = "andrea.state/1"
+LOSS_FORMAT = "andrea.loss/1"
+SAMPLES_FORMAT = "andrea.samples/1"
+# keys that change what is logged or how often, never the trajectory of the weights
+TRAJECTORY_FREE = (("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"),
+                   ("train", "eval_batches"), ("audit",), ("eval",))
+UNIGRAM_MAX_TOKENS = 10_000_000  # per train shard, for the baseline's token counts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--phase", required=True, choices=["warmup", "main"], help="which stretch of the run")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json the shards were encoded with")
+    p.add_argument("--tokens", required=True, help="token shard folder: <tokens>/{train,val}/<source>.bin")
+    p.add_argument("--out", required=True, help="run folder: model.bin, model.{state,loss,samples}.json")
+    p.add_argument("--init", default=None, help="(--phase main) the finished warmup run folder to start from")
+
+
+def trajectory_hash(cfg: dict) -> str:
+    """config_hash of the merged config without the keys in TRAJECTORY_FREE."""
+    c = copy.deepcopy(cfg)
+    for path in TRAJECTORY_FREE:
+        node = c
+        for k in path[:-1]:
+            node = node.get(k, {})
+        node.pop(path[-1], None)
+    return config_hash(c)
+
+
+def load_shards(tokens: str | Path, split: str, vocab_size: int, required: bool = True) -> dict[str, Shard]:
+    folder = Path(tokens) / split
+    files = sorted(folder.glob("*.bin"))
+    if not files:
+        if required:
+            raise AndreaError(f"{folder}: no token shards (run `andrea diet-alignment` first)")
+        return {}
+    out = {}
+    for f in files:
+        s = Shard(f)
+        if s.vocab_size != vocab_size:
+            raise AndreaError(f"{f}: shard vocab_size {s.vocab_size} != the tokenizer's {vocab_size} "
+                              "(shards from another tokenizer?)")
+        out[f.stem] = s
+    return out
+
+
+@dataclass
+class Hook:
+    """Runs after every ``every``-th completed step: ``fn(trainer, step) -> None | {"reason", "step"}``;
+    a dict halts the run (checkpoint, reason in .state.json, exit 0). ``state``/``load`` persist
+    the hook's own state in .state.json "hooks"."""
+
+    name: str
+    every: int
+    fn: Callable
+    state: Callable[[], dict] | None = None
+    load: Callable[[dict], None] | None = None
+    observe: Callable[[int, float], dict | None] | None = None   # every step: (step, loss) -> halt or None
+
+
+@dataclass
+class History:
+    train: list = field(default_factory=list)
+    val: list = field(default_factory=list)
+    pulls: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+    samples: list = field(default_factory=list)
+
+    def truncate(self, step: int) -> None:
+        """Drop what a crashed process logged past the checkpoint at ``step`` (resume redoes it)."""
+        self.train = [r for r in self.train if r["step"] < step]
+        self.val = [r for r in self.val if r["step"] <= step]
+        self.pulls = [r for r in self.pulls if r["step"] < step]
+        self.events = [r for r in self.events if r["step"] <= step]
+        self.samples = [r for r in self.samples if r["step"] <= step]
+
+    def load(self, paths: dict) -> None:
+        if paths["loss"].is_file():
+            d = ck.read_json(paths["loss"], "loss history")
+            self.train, self.val = list(d.get("train", [])), list(d.get("val", []))
+            self.pulls, self.events = list(d.get("pulls", [])), list(d.get("events", []))
+        if paths["samples"].is_file():
+            self.samples = list(ck.read_json(paths["samples"], "samples").get("samples", []))
+
+
+class Trainer:
+    def __init__(self, cfg: dict, phase: str, tokenizer: str | Path, tokens: str | Path, out: str | Path,
+                 init: str | Path | None = None, console=None):
+        from rich.console import Console
+
+        from andrea.tokenizer import load as load_tokenizer
+
+        self.cfg, self.phase, self.tcfg = cfg, phase, cfg["train"]
+        self.console = console or Console(stderr=True)
+        self.out, self.paths = Path(out), ck.run_paths(out)
+        self.tok = load_tokenizer(tokenizer)
+        self.shards = load_shards(tokens, "train", self.tok.vocab_size)
+        self.val_shards = load_shards(tokens, "val", self.tok.vocab_size, required=False)
+        W, total = int(cfg["curriculum"]["warmup_steps"]), int(self.tcfg["max_steps"])
+        if W > total:
+            raise AndreaError(f"curriculum.warmup_steps={W} > train.max_steps={total}: the main phase would have no steps")
+        self.start, self.end = (0, W) if phase == "warmup" else (W, total)
+        be, self.backend_reason = select_backend(self.tcfg["backend"])
+        if self.tcfg["precision"] not in be.precisions:
+            raise AndreaError(f"train.precision={self.tcfg['precision']}: the {be.name} backend supports "
+                              f"{', '.join(be.precisions)}")
+        self.mc = ModelConfig.from_cfg(cfg, self.tok.vocab_size)
+        self.B, self.T, self.accum = int(self.tcfg["batch_size"]), self.mc.context, int(self.tcfg["grad_accum"])
+        self.engine = Engine(self.mc, self.B, be)
+        self.hp = Hyper.from_cfg(cfg)
+        self.hash = trajectory_hash(cfg)
+        self.seed = int(cfg["seed"])
+        self.rng = np.random.Generator(np.random.PCG64([self.seed, 2]))  # for hooks that need randomness
+        self.hooks: list[Hook] = []
+        self.hist = History()
+        self.bad = {"consecutive": 0, "total": 0}
+        self.halt: dict | None = None
+        self.step = 0
+        self.cur = None
+        self._init = init
+        self._signals: list[int] = []
+        self._last_loss_write = 0.0
+        self._unigram_logp: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ state
+    def _check_state(self, state: dict, where: Path, want_phase: str) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise AndreaError(f"{where}: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+        if state.get("phase") != want_phase:
+            raise AndreaError(f"{where}: a {state.get('phase')!r} run, expected {want_phase!r}")
+        if state.get("tokenizer_sha256") != self.tok.sha256:
+            raise AndreaError(f"{where}: trained with tokenizer {str(state.get('tokenizer_sha256'))[:12]}..., "
+                              f"but --tokenizer is {self.tok.sha256[:12]}...")
+        if state.get("config_hash") != self.hash:
+            raise AndreaError(f"{where}: trained with another config (config_hash {str(state.get('config_hash'))[:12]}... "
+                              f"!= {self.hash[:12]}...); only train.log_every/checkpoint_every/eval_every/eval_batches "
+                              "may change on resume: use the same params or a new --out")
+        if state.get("n_params") != self.engine.n_params:
+            raise AndreaError(f"{where}: n_params {state.get('n_params')} != the model's {self.engine.n_params}")
+
+    def _load_run(self, paths: dict, want_phase: str) -> tuple[dict, int]:
+        state = ck.read_json(paths["state"], "run state")
+        self._check_state(state, paths["state"], want_phase)
+        step, w, m, v = ck.read_checkpoint(paths["bin"], self.engine.n_params)
+        if state.get("step") != step:
+            raise AndreaError(f"{paths['state']}: step {state.get('step')} but {paths['bin']} holds step {step} "
+                              "(a crash between the two writes?)")
+        if state.get("checkpoint_sha256") not in (None, sha256_file(paths["bin"])):
+            raise AndreaError(f"{paths['bin']}: sha256 differs from the one in {paths['state']} (modified or corrupt)")
+        self.engine.load_state(w, m, v)
+        return state, step
+
+    def restore(self) -> str:
+        """Fresh start, resume, or (main) start from the warmup run. Returns what happened."""
+        from andrea.curriculum import make_curriculum
+
+        if self.paths["bin"].exists():
+            state, step = self._load_run(self.paths, self.phase)
+            self.cur = make_curriculum(self.cfg, self.shards, self.phase, self.seed)
+            self.cur.load_state_dict(state["curriculum"])
+            self.rng.bit_generator.state = state["rng"]["train"]
+            self.bad, self.halt, self.step = dict(state["bad_steps"]), state.get("halt"), step
+            for h in self.hooks:
+                if h.load and h.name in state.get("hooks", {}):
+                    h.load(state["hooks"][h.name])
+            self.hist.load(self.paths)
+            self.hist.truncate(step)
+            self.hist.events.append({"step": step, "kind": "resume", "detail": f"resumed from {self.paths['bin']}"})
+            return f"resuming {self.phase} at step {step}"
+        if self.phase == "main":
+            if self._init is None:
+                raise AndreaError("--phase main needs --init <the warmup run folder>")
+            ipaths = ck.run_paths(self._init)
+            if not ipaths["bin"].is_file():
+                raise AndreaError(f"{ipaths['bin']}: warmup checkpoint not found (run --phase warmup first)")
+            state, step = self._load_run(ipaths, "warmup")
+            if state.get("halt"):
+                raise AndreaError(f"{ipaths['state']}: the warmup run halted at step {state['halt'].get('step')}: "
+                                  f"{state['halt'].get('reason')}")
+            if step != self.start:
+                raise AndreaError(f"{ipaths['bin']}: warmup checkpoint at step {step}, expected "
+                                  f"curriculum.warmup_steps={self.start} (warmup unfinished?)")
+            self.cur = make_curriculum(self.cfg, self.shards, "main", self.seed)
+            self.cur.load_state_dict(state["curriculum"])
+            self.rng.bit_generator.state = state["rng"]["train"]
+            for h in self.hooks:
+                if h.load and h.name in state.get("hooks", {}):
+                    h.load(state["hooks"][h.name])
+            self.step = step
+            self.hist.load(ipaths)
+            self.hist.truncate(step)
+            self.hist.events.append({"step": step, "kind": "phase", "detail": f"main starts from {ipaths['bin']}"})
+            return f"main phase from {ipaths['bin']} at step {step}"
+        self.engine.init_weights(self.seed)
+        self.cur = make_curriculum(self.cfg, self.shards, "warmup", self.seed)
+        self.step = 0
+        self.hist.events.append({"step": 0, "kind": "start", "detail": "fresh warmup run"})
+        return "fresh warmup run from seeded init"
+
+    def checkpoint(self, why: str) -> None:
+        """model.bin, then model.state.json, model.loss.json, model.samples.json (each atomic)."""
+        be = self.engine.be
+        host = [np.ascontiguousarray(be.to_host(a), dtype=np.float32) for a in (self.engine.w, self.engine.m, self.engine.v)]
+        ck.write_checkpoint(self.paths["bin"], self.step, *host)
+        state = {
+            "format": STATE_FORMAT, "step": self.step, "phase": self.phase,
+            "config_hash": self.hash, "tokenizer_sha256": self.tok.sha256,
+            "n_params": self.engine.n_params, "checkpoint_sha256": sha256_file(self.paths["bin"]),
+            "model": {"vocab_size": self.mc.vocab_size, "d_model": self.mc.d_model, "n_head": self.mc.n_head,
+                      "n_layer": self.mc.n_layer, "context": self.mc.context},
+            "steps": {"phase_start": self.start, "phase_end": self.end, "max_steps": int(self.tcfg["max_steps"])},
+            "rng": {"train": self.rng.bit_generator.state},
+            "curriculum": self.cur.state_dict(),
+            "hooks": {h.name: h.state() for h in self.hooks if h.state},
+            "bad_steps": dict(self.bad), "halt": self.halt,
+            "backend": self.engine.be.name, "precision": self.tcfg["precision"],
+            "saved_because": why, "time": time.time(), "config": self.cfg,
+        }
+        atomic_write_json(self.paths["state"], state)
+        self.write_history()
+
+    def write_history(self) -> None:
+        h = self.hist
+        atomic_write_json(self.paths["loss"], {"format": LOSS_FORMAT, "train": h.train, "val": h.val,
+                                               "pulls": h.pulls, "events": h.events})
+        atomic_write_json(self.paths["samples"], {"format": SAMPLES_FORMAT, "samples": h.samples})
+        self._last_loss_write = time.time()
+
+    # ------------------------------------------------------------------ eval
+    def _unigram(self) -> np.ndarray:
+        if self._unigram_logp is None:
+            counts = np.ones(self.mc.vocab_size, dtype=np.float64)  # add-one smoothing
+            for s in self.shards.values():
+                counts += np.bincount(np.asarray(s.tokens[:UNIGRAM_MAX_TOKENS]), minlength=self.mc.vocab_size)
+            self._unigram_logp = np.log(counts / counts.sum())
+        return self._unigram_logp
+
+    def evaluate(self) -> dict | None:
+        """Held-out loss per val source (train.eval_batches fixed batches each); None without val shards."""
+        from andrea.curriculum import sequential_windows
+
+        if not self.val_shards:
+            return None
+        logp = self._unigram()
+        per, uni = {}, {}
+        for src, shard in sorted(self.val_shards.items()):
+            tot, n, utot = 0.0, 0, 0.0
+            for x, y in sequential_windows(shard, self.B, self.T, int(self.tcfg["eval_batches"])):
+                s, k = self.engine.eval_batch(x, y)
+                tot, n = tot + s, n + k
+                utot -= float(logp[y].sum())
+            if n:
+                per[src], uni[src] = tot / n, utot / n
+        if not per:
+            return None
+        rec = {"step": self.step, "loss": float(np.mean(list(per.values()))), "per_source": per,
+               "unigram": float(np.mean(list(uni.values()))), "unigram_per_source": uni}
+        self.hist.val.append(rec)
+        return rec
+
+    # ------------------------------------------------------------------ loop
+    def _on_signal(self, signum, _frame) -> None:
+        self._signals.append(signum)
+
+    def _one_step(self) -> tuple:
+        eng, cur = self.engine, self.cur
+        t0 = time.perf_counter()
+        eng.zero_grads()
+        loss, srcs = 0.0, []
+        for _ in range(self.accum):
+            src, x, y = cur.next_batch(self.B, self.T)
+            li = eng.micro_step(x, y)
+            pull = cur.observe(self.step, src, li)
+            if pull:
+                self.hist.pulls.append(pull)
+            loss += li / self.accum
+            srcs.append(src)
+        lr = lr_at(self.step, self.tcfg)
+        res = eng.apply_update(self.accum, loss, lr, self.step + 1, self.hp)
+        eng.be.synchronize()
+        dt = time.perf_counter() - t0
+        return res, lr, "+".join(sorted(set(srcs))), self.accum * self.B * self.T / max(dt, 1e-9)
+
+    def run(self) -> int:
+        what = self.restore()
+        c = self.console
+        c.print(f"train {self.phase}: {what}; backend {self.backend_reason}")
+        c.print(self.engine.describe())
+        c.print(f"steps {self.start} -> {self.end} of train.max_steps={self.tcfg['max_steps']} (global); "
+                f"{self.accum}x{self.B}x{self.T} tokens/step; sources: {', '.join(self.cur.eligible)}")
+        if self.halt:
+            msg = f"{self.paths['state']}: run halted at step {self.halt.get('step')}: {self.halt.get('reason')}"
+            if self.halt.get("kind") == "bad_steps":
+                raise AndreaError(msg)
+            c.print(msg + " (nothing to do)")
+            return 0
+        if self.step >= self.end:
+            c.print(f"{self.paths['bin']}: already at step {self.step} >= {self.end}; nothing to do")
+            if not self.paths["bin"].exists():
+                self.checkpoint("phase has no steps")
+            return 0
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            return self._loop()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _loop(self) -> int:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        c, tc = self.console, self.tcfg
+        log_every, eval_every, ck_every = int(tc["log_every"]), int(tc["eval_every"]), int(tc["checkpoint_every"])
+        max_bad = int(tc["max_bad_steps"])
+        live = c.is_terminal
+        prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
+                        TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[src]}"),
+                        TimeRemainingColumn(), console=c, disable=not live)
+        t_start, s_start = time.time(), self.step
+        tps_ema = None
+        with prog:
+            task = prog.add_task(self.phase, total=self.end, completed=self.step, loss="-", lr="-", tps="-", src="-")
+            while self.step < self.end:
+                s = self.step
+                res, lr, src, tps = self._one_step()
+                self.step += 1
+                tps_ema = tps if tps_ema is None else 0.9 * tps_ema + 0.1 * tps
+                if res.ok:
+                    self.bad["consecutive"] = 0
+                else:
+                    self.bad["consecutive"] += 1
+                    self.bad["total"] += 1
+                    self.hist.events.append({"step": s, "kind": "bad_step",
+                                             "detail": f"loss {res.loss!r} grad_norm {res.grad_norm!r}: update skipped"})
+                    if self.bad["consecutive"] >= max_bad:
+                        self.halt = {"kind": "bad_steps", "step": self.step,
+                                     "reason": f"{self.bad['consecutive']} consecutive steps with a NaN/inf loss or "
+                                               f"gradient (train.max_bad_steps={max_bad}); weights are the last good ones"}
+                        self.checkpoint("halt: bad steps")
+                        raise AndreaError(f"{self.paths['state']}: halted at step {self.step}: {self.halt['reason']}")
+                if s % log_every == 0 or self.step == self.end or not res.ok:
+                    self.hist.train.append({"step": s, "phase": self.phase, "loss": _num(res.loss), "lr": lr,
+                                            "grad_norm": _num(res.grad_norm), "tokens_per_s": round(tps, 1),
+                                            "source": src, "time": time.time()})
+                    if live:
+                        prog.update(task, completed=self.step, loss=f"{res.loss:.4f}", lr=f"{lr:.2e}",
+                                    tps=f"{tps_ema:,.0f}", src=src)
+                    else:
+                        eta = (time.time() - t_start) / max(1, self.step - s_start) * (self.end - self.step)
+                        c.print(f"{self.phase} step {self.step}/{self.end} loss {res.loss:.4f} lr {lr:.2e} "
+                                f"tok/s {tps_ema:,.0f} src {src} eta {eta:,.0f}s", highlight=False)
+                    if time.time() - self._last_loss_write > 10:
+                        self.write_history()
+                for h in self.hooks:
+                    halt = h.observe(self.step, res.loss) if h.observe else None
+                    if not halt and self.step % h.every == 0:
+                        halt = h.fn(self, self.step)
+                    if halt:
+                        self.halt = {"kind": h.name, **halt}
+                        self.hist.events.append({"step": self.step, "kind": "halt", "detail": halt["reason"]})
+                        self.evaluate()
+                        self.checkpoint(f"halt: {h.name}")
+                        c.print(f"halted at step {self.step}: {halt['reason']}")
+                        return 0
+                if self.step % eval_every == 0 and self.step < self.end:
+                    self._print_val(self.evaluate())
+                sigs, self._signals = self._signals, []
+                if signal.SIGUSR1 in sigs:
+                    self.hist.events.append({"step": self.step, "kind": "checkpoint", "detail": "SIGUSR1"})
+                    self.checkpoint("SIGUSR1")
+                    c.print(f"SIGUSR1: checkpoint at step {self.step}, continuing")
+                if signal.SIGTERM in sigs:
+                    self.hist.events.append({"step": self.step, "kind": "checkpoint", "detail": "SIGTERM"})
+                    self.checkpoint("SIGTERM")
+                    c.print(f"SIGTERM: checkpoint at step {self.step}, exiting")
+                    return 0
+                if self.step % ck_every == 0 and self.step < self.end:
+                    self.checkpoint("periodic")
+        rec = self.evaluate()
+        self.hist.events.append({"step": self.step, "kind": "end", "detail": f"{self.phase} phase complete"})
+        self.checkpoint("end of phase")
+        recent = [r["loss"] for r in self.hist.train[-10:] if r["loss"] is not None]
+        c.print(f"{self.phase} done: step {self.step}, {time.time() - t_start:.1f}s, "
+                f"train loss (last logged) {np.mean(recent) if recent else float('nan'):.4f}")
+        self._print_val(rec)
+        return 0
+
+    def _print_val(self, rec: dict | None) -> None:
+        if rec:
+            per = " ".join(f"{k} {v:.3f}" for k, v in rec["per_source"].items())
+            self.console.print(f"val step {rec['step']}: loss {rec['loss']:.4f} (unigram baseline {rec['unigram']:.4f}) | {per}",
+                               highlight=False)
+
+
+def _num(x: float):
+    return float(x) if math.isfinite(x) else None
+
+
+def coherence_hook(trainer: Trainer) -> Hook:
+    """The early stop of andrea/coherence.py: sample the fixed prompts every coherence.every
+    steps from the training weights; halt after coherence.patience degenerate checks."""
+    from andrea.coherence import CoherenceMonitor
+    from andrea.generate import InferenceModel
+
+    mon = CoherenceMonitor(trainer.cfg)
+    model = InferenceModel(trainer.mc, trainer.engine.w, trainer.engine.be)
+
+    def fn(tr: Trainer, step: int):
+        out = mon.sample_check(step, model, tr.tok, tr.seed)
+        tr.hist.samples.extend(out["samples"])
+        tr.hist.events.append({"step": step, "kind": "coherence",
+                               "detail": f"degenerate={out['degenerate']} streak={out['streak']}"})
+        if out["halt"]:
+            return out["halt"]
+        return None
+
+    return Hook("coherence", mon.every, fn, mon.state_dict, mon.load_state_dict, mon.observe_loss)
+
+
+def run(args: argparse.Namespace, cfg: dict) -> int:
+    tr = Trainer(cfg, args.phase, args.tokenizer, args.tokens, args.out, args.init)
+    tr.hooks.append(coherence_hook(tr))
+    return tr.run()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run through the CLI: andrea train --help")

@@ -1,0 +1,166 @@
+"""The train stage in process: warmup -> main on synthetic shards, run files, refusals,
+NaN/inf handling, halting hooks, the checkpoint's exact byte layout.
+
+    pytest tests/test_train.py
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from andrea.engine import checkpoint as ck
+from andrea.errors import AndreaError
+from andrea.train import Hook, Trainer
+from train_helpers import make_data, micro_cfg
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_data(tmp_path_factory.mktemp("data"))
+
+
+def _trainer(cfg, phase, data, out, init=None):
+    tok, tokens = data
+    return Trainer(cfg, phase, tok, tokens, out, init, console=Console(stderr=True, force_terminal=False))
+
+
+def test_warmup_then_main_writes_run_files_and_learns(data, tmp_path):
+    cfg = micro_cfg(20, 80)
+    assert _trainer(cfg, "warmup", data, tmp_path / "w").run() == 0
+    st = json.loads((tmp_path / "w" / "model.state.json").read_text())
+    assert st["step"] == 20 and st["phase"] == "warmup" and st["halt"] is None
+    wl = json.loads((tmp_path / "w" / "model.loss.json").read_text())
+    assert {r["source"] for r in wl["train"]} == {"chat-system", "py-topics"}   # warmup sources only
+
+    assert _trainer(cfg, "main", data, tmp_path / "m", init=tmp_path / "w").run() == 0
+    loss = json.loads((tmp_path / "m" / "model.loss.json").read_text())
+    assert loss["format"] == "andrea.loss/1"
+    assert [r["step"] for r in loss["train"]] == list(range(80))              # warmup history carried over
+    assert [r["phase"] for r in loss["train"]] == ["warmup"] * 20 + ["main"] * 60
+    assert "py-code" in {r["source"] for r in loss["train"][20:]}
+    for r in loss["train"]:
+        assert set(r) >= {"step", "phase", "loss", "lr", "grad_norm", "tokens_per_s", "source", "time"}
+    val = loss["val"][-1]
+    assert val["step"] == 80 and set(val["per_source"]) == {"chat-system", "py-code", "py-topics"}
+    assert val["loss"] < val["unigram"] - 0.3, "held-out loss should beat the unigram baseline"
+    assert val["loss"] < loss["val"][0]["loss"]
+    step, w, m, v = ck.read_checkpoint(tmp_path / "m" / "model.bin", None)
+    assert step == 80 and np.abs(m).max() > 0 and v.min() >= 0
+    # a finished run is left alone
+    before = (tmp_path / "m" / "model.bin").read_bytes()
+    assert _trainer(cfg, "main", data, tmp_path / "m", init=tmp_path / "w").run() == 0
+    assert (tmp_path / "m" / "model.bin").read_bytes() == before
+
+
+def test_checkpoint_layout_is_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    w, m, v = (rng.normal(size=5).astype(np.float32) for _ in range(3))
+    p = tmp_path / "model.bin"
+    ck.write_checkpoint(p, 7, w, m, v)
+    raw = p.read_bytes()
+    assert len(raw) == 8 + 12 * 5
+    assert struct.unpack("<ii", raw[:8]) == (7, 5)
+    assert raw[8:] == w.astype("<f4").tobytes() + m.astype("<f4").tobytes() + v.astype("<f4").tobytes()
+    step, w2, m2, v2 = ck.read_checkpoint(p, 5)
+    assert step == 7 and (w2 == w).all() and (m2 == m).all() and (v2 == v).all()
+    with pytest.raises(AndreaError, match="n_params 5 in the file, but the model has 6"):
+        ck.read_checkpoint(p, 6)
+    p.write_bytes(raw[:-4])
+    with pytest.raises(AndreaError, match="truncated"):
+        ck.read_checkpoint(p, 5)
+    p.write_bytes(raw[:6])
+    with pytest.raises(AndreaError, match="too short"):
+        ck.read_checkpoint(p, 5)
+
+
+def test_resume_refuses_mismatches(data, tmp_path):
+    cfg = micro_cfg(6, 12)
+    out = tmp_path / "w"
+    assert _trainer(cfg, "warmup", data, out).run() == 0
+    # another trajectory-relevant config
+    with pytest.raises(AndreaError, match="another config"):
+        _trainer(micro_cfg(6, 12, **{"train.lr": 2e-2}), "warmup", data, out).run()
+    # logging-only keys may change
+    assert _trainer(micro_cfg(6, 12, **{"train.log_every": 3}), "warmup", data, out).run() == 0
+    # another model shape: n_params differs from the file
+    with pytest.raises(AndreaError):
+        _trainer(micro_cfg(6, 12, **{"model.d_model": 16}), "warmup", data, out).run()
+    # another tokenizer
+    st = json.loads((out / "model.state.json").read_text())
+    st["tokenizer_sha256"] = "0" * 64
+    (out / "model.state.json").write_text(json.dumps(st))
+    with pytest.raises(AndreaError, match="tokenizer"):
+        _trainer(cfg, "warmup", data, out).run()
+    # truncated checkpoint
+    st["tokenizer_sha256"] = _trainer(cfg, "warmup", data, tmp_path / "x").tok.sha256
+    (out / "model.state.json").write_text(json.dumps(st))
+    raw = (out / "model.bin").read_bytes()
+    (out / "model.bin").write_bytes(raw[:-100])
+    with pytest.raises(AndreaError, match="truncated"):
+        _trainer(cfg, "warmup", data, out).run()
+    # main without a finished warmup
+    with pytest.raises(AndreaError, match="--init"):
+        _trainer(cfg, "main", data, tmp_path / "m").run()
+
+
+def test_bad_steps_never_touch_weights_and_halt_after_max(data, tmp_path):
+    cfg = micro_cfg(30, 40, **{"train.max_bad_steps": 3})
+    tr = _trainer(cfg, "warmup", data, tmp_path / "w")
+    eng = tr.engine
+    orig = eng.micro_step
+    snaps = {}
+
+    def micro_step(x, y):
+        s = tr.step
+        snaps[s] = (eng.w.copy(), eng.m.copy(), eng.v.copy())
+        loss = orig(x, y)
+        if s == 4:
+            return float("nan")              # NaN loss
+        if s == 6:
+            eng.g[3] = np.inf                # inf gradient, finite loss
+        if s >= 10:
+            eng.g[-1] = np.nan               # from step 10 on every step is bad
+        return loss
+
+    eng.micro_step = micro_step
+    with pytest.raises(AndreaError, match="3 consecutive steps"):
+        tr.run()
+    st = json.loads((tmp_path / "w" / "model.state.json").read_text())
+    assert st["halt"]["kind"] == "bad_steps" and st["bad_steps"] == {"consecutive": 3, "total": 5}
+    assert st["step"] == 13
+    step, w, m, v = ck.read_checkpoint(tmp_path / "w" / "model.bin", eng.n_params)
+    # the checkpoint holds the weights after the last good step (9), untouched by steps 10-12
+    assert (w == snaps[10][0]).all() and (m == snaps[10][1]).all() and (v == snaps[10][2]).all()
+    assert np.isfinite(w).all()
+    # the skipped steps 4 and 6 left w, m, v exactly as they were
+    for s in (4, 6):
+        assert all((a == b).all() for a, b in zip(snaps[s], snaps[s + 1]))
+    assert not (snaps[5][0] == snaps[6][0]).all()   # a good step does move the weights
+    events = json.loads((tmp_path / "w" / "model.loss.json").read_text())["events"]
+    assert [e["step"] for e in events if e["kind"] == "bad_step"] == [4, 6, 10, 11, 12]
+    with pytest.raises(AndreaError, match="halted"):
+        _trainer(cfg, "warmup", data, tmp_path / "w").run()
+
+
+def test_a_hook_can_halt_the_run_with_a_reason(data, tmp_path):
+    cfg = micro_cfg(30, 40)
+    tr = _trainer(cfg, "warmup", data, tmp_path / "w")
+    seen = []
+
+    def fn(trainer, step):
+        seen.append(step)
+        return {"reason": "test says stop", "step": step} if step == 15 else None
+
+    tr.hooks.append(Hook("probe", 5, fn, lambda: {"seen": list(seen)}))
+    assert tr.run() == 0
+    assert seen == [5, 10, 15]
+    st = json.loads((tmp_path / "w" / "model.state.json").read_text())
+    assert st["step"] == 15 and st["halt"] == {"kind": "probe", "reason": "test says stop", "step": 15}
+    assert st["hooks"]["probe"] == {"seen": [5, 10, 15]}
+    assert _trainer(cfg, "warmup", data, tmp_path / "w").run() == 0   # halted: nothing more to do
+    assert json.loads((tmp_path / "w" / "model.state.json").read_text())["step"] == 15
