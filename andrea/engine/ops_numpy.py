@@ -63,9 +63,12 @@ def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
 
 # --------------------------------------------------------------------------- embed
 def embed_forward(out: np.ndarray, idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray) -> None:
-    """out (B, T, C) = wte[idx] + wpe[:T].  idx int32 (B, T); wte (V, C); wpe (context, C)."""
+    """out (B, T, C) = wte[idx] + wpe[:T].  idx int32 (B, T) in [0, V); wte (V, C); wpe (context, C).
+
+    (mode="clip": NumPy's default "raise" mode buffers the whole output; ids are range-checked
+    where shards are written and loaded.)"""
     B, T = idx.shape
-    np.take(wte, idx, axis=0, out=out)
+    np.take(wte, idx, axis=0, out=out, mode="clip")
     out += wpe[:T]
 
 
