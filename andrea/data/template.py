@@ -25,7 +25,8 @@ unusable (a stable reason string, used as a drop reason by prep-megachat),
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 ROLES = ("system", "human", "gpt")
 ROLE_TAGS = {"system": "<|system|>", "human": "<|user|>", "gpt": "<|assistant|>"}
@@ -35,6 +36,10 @@ STOP_STRINGS = (END_TAG, ROLE_TAGS["human"], ROLE_TAGS["system"])
 
 # Drop reasons that conversation_problem can return (prep-megachat reports them by these names).
 PROBLEMS = ("wrong_type", "no_turns", "missing_role", "unknown_role", "empty_turn", "bad_order")
+
+
+def _is_map(x: Any) -> bool:
+    return type(x) is dict or isinstance(x, Mapping)
 
 
 def render_turn(role: str, value: str) -> str:
@@ -74,7 +79,7 @@ def conversation_problem(turns: Any) -> str | None:
     if not turns:
         return "no_turns"
     for t in turns:
-        if not isinstance(t, Mapping):
+        if not _is_map(t):
             return "wrong_type"
         role, value = t.get("from"), t.get("value")
         if role is None:
@@ -101,7 +106,7 @@ def has_system_prompt_shape(turns: Any) -> bool:
     if not isinstance(turns, (list, tuple)) or len(turns) < 2:
         return False
     first, second = turns[0], turns[1]
-    if not isinstance(first, Mapping) or not isinstance(second, Mapping):
+    if not _is_map(first) or not _is_map(second):
         return False
     value = first.get("value")
     return (first.get("from") == "system" and isinstance(value, str) and bool(value.strip())
@@ -110,4 +115,4 @@ def has_system_prompt_shape(turns: Any) -> bool:
 
 def n_exchanges(turns: Sequence[Mapping[str, Any]]) -> int:
     """Number of assistant answers: 1 for a single-turn conversation, more for multi-turn."""
-    return sum(1 for t in turns if isinstance(t, Mapping) and t.get("from") == "gpt")
+    return sum(1 for t in turns if _is_map(t) and t.get("from") == "gpt")
