@@ -127,6 +127,7 @@ class InferenceModel:
             raise AndreaError(f"model weights: expected a flat buffer of {layout.n_params} parameters for "
                               f"{mc}, got shape {tuple(params.shape)}")
         self.dtype = params.dtype
+        self.params = params                        # the flat buffer itself (views below alias it)
         self.w = {t.name: params[t.offset:t.offset + t.size].reshape(t.shape) for t in layout.tensors}
         self.n_params = layout.n_params
         L, H, T, C, V, D = mc.n_layer, mc.n_head, mc.context, mc.d_model, mc.vocab_size, mc.head_dim
@@ -153,6 +154,13 @@ class InferenceModel:
         mask = np.triu(np.full((T, T), -np.inf, dtype=np.float64), k=1).astype(f)
         self.mask = xp.asarray(mask)                # (T, T): 0 on/below the diagonal, -inf above
         self.pos = 0
+
+    def load_weights(self, host_weights: np.ndarray) -> None:
+        """Copy another checkpoint's flat weights (host, n_params) into the viewed buffer."""
+        if host_weights.shape != (self.n_params,):
+            raise AndreaError(f"load_weights: expected {self.n_params} weights, got shape {host_weights.shape}")
+        self.be.copy_from_host(self.params, host_weights)
+        self.reset()
 
     @property
     def context(self) -> int:
@@ -326,10 +334,18 @@ def check_state(state: dict | None, state_path: Path, cfg: dict, tokenizer) -> N
     if sha and sha != tokenizer.sha256:
         raise AndreaError(f"{state_path}: tokenizer_sha256 {sha[:12]}... does not match the tokenizer given "
                           f"({tokenizer.sha256[:12]}...): this checkpoint was trained with another tokenizer")
+    recorded = []
+    if isinstance(state.get("model"), dict):
+        recorded.append(state["model"])
     saved = state.get("config")
     if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
-        for k, v in saved["model"].items():
-            if k in cfg["model"] and cfg["model"][k] != v:
+        recorded.append(saved["model"])
+    for model in recorded:
+        for k, v in model.items():
+            if k == "vocab_size":
+                if v != tokenizer.vocab_size:
+                    raise AndreaError(f"{state_path}: vocab_size {v} in the run, {tokenizer.vocab_size} in the tokenizer given")
+            elif k in cfg["model"] and cfg["model"][k] != v:
                 raise AndreaError(f"{state_path}: model.{k}={v} in the run, but the config says "
                                   f"model.{k}={cfg['model'][k]} (wrong --profile?)")
 

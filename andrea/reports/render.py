@@ -181,7 +181,7 @@ def bar_chart(values: dict[str, float], *, title: str, ylabel: str, width: int =
         parts.append(f'<text x="{width / 2:.1f}" y="{height / 2:.1f}" text-anchor="middle" font-size="13" '
                      f'fill="#888">no data</text></svg>')
         return "".join(parts)
-    top = max(max(finite), 0.0) or 1.0
+    top = (max(max(finite), 0.0) or 1.0) * 1.08          # headroom for the value labels
     ticks = nice_ticks(0.0, top, 5)
     top = max(top, ticks[-1] if ticks else top)
     parts.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
