@@ -60,6 +60,8 @@ def test_pretoken_pattern_covers_every_character():
     pat = re.compile(PRETOKEN_PATTERN)
     s = "  Hello,  wörld!\r\n\tx_y 12345 ½ é\u0301 \U0001F600\u200f\x00 "
     assert "".join(pat.findall(s)) == s
+    assert pat.findall("ok.<|end|>\n<|user|>\nx <= y<|") == ["ok", ".", "<|end|>", "\n", "<|user|>", "\n", "x", " <=",
+                                                            " y", "<|"]
 
 
 def test_successor_variety_finds_the_stem():

@@ -2,8 +2,8 @@
 
 Training (Zellig Harris, "From phoneme to morpheme", 1955; Hafer & Weiss 1974):
 
-1. Text is pre-split by ``PRETOKEN_PATTERN`` into words (a letter run, up to three
-   digits, a punctuation run, an underscore run -- each with at most one leading
+1. Text is pre-split by ``PRETOKEN_PATTERN`` into words (a ``<|tag|>``, a letter run, up
+   to three digits, a punctuation run, an underscore run -- each with at most one leading
    space -- or a whitespace run). Word counts are streamed: only the ``Counter`` of distinct words is kept, and it
    is pruned of its rarest entries whenever it grows past ``max_word_types``.
 2. For the letter words seen at least ``min_count`` times (their "core", without the
@@ -49,9 +49,11 @@ from andrea.errors import AndreaError
 
 FORMAT = "andrea.tokenizer/1"
 N_BYTES = 256
-# Covers every character: letters (\w minus digits and "_"), 1-3 digits, punctuation
-# (neither word nor space), "_" runs, whitespace runs (the last space of a run joins the next word).
-PRETOKEN_PATTERN = r" ?[^\W\d_]+| ?\d{1,3}| ?[^\w\s]+| ?_+|\s+(?!\S)|\s+"
+# Covers every character: a markup tag ``<|name|>`` (the chat template's) whole, letters (\w
+# minus digits and "_"), 1-3 digits, punctuation (neither word nor space; a run never
+# swallows a "<", which starts its own run so that a tag after punctuation stays whole),
+# "_" runs, whitespace runs (the last space of a run joins the next word).
+PRETOKEN_PATTERN = r"<\|[a-z_]{1,16}\|>| ?[^\W\d_]+| ?\d{1,3}| ?[^\w\s<]+| ?<[^\w\s<]*| ?_+|\s+(?!\S)|\s+"
 _LETTER_RE = re.compile(r"[^\W\d_]+\Z")
 HARRIS_MAX_CORE = 64        # longer letter runs are not segmented (no candidate comes from them)
 CACHE_MAX_WORD = 256        # longer words are encoded every time, never cached
