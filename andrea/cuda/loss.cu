@@ -62,3 +62,30 @@ extern "C" __global__ void k_loss_mean(const float* __restrict__ losses, float* 
 LOSS_INST(f32, float)
 LOSS_INST(bf16, bf16_t)
 LOSS_INST(f16, f16_t)
+
+// The NumPy twin keeps probs = softmax(logits) (N, V) from the forward and turns it into dlogits in
+// the backward: these two kernels do the same on the device (used by the op-for-op mirror).
+template <typename T>
+__device__ void softmax_rows(const T* __restrict__ logits, const float* __restrict__ lse, T* __restrict__ probs,
+                             int N, int V) {
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    const long long base = (long long)row * V;
+    const float l = lse[row];
+    for (int j = threadIdx.x; j < V; j += blockDim.x) probs[base + j] = from_f<T>(expf(to_f(logits[base + j]) - l));
+}
+template <typename T>
+__device__ void probs_to_dlogits(T* __restrict__ probs, const int* __restrict__ targets, float dscale, int N, int V) {
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    const long long base = (long long)row * V;
+    const int t = targets[row];
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+        probs[base + j] = from_f<T>((to_f(probs[base + j]) - (j == t ? 1.0f : 0.0f)) * dscale);
+}
+extern "C" __global__ void k_softmax_f32(const float* logits, const float* lse, float* probs, int N, int V) {
+    softmax_rows<float>(logits, lse, probs, N, V);
+}
+extern "C" __global__ void k_probs_to_dlogits_f32(float* probs, const int* targets, float dscale, int N, int V) {
+    probs_to_dlogits<float>(probs, targets, dscale, N, V);
+}

@@ -1,0 +1,292 @@
+"""Every CUDA kernel of andrea/cuda against its NumPy twin (andrea/engine/ops_numpy.py, in float64).
+
+    PYTHONPATH=. python3 -m pytest -m gpu tests/test_cuda_kernels.py     # on a machine with a GPU
+
+Skipped cleanly where CuPy cannot be imported or finds no CUDA device. Inputs are drawn fresh
+(seeded) and, for 16-bit storage, rounded to that type first, so the reference sees exactly what
+the kernel sees. Every check is ``|out - ref| <= atol + rtol * |ref|`` elementwise, with the
+tolerances per precision stated in TOL; outputs are poisoned (NaN) before each launch so an
+unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from andrea.cuda.loader import cupy_or_none
+from andrea.engine import ops_numpy as ops
+
+cp = cupy_or_none()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="CuPy cannot be imported or finds no CUDA device")]
+
+# (atol, rtol) per storage precision; fp32 arithmetic vs float64, 16-bit storage of outputs
+TOL = {"fp32": (2e-5, 2e-4), "bf16": (2e-2, 2e-2), "fp16": (4e-3, 4e-3)}
+
+
+def close(out, ref, prec, scale=1.0, what=""):
+    atol, rtol = TOL[prec]
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), f"{what}: non-finite output"
+    err = np.abs(out - ref)
+    bound = atol * scale + rtol * np.abs(ref)
+    worst = float(np.max(err - bound))
+    assert worst <= 0, f"{what}: max excess {worst:.3g} (max err {float(err.max()):.3g}, ref scale {scale:.3g})"
+
+
+def to_dev(x, prec):
+    """float array -> device array in storage type (uint16 payload for 16-bit), and the rounded host copy."""
+    x = np.asarray(x, np.float32)
+    if prec == "fp32":
+        return cp.asarray(x), x.astype(np.float64)
+    if prec == "bf16":
+        u = x.view(np.uint32).astype(np.uint64)
+        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        back = (bits.astype(np.uint32) << 16).view(np.float32)
+        return cp.asarray(bits), back.astype(np.float64)
+    h = x.astype(np.float16)
+    return cp.asarray(h.view(np.uint16)), h.astype(np.float64)
+
+
+def from_dev(a, prec):
+    h = cp.asnumpy(a)
+    if prec == "fp32" or h.dtype == np.float32:
+        return h.astype(np.float64)
+    if prec == "bf16":
+        return (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return h.view(np.float16).astype(np.float64)
+
+
+def empty(shape, prec):
+    if prec == "fp32":
+        return cp.full(shape, np.nan, dtype=np.float32)
+    return cp.full(shape, 0x7FFF if prec == "bf16" else 0x7E00, dtype=np.uint16)  # NaN payloads
+
+
+@pytest.fixture()
+def be():
+    from andrea.cuda import backend
+
+    return backend
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16", "fp16"])
+def test_layernorm_pair(be, prec):
+    rng = np.random.default_rng(1)
+    N, C = 300, 96
+    x = rng.normal(0.5, 2.0, (N, C)).astype(np.float32)
+    g = rng.normal(1.0, 0.3, C).astype(np.float32)
+    b = rng.normal(0.0, 0.3, C).astype(np.float32)
+    dy_f = rng.normal(0, 1, (N, C)).astype(np.float32)
+    y = empty((N, C), prec)
+    mean, rstd = cp.full(N, np.nan, np.float32), cp.full(N, np.nan, np.float32)
+    be.k_layernorm_fwd(prec, y, mean, rstd, cp.asarray(x), cp.asarray(g), cp.asarray(b), N, C)
+    ry, rm, rr = np.zeros((N, C)), np.zeros(N), np.zeros(N)
+    ops.layernorm_forward(ry, rm, rr, x.astype(np.float64), g.astype(np.float64), b.astype(np.float64))
+    close(from_dev(y, prec), ry, prec, what="layernorm y")
+    close(cp.asnumpy(mean), rm, "fp32", what="mean")
+    close(cp.asnumpy(rstd), rr, "fp32", what="rstd")
+    dy, dy64 = to_dev(dy_f, prec)
+    dx0 = rng.normal(0, 1, (N, C)).astype(np.float32)          # backward adds (+=)
+    dg0, db0 = rng.normal(0, 1, C).astype(np.float32), rng.normal(0, 1, C).astype(np.float32)
+    dx, dg, db = cp.asarray(dx0), cp.asarray(dg0), cp.asarray(db0)
+    part = cp.full(((N + 63) // 64) * 2 * C, np.nan, np.float32)
+    be.k_layernorm_bwd(prec, dx, dg, db, dy, cp.asarray(x), mean, rstd, cp.asarray(g), part, N, C)
+    rdx, rdg, rdb = dx0.astype(np.float64), dg0.astype(np.float64), db0.astype(np.float64)
+    ops.layernorm_backward(rdx, rdg, rdb, dy64, x.astype(np.float64), rm, rr, g.astype(np.float64),
+                           np.zeros(4 * N * C + 4 * N))
+    close(cp.asnumpy(dx), rdx, "fp32", scale=1.0, what="dx")
+    close(cp.asnumpy(dg), rdg, "fp32", scale=10.0, what="dg")
+    close(cp.asnumpy(db), rdb, "fp32", scale=10.0, what="db")
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_gelu_pair(be, prec):
+    rng = np.random.default_rng(2)
+    n = 10_000
+    x, x64 = to_dev(rng.normal(0, 2, n), prec)
+    dy, dy64 = to_dev(rng.normal(0, 1, n), prec)
+    y = empty(n, prec)
+    be.k_gelu_fwd(prec, y, x, n)
+    ref = np.zeros(n)
+    ops._gelu(ref, x64)
+    close(from_dev(y, prec), ref, prec, what="gelu")
+    dx = empty(n, prec)
+    be.k_gelu_bwd(prec, dx, dy, x, n)
+    k, a = ops.GELU_K, ops.GELU_A
+    th = np.tanh(k * (x64 + a * x64 ** 3))
+    dref = dy64 * (0.5 * (1 + th) + 0.5 * x64 * (1 - th ** 2) * k * (1 + 3 * a * x64 ** 2))
+    close(from_dev(dx, prec), dref, prec, what="gelu'")
+
+
+def _attn_case(be, prec, B, T, H, D, seed):
+    rng = np.random.default_rng(seed)
+    C = H * D
+    N = B * T
+    qkv, qkv64 = to_dev(rng.normal(0, 1, (N, 3 * C)), prec)
+    dout, dout64 = to_dev(rng.normal(0, 1, (N, C)), prec)
+    y = empty((N, C), prec)
+    lse = cp.full(B * H * T, np.nan, np.float32)
+    be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H)
+    ry = np.zeros((B, T, C))
+    att = np.zeros((B, H, T, T))
+    mask = np.triu(np.full((T, T), -np.inf), k=1)
+    ops.attn_forward(ry, att, qkv64.reshape(B, T, 3 * C), mask, H, np.zeros(N * C + B * H * T))
+    close(from_dev(y, prec), ry.reshape(N, C), prec, what=f"attn y {prec} D={D}")
+    dqkv = empty((N, 3 * C), prec)
+    dvec = cp.full(B * H * T, np.nan, np.float32)
+    be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False)
+    rd = np.zeros((B, T, 3 * C))
+    ops.attn_backward(rd, dout64.reshape(B, T, C), qkv64.reshape(B, T, 3 * C), att, H,
+                      np.zeros(B * H * T * T + N * C + B * H * T))
+    got = from_dev(dqkv, prec)
+    ref = rd.reshape(N, 3 * C)
+    scale = float(np.abs(ref).max())
+    close(got, ref, prec, scale=scale, what=f"attn dqkv {prec} D={D}")
+    return dqkv, y, lse
+
+
+@pytest.mark.parametrize("prec,D", [("fp32", 8), ("fp32", 32), ("fp32", 64), ("bf16", 32), ("bf16", 64),
+                                    ("fp16", 64), ("bf16", 16)])
+def test_attention_pair_causal_uneven_T(be, prec, D):
+    # T = 200 is not a multiple of the 64-row tiles: the ragged last tile is checked too
+    _attn_case(be, prec, B=2, T=200, H=2, D=D, seed=D)
+
+
+def test_attention_backward_is_deterministic_and_accumulates(be):
+    B, T, H, D = 2, 256, 4, 64
+    a1, y, lse = _attn_case(be, "bf16", B, T, H, D, seed=7)
+    a2, _, _ = _attn_case(be, "bf16", B, T, H, D, seed=7)
+    assert cp.asnumpy(a1).tobytes() == cp.asnumpy(a2).tobytes()
+    # fp32 accumulate=True adds onto what is there
+    rng = np.random.default_rng(3)
+    C, N = H * D, B * T
+    qkv = cp.asarray(rng.normal(0, 1, (N, 3 * C)).astype(np.float32))
+    dout = cp.asarray(rng.normal(0, 1, (N, C)).astype(np.float32))
+    y = cp.zeros((N, C), np.float32)
+    lse = cp.zeros(B * H * T, np.float32)
+    dvec = cp.zeros(B * H * T, np.float32)
+    be.k_attn_fwd("fp32", y, lse, qkv, B, T, C, H)
+    d1 = cp.zeros((N, 3 * C), np.float32)
+    be.k_attn_bwd("fp32", d1, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True)
+    base = cp.asarray(rng.normal(0, 1, (N, 3 * C)).astype(np.float32))
+    d2 = base.copy()
+    be.k_attn_bwd("fp32", d2, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True)
+    close(cp.asnumpy(d2), cp.asnumpy(base + d1), "fp32", what="accumulate")
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_loss_pair(be, prec):
+    rng = np.random.default_rng(4)
+    N, V = 64, 1000
+    logits, l64 = to_dev(rng.normal(0, 3, (N, V)), prec)
+    tg = rng.integers(0, V, N).astype(np.int32)
+    lse = cp.full(N, np.nan, np.float32)
+    losses = cp.full(N, np.nan, np.float32)
+    be.k_loss_fwd(prec, lse, losses, logits, cp.asarray(tg), N, V)
+    m = l64.max(1, keepdims=True)
+    rlse = (m + np.log(np.exp(l64 - m).sum(1, keepdims=True)))[:, 0]
+    close(cp.asnumpy(lse), rlse, "fp32", what="lse")
+    close(cp.asnumpy(losses), rlse - l64[np.arange(N), tg], "fp32", what="losses")
+    out = cp.zeros(8, np.float32)
+    from andrea.cuda.loader import kernel
+
+    kernel("loss.cu", "k_loss_mean")((1,), (1024,), (losses, out, np.int32(N)))
+    close(cp.asnumpy(out)[:1], [np.mean(rlse - l64[np.arange(N), tg])], "fp32", what="mean")
+    d = empty((N, V), prec)
+    be.k_loss_bwd(prec, d, logits, cp.asarray(tg), lse, 1.0 / N, N, V)
+    p = np.exp(l64 - rlse[:, None])
+    p[np.arange(N), tg] -= 1.0
+    close(from_dev(d, prec), p / N, prec, scale=1.0 / N, what="dlogits")
+
+
+def test_embed_pair_matches_and_is_order_independent(be):
+    rng = np.random.default_rng(5)
+    B, T, V, C = 4, 50, 37, 24
+    idx = rng.integers(0, V, (B, T)).astype(np.int32)
+    wte = rng.normal(0, 1, (V, C)).astype(np.float32)
+    wpe = rng.normal(0, 1, (T, C)).astype(np.float32)
+    o = be._Ops()
+    out = cp.full((B, T, C), np.nan, np.float32)
+    o.embed_forward(out, cp.asarray(idx), cp.asarray(wte), cp.asarray(wpe))
+    ref = np.zeros((B, T, C), np.float32)
+    ops.embed_forward(ref, idx, wte, wpe)
+    close(cp.asnumpy(out), ref, "fp32", what="embed")
+    dout = rng.normal(0, 1, (B, T, C)).astype(np.float32)
+    dwte0, dwpe0 = rng.normal(0, 1, (V, C)).astype(np.float32), rng.normal(0, 1, (T, C)).astype(np.float32)
+    dwte, dwpe = cp.asarray(dwte0), cp.asarray(dwpe0)
+    o.embed_backward(dwte, dwpe, cp.asarray(dout), cp.asarray(idx))
+    r1, r2 = dwte0.astype(np.float64), dwpe0.astype(np.float64)
+    ops.embed_backward(r1, r2, dout.astype(np.float64), idx)
+    close(cp.asnumpy(dwte), r1, "fp32", scale=5, what="dwte")
+    close(cp.asnumpy(dwpe), r2, "fp32", scale=5, what="dwpe")
+    again = cp.asarray(dwte0)
+    o.embed_backward(again, cp.asarray(dwpe0), cp.asarray(dout), cp.asarray(idx))
+    assert cp.asnumpy(again).tobytes() == cp.asnumpy(dwte).tobytes()
+
+
+def test_clipping_and_adamw_match_numpy(be):
+    rng = np.random.default_rng(6)
+    n, n_decay = 100_003, 60_000
+    g = rng.normal(0, 1e-2, n).astype(np.float32)
+    o = be._Ops()
+    part = cp.zeros(64, np.float64)
+    o.grad_norm_partial(part, cp.asarray(g))
+    rpart = np.zeros(64)
+    ops.grad_norm_partial(rpart, g.astype(np.float64))
+    close(cp.asnumpy(part), rpart, "fp32", scale=1e-3, what="partials")
+    assert abs(o.grad_norm_final(part) - ops.grad_norm_final(rpart)) <= 1e-5 * ops.grad_norm_final(rpart)
+    w, m, v = (rng.normal(0, 1, n).astype(np.float32), rng.normal(0, 1e-3, n).astype(np.float32),
+               np.abs(rng.normal(0, 1e-5, n)).astype(np.float32))
+    dw, dm, dv = cp.asarray(w), cp.asarray(m), cp.asarray(v)
+    o.adamw(dw, cp.asarray(g), dm, dv, n_decay, 7, 3e-3, 0.9, 0.95, 1e-8, 0.1)
+    rw, rm, rv = w.astype(np.float64), m.astype(np.float64), v.astype(np.float64)
+    ops.adamw(rw, g.astype(np.float64), rm, rv, n_decay, 7, 3e-3, 0.9, 0.95, 1e-8, 0.1)
+    close(cp.asnumpy(dm), rm, "fp32", scale=1e-3, what="m")
+    close(cp.asnumpy(dv), rv, "fp32", scale=1e-7, what="v")
+    close(cp.asnumpy(dw), rw, "fp32", scale=1e-3, what="w")
+    # the device-side clip: gstate = [norm, scale, finite]; NaN grads -> finite = 0 -> AdamW skips
+    from andrea.cuda.loader import kernel
+
+    gbad = cp.asarray(g)
+    gbad[123] = np.nan
+    pp, gs = cp.zeros(512, np.float32), cp.zeros(4, np.float32)
+    kernel("optim.cu", "k_grad_norm_partial")((512,), (256,), (gbad, np.int64(n), pp))
+    kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (pp, np.int32(512), np.float32(1.0), np.float32(1.0), gs))
+    assert cp.asnumpy(gs)[2] == 0.0
+    w0 = cp.asarray(w)
+    hp = cp.asarray(be._adam_hyper(1, 1e-3, 0.9, 0.95, 1e-8, 0.1))
+    kernel("optim.cu", "k_adamw_f32")((math.ceil(n / 256),), (256,), (w0, gbad, cp.zeros(n, np.float32),
+                                                                     cp.zeros(n, np.float32), np.uint64(0),
+                                                                     np.int64(n), hp, gs, np.int64(n_decay),
+                                                                     np.int32(1)))
+    assert cp.asnumpy(w0).tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_cublas_gemm_matches_and_is_bitwise_repeatable(be, prec):
+    rng = np.random.default_rng(8)
+    M, K, N = 1024, 768, 3072
+    A, A64 = to_dev(rng.normal(0, 1, (M, K)), prec)
+    Bm, B64 = to_dev(rng.normal(0, 1, (K, N)), prec)
+    blas = be.Blas()
+    lt = be._LOWTYPE[prec]
+    outs = []
+    for _ in range(2):
+        Cm = cp.zeros((M, N), np.float32)
+        blas.mm(Cm, A, Bm, lowtype=lt)
+        outs.append(cp.asnumpy(Cm))
+    assert outs[0].tobytes() == outs[1].tobytes()
+    close(outs[0], A64 @ B64, "fp32", scale=30.0, what="gemm")
+    # beta = 1 accumulates; a transposed operand: C (K, N) += A.T (K, M) @ B2 (M, N)
+    B2, B264 = to_dev(rng.normal(0, 1, (M, N)), prec)
+    Ct = cp.ones((K, N), np.float32)
+    blas.mm(Ct, A, B2, ta=True, beta=1.0, lowtype=lt)
+    close(cp.asnumpy(Ct), 1.0 + A64.T @ B264, "fp32", scale=40.0, what="gemm ta beta=1")
+    # and B transposed: C (M, K) = A (M, N') @ B3.T with B3 (K, N')
+    B3, B364 = to_dev(rng.normal(0, 1, (K, K)), prec)
+    Cb = cp.zeros((M, K), np.float32)
+    blas.mm(Cb, A, B3, tb=True, lowtype=lt)
+    close(cp.asnumpy(Cb), A64 @ B364.T, "fp32", scale=30.0, what="gemm tb")
