@@ -1,0 +1,161 @@
+"""Live loss dashboard: ``andrea dashboard RUN_DIR --port N`` serves, on 127.0.0.1 only, a page
+that follows the run's ``model.loss.json`` while it trains.
+
+    andrea dashboard runs/tiny/main --port 8765       # then open http://127.0.0.1:8765/
+
+The page (``dashboard.html`` beside this file: plain JS + inline SVG, no external asset,
+nothing fetched from the network) polls ``/data`` every ``--interval`` seconds and draws
+train loss per source (EMA), learning rate, tokens/s and the bandit's pull shares, plus the
+run's events. ``/data?train=I&train_last=S&...`` returns only the records after the first
+I of each list (``train``, ``val``, ``pulls``, ``events``); when the history no longer
+extends what the page holds (a resume rewrote it, or the run folder was replaced), the
+answer has ``reset: true`` and the full lists. The training loop replaces the file
+atomically, so a read never sees half a file; the server re-parses it only when its
+mtime or size changes. While the file does not exist yet the page says it is waiting.
+Stop with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+KEYS = ("train", "val", "pulls", "events")
+HOST = "127.0.0.1"
+
+
+def page_html(interval_s: float) -> bytes:
+    html = (resources.files("andrea") / "reports" / "dashboard.html").read_text(encoding="utf-8")
+    return html.replace("Number(params.get(\"interval\") || 2000)",
+                        f"Number(params.get(\"interval\") || {int(interval_s * 1000)})").encode("utf-8")
+
+
+class History:
+    """``model.loss.json`` of a run, parsed again only when the file changes."""
+
+    def __init__(self, run: Path):
+        self.path = run / "model.loss.json"
+        self._key = None
+        self._data: dict | None = None
+        self._why = "not written yet"
+        self._lock = threading.Lock()
+
+    def load(self) -> tuple[dict | None, str]:
+        with self._lock:
+            try:
+                st = self.path.stat()
+            except FileNotFoundError:
+                self._key, self._data, self._why = None, None, "not written yet"
+                return None, self._why
+            key = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if key != self._key:
+                try:
+                    d = json.loads(self.path.read_text(encoding="utf-8"))
+                    if not isinstance(d, dict):
+                        raise ValueError("not a JSON object")
+                    self._data = {k: [r for r in d.get(k, []) if isinstance(r, dict)] for k in KEYS}
+                    self._why = ""
+                except (ValueError, UnicodeDecodeError, OSError) as e:
+                    self._data, self._why = None, f"unreadable ({type(e).__name__})"
+                self._key = key
+            return self._data, self._why
+
+
+def _same_step(a, b: str) -> bool:
+    try:
+        return math.isclose(float(a), float(b))
+    except (TypeError, ValueError):
+        return False
+
+
+def since(data: dict, query: dict) -> dict:
+    """The records each client list lacks, or everything with ``reset`` when the lists diverged."""
+    offsets = {}
+    reset = False
+    for k in KEYS:
+        try:
+            n = max(0, int(query.get(k, ["0"])[0] or 0))
+        except ValueError:
+            n = 0
+        recs = data[k]
+        last = query.get(k + "_last", [""])[0]
+        if n > len(recs) or (n > 0 and not _same_step(recs[n - 1].get("step"), last)):
+            reset = True
+        offsets[k] = n
+    if reset:
+        return {"reset": True, **{k: data[k] for k in KEYS}}
+    return {"reset": False, **{k: data[k][offsets[k]:] for k in KEYS}}
+
+
+def make_server(run: Path, port: int, interval_s: float = 2.0) -> ThreadingHTTPServer:
+    """An HTTP server on 127.0.0.1:port (0 = any free port) for one run folder."""
+    hist = History(run)
+    page = page_html(interval_s)
+    label = str(run)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            url = urlparse(self.path)
+            if url.path in ("/", "/index.html"):
+                self._send(200, page, "text/html; charset=utf-8")
+            elif url.path == "/data":
+                data, why = hist.load()
+                if data is None:
+                    out = {"run": label, "file": hist.path.name, "missing": why}
+                else:
+                    out = {"run": label, "file": hist.path.name, **since(data, parse_qs(url.query))}
+                self._send(200, json.dumps(out, allow_nan=False, default=str).encode("utf-8"),
+                           "application/json")
+            elif url.path == "/favicon.ico":
+                self._send(204, b"", "image/x-icon")                # no icon, and no console error for it
+            else:
+                self._send(404, b"not found\n", "text/plain; charset=utf-8")
+
+    return ThreadingHTTPServer((HOST, int(port)), Handler)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("run", metavar="RUN_DIR", help="run folder whose model.loss.json to follow, e.g. runs/tiny/main")
+    p.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default: %(default)s; 0 = any free port)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between the page's polls (default: %(default)s)")
+
+
+def run(args, cfg) -> int:
+    from andrea.errors import AndreaError
+
+    run_dir = Path(args.run)
+    if not run_dir.is_dir():
+        raise AndreaError(f"{run_dir}: run folder not found")
+    if not 0 <= args.port < 65536:
+        raise AndreaError(f"--port {args.port}: must be in 0..65535")
+    try:
+        srv = make_server(run_dir, args.port, max(0.2, float(args.interval)))
+    except OSError as e:
+        raise AndreaError(f"{HOST}:{args.port}: cannot listen ({e.strerror or e})") from None
+    print(f"andrea dashboard: following {run_dir / 'model.loss.json'} at http://{HOST}:{srv.server_address[1]}/ "
+          "(Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        srv.serve_forever(poll_interval=0.25)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0

@@ -1,0 +1,170 @@
+"""The live dashboard: the /data protocol, the server, and the page in a real headless chromium.
+
+    pytest tests/test_dashboard.py
+
+The browser test drives Debian's chromium through selenium + chromedriver (the ``test``
+extra; ``.ci/run`` installs chromium and chromium-driver) and is skipped, saying why, where
+either is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from andrea.fsutil import atomic_write_json
+from andrea.reports.dashboard import History, make_server, page_html, since
+
+SOURCES = ("chat-single", "py-code", "py-topics")
+
+
+def history(n_train: int, n_val: int = 0, with_events: bool = True) -> dict:
+    train = [{"step": s, "phase": "warmup" if s < 10 else "main", "loss": 6.0 - 0.05 * s + 0.1 * (s % 3),
+              "lr": 1e-3 * min(1, (s + 1) / 10), "grad_norm": 1.0, "tokens_per_s": 5000 + 10 * s,
+              "source": SOURCES[(s // 4) % 3], "time": float(s)} for s in range(n_train)]
+    val = [{"step": 10 * (i + 1), "loss": 5.0 - 0.2 * i, "per_source": {s: 5.0 - 0.2 * i for s in SOURCES}}
+           for i in range(n_val)]
+    pulls = [{"step": s, "source": SOURCES[(s // 4) % 3], "reward": 1.0, "scores": {}} for s in range(0, n_train, 4)]
+    events = [{"step": 0, "kind": "start", "detail": "fresh"}] if with_events else []
+    return {"format": "andrea.loss/1", "train": train, "val": val, "pulls": pulls, "events": events}
+
+
+def test_since_returns_only_new_records_and_resets_on_divergence():
+    d = history(30, 2)
+    q = {"train": ["20"], "train_last": ["19"], "val": ["1"], "val_last": ["10"], "pulls": ["0"], "events": ["1"],
+         "events_last": ["0"]}
+    out = since(d, q)
+    assert not out["reset"] and [r["step"] for r in out["train"]] == list(range(20, 30))
+    assert len(out["val"]) == 1 and len(out["pulls"]) == len(d["pulls"]) and out["events"] == []
+    assert since(d, {**q, "train_last": ["18"]})["reset"]          # history rewritten under the client
+    assert since(d, {**q, "train": ["31"]})["reset"]               # history shorter than the client's
+    full = since(d, {**q, "train": ["31"]})
+    assert len(full["train"]) == 30
+
+
+def test_history_reparses_only_on_change(tmp_path):
+    h = History(tmp_path)
+    assert h.load() == (None, "not written yet")
+    atomic_write_json(tmp_path / "model.loss.json", history(5))
+    d1, _ = h.load()
+    assert len(d1["train"]) == 5 and h.load()[0] is d1
+    atomic_write_json(tmp_path / "model.loss.json", history(8))
+    assert len(h.load()[0]["train"]) == 8
+    (tmp_path / "model.loss.json").write_text("{broken")
+    assert h.load()[0] is None and "unreadable" in h.load()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = make_server(tmp_path, 0, interval_s=0.25)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    yield srv, tmp_path, f"http://127.0.0.1:{srv.server_address[1]}/"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_server_binds_loopback_and_serves_page_and_data(server):
+    srv, run, url = server
+    assert srv.server_address[0] == "127.0.0.1"
+    page = urllib.request.urlopen(url, timeout=5).read().decode()
+    assert "chart-loss" in page and "|| 250)" in page
+    d = json.loads(urllib.request.urlopen(url + "data", timeout=5).read())
+    assert d["missing"] == "not written yet"
+    atomic_write_json(run / "model.loss.json", history(12))
+    d = json.loads(urllib.request.urlopen(url + "data?train=0", timeout=5).read())
+    assert len(d["train"]) == 12 and d["reset"] is False
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(url + "../etc/passwd", timeout=5)
+
+
+def test_page_is_self_contained():
+    html = page_html(2.0).decode()
+    assert not re.findall(r"<(?:script|link|img|iframe)[^>]*(?:src|href)\s*=", html)
+    assert set(re.findall(r"https?://[^\s\"'<>]+", html)) <= {"http://www.w3.org/2000/svg"}
+    assert "@import" not in html
+
+
+# ----------------------------------------------------------------- real browser
+def _browser():
+    """(webdriver module, chromium path, chromedriver path) or a skip reason."""
+    try:
+        from selenium import webdriver
+    except ImportError:
+        return None, "selenium is not installed (pip install -e '.[test]')"
+    chrome = os.environ.get("ANDREA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") \
+        or shutil.which("google-chrome")
+    driver = os.environ.get("ANDREA_CHROMEDRIVER") or shutil.which("chromedriver")
+    if not chrome:
+        return None, "no chromium found (Debian: apt-get install chromium chromium-driver)"
+    if not driver:
+        return None, "no chromedriver found (Debian: apt-get install chromium-driver)"
+    return (webdriver, chrome, driver), None
+
+
+def _wait(cond, timeout=20.0, what="condition"):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_dashboard_in_headless_chromium_loads_draws_and_updates(server, tmp_path_factory):
+    found, why = _browser()
+    if found is None:
+        pytest.skip(why)
+    webdriver, chrome, driver_path = found
+    from selenium.webdriver.chrome.service import Service
+
+    srv, run, url = server
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chrome
+    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+              f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        opts.add_argument(a)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    drv = webdriver.Chrome(options=opts, service=Service(executable_path=driver_path))
+    try:
+        drv.set_page_load_timeout(30)
+        drv.get(url + "?interval=250")
+        status = lambda: drv.find_element("id", "status")
+        # no file yet: the page loads and says it waits
+        _wait(lambda: "waiting for model.loss.json" in status().text, what="the waiting message")
+        atomic_write_json(run / "model.loss.json", history(20, 1))
+        _wait(lambda: status().get_attribute("data-records") == "20", what="20 records drawn")
+        assert status().get_attribute("data-step") == "19"
+        loss = drv.find_element("id", "chart-loss")
+        lines = loss.find_elements("css selector", "polyline")
+        assert sorted(l.get_attribute("data-series") for l in lines) == sorted(SOURCES)
+        assert int(loss.get_attribute("data-points")) == 20
+        for cid in ("chart-lr", "chart-tps", "chart-shares"):
+            assert drv.find_element("id", cid).find_elements("css selector", "polyline"), cid
+        first_pts = {l.get_attribute("data-series"): len(l.get_attribute("points").split()) for l in lines}
+        # the file grows: the page picks up only the new records and redraws
+        atomic_write_json(run / "model.loss.json", history(45, 3))
+        _wait(lambda: status().get_attribute("data-records") == "45", what="45 records drawn")
+        assert "step 44" in status().text and "val" in status().text
+        lines = drv.find_element("id", "chart-loss").find_elements("css selector", "polyline")
+        grown = {l.get_attribute("data-series"): len(l.get_attribute("points").split()) for l in lines}
+        assert sum(grown.values()) == 45 and all(grown[k] > first_pts[k] for k in first_pts)
+        # a resume that rewrites history: the page resets instead of appending
+        atomic_write_json(run / "model.loss.json", {**history(30, 1), "train": history(30)["train"][:10]
+                                                    + [{**r, "step": r["step"] + 1000} for r in history(30)["train"][10:]]})
+        _wait(lambda: status().get_attribute("data-records") == "30", what="reset to 30 records")
+        assert "start" in drv.find_element("id", "events").text
+        severe = [e for e in drv.get_log("browser") if e.get("level") == "SEVERE"]
+        assert not severe, severe
+    finally:
+        drv.quit()
