@@ -23,8 +23,9 @@ sets it) and derive the reward of an observation from it:
     freshness factor ``1 + (bonus - 1) * unseen_share_i``. A factor below one always
     lowers a score and one above one always raises it: a negative score is divided by
     the factor instead of multiplied;
-  * floors: before scoring, a source whose share of this phase's batches is below
-    ``bandit.floor`` is pulled (largest deficit first), so every source keeps its floor.
+  * floors: before scoring, a source that is a whole batch or more behind
+    ``bandit.floor`` x (this phase's batches) is pulled (largest deficit first), so every
+    source keeps its floor share to within a batch and a dwell.
 
 Policies hold no RNG of their own: the curriculum passes its seeded dice generator, so
 the whole state is the curriculum's ``state_dict()``. Tests: ``pytest tests/test_curriculum.py``.
@@ -166,7 +167,7 @@ class UCB1Policy:
         if total > 0 and self.floor > 0:
             deficit = {s: self.floor * total - self.batches[s] for s in self.eligible}
             worst = max(self.eligible, key=lambda s: (deficit[s], -self.eligible.index(s)))
-            if deficit[worst] > 0:
+            if deficit[worst] >= 1.0:  # a whole batch behind its floor share
                 return worst, "floor"
         unpulled = [s for s in self.eligible if math.isinf(scores[s])]
         if unpulled:
