@@ -268,7 +268,12 @@ class Tokenizer:
             if len(b) < 2 or b in self._vocab:
                 raise AndreaError(f"tokenizer: morpheme id {i} ({b!r}) is shorter than 2 bytes or repeated")
             self._vocab[b] = i
-        self._prefixes = {b[:k] for b in self._vocab for k in range(1, len(b) + 1)}
+        self._trie: dict = {}  # byte -> child node; key 256 holds the id of the morpheme ending here
+        for b, i in self._vocab.items():
+            node = self._trie
+            for c in b:
+                node = node.setdefault(c, {})
+            node[N_BYTES] = i
         self._cache = _WordCache(self._encode_word)
         self._sha256 = sha256
 
@@ -315,25 +320,30 @@ class Tokenizer:
 
     # -- encoding
     def _encode_word(self, word: str) -> tuple[int, ...]:
-        """Fewest tokens for one pre-token; ties -> the longest first token."""
+        """Fewest tokens for one pre-token (a walk of the morpheme trie from every byte);
+        ties -> the longest first token."""
         b = utf8(word)
         n = len(b)
-        vocab, prefixes = self._vocab, self._prefixes
+        root = self._trie
         best = [0] * (n + 1)
-        step = [1] * (n + 1)
+        pick = [0] * n
         for i in range(n - 1, -1, -1):
-            cost, length = best[i + 1] + 1, 1
-            j = i + 2
-            while j <= n and b[i:j] in prefixes:
-                if b[i:j] in vocab and best[j] + 1 <= cost:
-                    cost, length = best[j] + 1, j - i
+            cost, tid = best[i + 1] + 1, b[i]
+            node, j = root.get(b[i]), i + 1
+            while node is not None and j < n:
+                node = node.get(b[j])
                 j += 1
-            best[i], step[i] = cost, length
-        out, i = [], 0
+                if node is None:
+                    break
+                t = node.get(N_BYTES)
+                if t is not None and best[j] + 1 <= cost:
+                    cost, tid = best[j] + 1, t
+            best[i], pick[i] = cost, tid
+        out, i, tb = [], 0, self._bytes
         while i < n:
-            L = step[i]
-            out.append(vocab[b[i:i + L]] if L > 1 else b[i])
-            i += L
+            t = pick[i]
+            out.append(t)
+            i += len(tb[t]) if t >= N_BYTES else 1
         return tuple(out)
 
     def encode_words(self, text: str) -> list[tuple[int, ...]]:
