@@ -178,6 +178,11 @@ def test_hub_gated_without_token_fails_cleanly(tmp_path, hub):
     _assert_clean_failure(_pull(tmp_path, hub.url), tmp_path, "gated", "$HF_TOKEN is not set")
 
 
+def test_hub_gated_with_a_rejected_token_says_so(tmp_path, hub):
+    hub.mode = "gated"
+    _assert_clean_failure(_pull(tmp_path, hub.url, token="hf_wrong"), tmp_path, "token in $HF_TOKEN was not accepted")
+
+
 def test_hub_unreachable_fails_cleanly(tmp_path):
     with socket.socket() as s:  # a port that nothing listens on
         s.bind(("127.0.0.1", 0))
