@@ -135,7 +135,7 @@ class InferenceModel:
         # (L, H, T, D) keys and values of every position seen so far
         self.k_cache = xp.zeros((L, H, T, D), dtype=f)
         self.v_cache = xp.zeros((L, H, T, D), dtype=f)
-        self.idx = xp.zeros((1, T), dtype=xp.int32)
+        self.idx = xp.zeros((T,), dtype=xp.int32)
         self.x = xp.zeros((T, C), dtype=f)          # residual stream of the new rows
         self.h = xp.zeros((T, C), dtype=f)          # LayerNorm output
         self.mean = xp.zeros((T,), dtype=f)
@@ -205,9 +205,9 @@ class InferenceModel:
         if ids.min() < 0 or ids.max() >= self.mc.vocab_size:
             raise AndreaError(f"forward: token id outside [0, {self.mc.vocab_size})")
         ops, w, C = self.ops, self.w, self.mc.d_model
-        self.be.copy_from_host(self.idx[:, :n], ids.reshape(1, n))
+        self.be.copy_from_host(self.idx[:n], ids)
         x = self.x[:n]
-        ops.embed_forward(x.reshape(1, n, C), self.idx[:, :n], w["wte"], w["wpe"][self.pos:])
+        ops.embed_forward(x.reshape(1, n, C), self.idx[:n].reshape(1, n), w["wte"], w["wpe"][self.pos:])
         h, mean, rstd, branch = self.h[:n], self.mean[:n], self.rstd[:n], self.branch[:n]
         for l in range(self.mc.n_layer):
             pre = f"h.{l}."
