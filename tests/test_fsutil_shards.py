@@ -86,3 +86,14 @@ def test_damaged_shards_are_refused(tmp_path):
         Shard(path)
     with pytest.raises(AndreaError, match="not found"):
         Shard(tmp_path / "missing.bin")
+
+
+def test_atomic_dir_has_ordinary_permissions(tmp_path):
+    import os
+    umask = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "out") as d:
+            (d / "a").write_text("x")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
