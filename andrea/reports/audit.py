@@ -180,7 +180,7 @@ def sample_checkpoint(model, tok, prompts: list[Prompt], cfg: dict, progress=Non
             rng = np.random.default_rng([int(cfg["seed"]), i, j])
             g = generate(model, ids, opts, rng, eot_id=tok.eot_id, tokenizer=tok)
             s = coherence.scores(g.text)
-            recs.append({"id": p.id, "domain": p.domain, "sample": j, "prompt": p.shown, "text": g.text,
+            recs.append({"id": p.id, "domain": p.domain, "sample": j, "prompt": p.shown, "input": p.text, "text": g.text,
                          "n_tokens": len(g.ids), "stop": g.stop, "scores": s,
                          "flags": sample_flags(g.text, s, max_repeat)})
             if progress is not None:

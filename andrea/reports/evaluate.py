@@ -333,7 +333,7 @@ def run_judge(cfg: dict, audit: dict | None, cache_dir: str | None, progress=Non
         scores: dict[str, list[int]] = {}
         task = progress.add_task("judge", total=len(final["samples"])) if progress else None
         for s in final["samples"]:
-            r = j.score(s["domain"], s["prompt"], s["text"])
+            r = j.score(s["domain"], s.get("input", s["prompt"]), s["text"])     # the whole rendered conversation
             if r is None and not j.enabled:
                 break
             if r is not None and r["score"] is not None:
