@@ -50,7 +50,7 @@ def run(args, cfg) -> int:
     from andrea.data.template import STOP_STRINGS, render_prompt
     from andrea.engine.backend import select_backend
 
-    be, _ = select_backend(args.backend)
+    be, _ = select_backend(args.backend or cfg["train"]["backend"])
     lm = load_model(args.run, args.tokenizer, cfg, be)
     tok = lm.tokenizer
     opts = replace(options_from(args, cfg["audit"]), stop_strings=tuple(STOP_STRINGS))

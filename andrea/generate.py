@@ -387,8 +387,8 @@ def add_sampling_arguments(p) -> None:
     g.add_argument("--top-p", type=float, default=None, help="1 = no nucleus cut")
     g.add_argument("--no-stop-at-eot", action="store_true", help="keep going past the end-of-text token")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: the params' seed)")
-    g.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="numpy",
-                   help="array backend for inference (default: %(default)s)")
+    g.add_argument("--backend", choices=["auto", "numpy", "cupy"], default=None,
+                   help="array backend for inference (default: the params' train.backend)")
 
 
 def add_arguments(p) -> None:
@@ -404,7 +404,7 @@ def add_arguments(p) -> None:
 def run(args, cfg) -> int:
     from andrea.engine.backend import select_backend
 
-    be, _ = select_backend(args.backend)
+    be, _ = select_backend(args.backend or cfg["train"]["backend"])
     lm = load_model(args.run, args.tokenizer, cfg, be)
     opts = options_from(args, cfg["audit"])
     prompts = list(args.prompt)

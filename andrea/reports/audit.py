@@ -276,6 +276,7 @@ def run(args, cfg) -> int:
     from rich.progress import Progress
 
     from andrea.engine import checkpoint as ckio
+    from andrea.engine.backend import select_backend
     from andrea.generate import load_model
 
     run_dir, out = Path(args.run), Path(args.out)
@@ -283,7 +284,9 @@ def run(args, cfg) -> int:
     ckpts = find_checkpoints(run_dir, args.extra_checkpoint)
     if args.final_only:
         ckpts = [c for c in ckpts if c[2]]
-    lm = load_model(run_dir, args.tokenizer, cfg)
+    be, why = select_backend(cfg["train"]["backend"])
+    lm = load_model(run_dir, args.tokenizer, cfg, be)
+    console.print(f"audit: backend {why}")
     prompts = load_prompts()
     n_per = len(prompts) * int(cfg["audit"]["samples_per_prompt"])
     checkpoints = []
@@ -300,6 +303,7 @@ def run(args, cfg) -> int:
     a = cfg["audit"]
     audit = {
         "format": FORMAT, "run": args.run, "tokenizer_sha256": lm.tokenizer.sha256, "seed": int(cfg["seed"]),
+        "backend": be.name,
         "options": {k: a[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "samples_per_prompt")},
         "max_repeat": dict(cfg["coherence"]["max_repeat"]),
         "domains": sorted({p.domain for p in prompts}), "n_prompts": len(prompts),
