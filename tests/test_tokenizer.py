@@ -108,10 +108,11 @@ def test_compresses_held_out_text(doc_tok):
 
 SPECIAL = ["", "\r\n", "\t\t", "\U0001F600\U0001F469\u200d\U0001F4BB", "\u6f22\u5b57\u304b\u306a", "\u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627",
            "e\u0301\u0302\u0303", "\x00\x01\x1b[0m\x7f", "\ud800", "\udfff\ud800", "\ufeff", "a" * 5000,
-           "Supercalifragilistic" * 300, " " * 1000, "12345678901234567890", "x_y__z", "\u0000\n"]
+           "Supercalifragilistic" * 300, " " * 1000, "12345678901234567890", "x_y__z", "\u0000\n",
+           "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n", "<|<|end|>|>", "a<|b c|>"]
 
 ALPHABET = st.one_of(st.characters(exclude_categories=()), st.characters(categories=["Cs"]),
-                     st.sampled_from(list(" \t\r\n_0aé\u0301\U0001F600\u05d0")))
+                     st.sampled_from(list(" \t\r\n_0aé\u0301\U0001F600\u05d0<|>") + ["<|end|>", "<|user|>"]))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
