@@ -112,11 +112,14 @@ SPECIAL = ["", "\r\n", "\t\t", "\U0001F600\U0001F469\u200d\U0001F4BB", "\u6f22\u
            "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n", "<|<|end|>|>", "a<|b c|>"]
 
 ALPHABET = st.one_of(st.characters(exclude_categories=()), st.characters(categories=["Cs"]),
-                     st.sampled_from(list(" \t\r\n_0aé\u0301\U0001F600\u05d0<|>") + ["<|end|>", "<|user|>"]))
+                     st.sampled_from(list(" \t\r\n_0aé\u0301\U0001F600\u05d0<|>")))
+PIECES = st.one_of(st.text(alphabet=ALPHABET, max_size=40),
+                   st.sampled_from(["<|end|>", "<|user|>\n", "\r\n", " walking", "Return the", "\ud83d"]))
+STRINGS = st.lists(PIECES, max_size=8).map("".join)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.text(alphabet=ALPHABET, max_size=200))
+@given(STRINGS)
 @example("")
 def test_round_trip_any_str(doc_tok, s):
     ids = doc_tok.encode(s)
