@@ -47,6 +47,26 @@ class Hyper:
                    float(t["grad_clip"]))
 
 
+def init_params(mc: ModelConfig, seed: int) -> np.ndarray:
+    """GPT-2 init as a host float32 flat buffer (n_params,), from a seeded PCG64: N(0, 0.02)
+    matrices and embeddings, the residual projections (w_o, w_proj) scaled by 1/sqrt(2 L),
+    LayerNorm g = 1, b = 0. Drawn in float32, so a float64 engine holds the same values."""
+    layout = param_layout(mc)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    host = np.zeros(layout.n_params, dtype=np.float32)
+    resid_std = 0.02 / math.sqrt(2 * mc.n_layer)
+    for t in layout.tensors:
+        view = host[t.offset:t.offset + t.size]
+        if t.name.endswith(".g"):
+            view.fill(1.0)
+        elif t.name.endswith(".b"):
+            view.fill(0.0)
+        else:
+            rng.standard_normal(dtype=np.float32, out=view)
+            view *= np.float32(resid_std if t.name.endswith(("w_o", "w_proj")) else 0.02)
+    return host
+
+
 @dataclass(frozen=True)
 class StepResult:
     loss: float          # mean train loss over the microbatches (nan/inf when bad)
@@ -157,22 +177,8 @@ class Engine:
 
     # --------------------------------------------------------------------- weights
     def init_weights(self, seed: int) -> None:
-        """GPT-2 init from a seeded PCG64: N(0, 0.02) matrices and embeddings, the residual
-        projections (w_o, w_proj) scaled by 1/sqrt(2 L), LayerNorm g = 1, b = 0; m = v = 0.
-        Drawn in float32 on the host, so a float64 engine holds the same values."""
-        rng = np.random.Generator(np.random.PCG64(seed))
-        host = np.zeros(self.n_params, dtype=np.float32)
-        resid_std = 0.02 / math.sqrt(2 * self.mc.n_layer)
-        for t in self.layout.tensors:
-            view = host[t.offset:t.offset + t.size]
-            if t.name.endswith(".g"):
-                view.fill(1.0)
-            elif t.name.endswith(".b"):
-                view.fill(0.0)
-            else:
-                rng.standard_normal(dtype=np.float32, out=view)
-                view *= np.float32(resid_std if t.name.endswith(("w_o", "w_proj")) else 0.02)
-        self.be.copy_from_host(self.w, host)
+        """Weights from ``init_params`` (seeded); m = v = g = 0."""
+        self.be.copy_from_host(self.w, init_params(self.mc, seed))
         self.m.fill(0)
         self.v.fill(0)
         self.g.fill(0)
