@@ -230,6 +230,7 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
     with Progress(TextColumn("diet {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=not sys.stderr.isatty()) as bar:
         with atomic_dir(args.tokens) as tmp:
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; the result is an ordinary output folder
             stats = _shard_pass(tok, megachat, tmp, top_k, samples, bar)
         eval_docs = samples["val"].docs() or samples["train"].docs()
         task = bar.add_task("saturation sweep", total=len(dcfg["sweep"]))

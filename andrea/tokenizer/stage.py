@@ -98,6 +98,7 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
     blob = tok.dumps().encode("utf-8")
     digest = hashlib.sha256(blob).hexdigest()
     with atomic_dir(args.out) as tmp:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the result is an ordinary output folder
         (tmp / "tokenizer.json").write_bytes(blob)
         (tmp / "tokenizer.json.sha256").write_text(f"{digest}  tokenizer.json\n", encoding="utf-8")
     relaxed = max(0, n - ranking.n_frequent)
