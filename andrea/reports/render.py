@@ -18,8 +18,8 @@ import math
 from typing import Iterable, Sequence
 
 # Colour-blind-friendly palette (Okabe-Ito order), then a few extra distinct hues.
-PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000",
-           "#8C564B", "#7F7F7F", "#17BECF", "#BCBD22"]
+PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000",
+           "#8C564B", "#7F7F7F", "#17BECF", "#BCBD22", "#F0E442"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1000px;color:#222;padding:0 1em}
