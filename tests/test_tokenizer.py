@@ -192,6 +192,14 @@ def test_load_rejects_bad_files(tmp_path):
         load(p)
 
 
+def test_lone_surrogates_in_training_text_never_become_morphemes():
+    ranking = train_ranking(["x\ud800\ud800 abc abc"] * 10, 16, 1)
+    tok = Tokenizer(ranking.morphemes)
+    tok.dumps().encode("utf-8")
+    assert all("\ud800" not in m for m in ranking.morphemes)
+    assert tok.decode(tok.encode("x\ud800\ud800 abc")) == "x\ud800\ud800 abc"
+
+
 def test_too_few_candidates_is_a_clear_error():
     ranking = train_ranking(["ab ab ab"], 16, 1)
     with pytest.raises(AndreaError, match="n_morphemes=4096"):

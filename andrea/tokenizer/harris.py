@@ -115,6 +115,15 @@ class WordCounter:
         self.n_pruned += len(drop)
 
 
+def _strict_utf8(s: str) -> bool:
+    """No lone surrogates: a morpheme must be writable to tokenizer.json as UTF-8."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _core(word: str) -> tuple[bool, str]:
     return (True, word[1:]) if word[:1] == " " and len(word) > 1 else (False, word)
 
@@ -203,7 +212,7 @@ def rank_candidates(counts: Counter, max_morpheme_len: int, min_count: int,
     scored = []
     for m, c in cand.items():
         nb = len(utf8(m))
-        if nb >= 2 and len(m) <= max_morpheme_len:
+        if nb >= 2 and len(m) <= max_morpheme_len and _strict_utf8(m):
             scored.append((c >= min_count, c * (nb - 1), utf8(m), m, c))
     scored.sort(key=lambda r: (not r[0], -r[1], r[2]))
     return Ranking(morphemes=[r[3] for r in scored], counts=[r[4] for r in scored],
