@@ -146,6 +146,15 @@ def saturation(points: list[dict], gain: float) -> tuple[int | None, list[dict]]
     return sat, steps
 
 
+def knee(steps: list[dict]) -> int | None:
+    """Where diminishing returns set in: the smallest N past which every doubling gains less
+    than the one before (None when the last doubling still gained more than the previous one)."""
+    k = len(steps) - 1
+    while k > 0 and steps[k - 1]["gain_per_doubling"] > steps[k]["gain_per_doubling"]:
+        k -= 1
+    return steps[k]["to"] if 0 <= k < len(steps) - 1 else None
+
+
 def sweep_curve(train_docs, eval_docs, sizes, tcfg: dict, progress=None) -> dict:
     """Compression against N: one Harris ranking of the train sample, its top-n for every n."""
     ranking = train_ranking((t for _, t, _ in train_docs), max_morpheme_len=int(tcfg["max_morpheme_len"]),
@@ -238,7 +247,8 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
                             progress=lambda: bar.advance(task))
     sweep["eval_split"] = "val" if samples["val"].docs() else "train"
     sat, steps = saturation(sweep["points"], float(dcfg["saturation_gain"]))
-    sweep.update({"saturation_n": sat, "saturation_gain": float(dcfg["saturation_gain"]), "steps": steps})
+    sweep.update({"saturation_n": sat, "saturation_gain": float(dcfg["saturation_gain"]), "steps": steps,
+                  "knee_n": knee(steps)})
 
     # per source over both splits, and the corpus
     merged: dict[str, SourceStats] = {}
@@ -315,6 +325,8 @@ def render_md(r: dict) -> str:
     if sw["skipped_sizes"]:
         lines.append(f"\nSkipped (the sample yields only {sw['candidates']} candidates): {sw['skipped_sizes']}")
     sat = sw["saturation_n"]
+    if sw.get("knee_n") is not None:
+        lines += ["", f"Diminishing returns from N = {sw['knee_n']}: past it every doubling gains less than the one before."]
     lines += ["", f"**Saturation point: N = {sat}** (the next doubling gains < {sw['saturation_gain']:.1%})." if sat
               is not None else f"**No saturation** within the sweep (every doubling gains >= {sw['saturation_gain']:.1%}).", ""]
     if r["warnings"]:

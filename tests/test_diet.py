@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from andrea import cli
-from andrea.diet import HashSample, saturation
+from andrea.diet import HashSample, knee, saturation
 from andrea.shards import Shard
 from andrea.tokenizer import load
 from test_tokenizer_stage import PARAMS, SMALL, make_megachat
@@ -81,7 +81,7 @@ def test_saturation_curve_is_measured(run_dir):
     bpt = [p["bytes_per_token"] for p in sw["points"]]
     assert bpt == sorted(bpt) and bpt[-1] > bpt[0]           # more morphemes compress more
     assert sw["eval_split"] == "val" and sw["sample_eval_bytes"] > 0
-    assert len(sw["steps"]) == 3
+    assert len(sw["steps"]) == 3 and sw["knee_n"] in (None, 100, 200)
 
 
 def test_rerun_gives_identical_outputs(run_dir, tmp_path):
@@ -101,6 +101,15 @@ def test_saturation_point():
     # a step of two doublings is judged per doubling: 2.0 -> 2.2 over 4x is ~4.9% per doubling
     sat, steps = saturation([{"n": 100, "bytes_per_token": 2.0}, {"n": 400, "bytes_per_token": 2.2}], 0.04)
     assert sat is None and steps[0]["gain_per_doubling"] == pytest.approx(1.1 ** 0.5 - 1, abs=1e-6)
+
+
+def test_knee():
+    def steps(*gains):
+        return [{"from": 2 ** i, "to": 2 ** (i + 1), "gain_per_doubling": g} for i, g in enumerate(gains)]
+
+    assert knee(steps(0.11, 0.15, 0.21, 0.20, 0.16, 0.06)) == 8    # after 4 -> 8 every gain shrinks
+    assert knee(steps(0.3, 0.2, 0.1)) == 2
+    assert knee(steps(0.1, 0.2)) is None and knee(steps(0.1)) is None and knee([]) is None
 
 
 def test_hash_sample_is_order_free_and_bounded():
