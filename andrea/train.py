@@ -15,9 +15,11 @@ is one run cut in two. One step = ``train.grad_accum`` microbatches of
 
 Run folder (``--out``): ``model.bin`` (the fixed checkpoint, andrea/engine/checkpoint.py),
 ``model.state.json``, ``model.loss.json``, ``model.samples.json`` (docs/architecture.md).
-If ``model.bin`` exists the run resumes from it, bit-exactly (same config and tokenizer
-required; only train.log_every / checkpoint_every / eval_every / eval_batches and the
-audit/eval sections may differ); a finished run is left as it is.
+If ``model.bin`` exists the run resumes from it, bit-exactly; it must have the same
+tokenizer (sha256), the same train shards (sizes) and the same trajectory config: the
+``seed``, ``model``, ``train``, ``curriculum``, ``bandit`` and ``coherence`` sections,
+where only train.log_every / checkpoint_every / eval_every / eval_batches may differ
+(``trajectory_hash``). A finished run is left as it is.
 
 Signals: SIGTERM writes a checkpoint and exits 0; SIGUSR1 writes a checkpoint and goes
 on. Checkpoints are also written every ``train.checkpoint_every`` steps and at the end.
@@ -60,9 +62,12 @@ from andrea.shards import Shard
 STATE_FORMAT = "andrea.state/1"
 LOSS_FORMAT = "andrea.loss/1"
 SAMPLES_FORMAT = "andrea.samples/1"
-# keys that change what is logged or how often, never the trajectory of the weights
+# The config sections that decide the trajectory of the weights (the data sections act
+# through the tokenizer and the shards, which are checked by sha256 and fingerprint) ...
+TRAJECTORY_SECTIONS = ("seed", "model", "train", "curriculum", "bandit", "coherence")
+# ... minus the keys that only change what is logged, or how often
 TRAJECTORY_FREE = (("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"),
-                   ("train", "eval_batches"), ("audit",), ("eval",))
+                   ("train", "eval_batches"))
 UNIGRAM_MAX_TOKENS = 10_000_000  # per train shard, for the baseline's token counts
 
 
@@ -75,14 +80,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def trajectory_hash(cfg: dict) -> str:
-    """config_hash of the merged config without the keys in TRAJECTORY_FREE."""
-    c = copy.deepcopy(cfg)
+    """config_hash of the TRAJECTORY_SECTIONS of the merged config, without TRAJECTORY_FREE."""
+    c = copy.deepcopy({k: cfg[k] for k in TRAJECTORY_SECTIONS if k in cfg})
     for path in TRAJECTORY_FREE:
         node = c
         for k in path[:-1]:
             node = node.get(k, {})
         node.pop(path[-1], None)
     return config_hash(c)
+
+
+def shard_fingerprint(shards: dict[str, Shard]) -> dict:
+    """{source: [n_tokens, n_docs, file bytes]}: a cheap identity of the train shards."""
+    return {k: [int(s.n_tokens), int(s.n_docs), s.path.stat().st_size] for k, s in sorted(shards.items())}
 
 
 def load_shards(tokens: str | Path, split: str, vocab_size: int, required: bool = True) -> dict[str, Shard]:
@@ -149,7 +159,7 @@ class Trainer:
         from andrea.tokenizer import load as load_tokenizer
 
         self.cfg, self.phase, self.tcfg = cfg, phase, cfg["train"]
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.out, self.paths = Path(out), ck.run_paths(out)
         self.tok = load_tokenizer(tokenizer)
         self.shards = load_shards(tokens, "train", self.tok.vocab_size)
@@ -193,6 +203,10 @@ class Trainer:
             raise AndreaError(f"{where}: trained with another config (config_hash {str(state.get('config_hash'))[:12]}... "
                               f"!= {self.hash[:12]}...); only train.log_every/checkpoint_every/eval_every/eval_batches "
                               "may change on resume: use the same params or a new --out")
+        fp = state.get("train_shards")
+        if fp is not None and fp != shard_fingerprint(self.shards):
+            raise AndreaError(f"{where}: the train token shards changed since this run was made "
+                              f"({fp} != {shard_fingerprint(self.shards)}): re-run from scratch with a new --out")
         if state.get("n_params") != self.engine.n_params:
             raise AndreaError(f"{where}: n_params {state.get('n_params')} != the model's {self.engine.n_params}")
 
@@ -264,6 +278,7 @@ class Trainer:
             "format": STATE_FORMAT, "step": self.step, "phase": self.phase,
             "config_hash": self.hash, "tokenizer_sha256": self.tok.sha256,
             "n_params": self.engine.n_params, "checkpoint_sha256": sha256_file(self.paths["bin"]),
+            "train_shards": shard_fingerprint(self.shards),
             "model": {"vocab_size": self.mc.vocab_size, "d_model": self.mc.d_model, "n_head": self.mc.n_head,
                       "n_layer": self.mc.n_layer, "context": self.mc.context},
             "steps": {"phase_start": self.start, "phase_end": self.end, "max_steps": int(self.tcfg["max_steps"])},

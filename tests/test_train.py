@@ -85,8 +85,16 @@ def test_resume_refuses_mismatches(data, tmp_path):
     # another trajectory-relevant config
     with pytest.raises(AndreaError, match="another config"):
         _trainer(micro_cfg(6, 12, **{"train.lr": 2e-2}), "warmup", data, out).run()
-    # logging-only keys may change
-    assert _trainer(micro_cfg(6, 12, **{"train.log_every": 3}), "warmup", data, out).run() == 0
+    # logging-only keys and sections that act only through the data may change
+    assert _trainer(micro_cfg(6, 12, **{"train.log_every": 3, "diet.sweep": "[64, 128]"}), "warmup", data, out).run() == 0
+    # other train shards
+    import shutil
+    tok, tokens = data
+    other = tmp_path / "tokens"
+    shutil.copytree(tokens, other)
+    (other / "train" / "py-code.bin").unlink()
+    with pytest.raises(AndreaError, match="train token shards changed"):
+        Trainer(cfg, "warmup", tok, other, out, console=Console(stderr=True)).run()
     # another model shape: n_params differs from the file
     with pytest.raises(AndreaError):
         _trainer(micro_cfg(6, 12, **{"model.d_model": 16}), "warmup", data, out).run()
@@ -164,3 +172,8 @@ def test_a_hook_can_halt_the_run_with_a_reason(data, tmp_path):
     assert st["hooks"]["probe"] == {"seen": [5, 10, 15]}
     assert _trainer(cfg, "warmup", data, tmp_path / "w").run() == 0   # halted: nothing more to do
     assert json.loads((tmp_path / "w" / "model.state.json").read_text())["step"] == 15
+
+
+def test_numpy_backend_refuses_mixed_precision(data, tmp_path):
+    with pytest.raises(AndreaError, match="train.precision=bf16: the numpy backend supports fp32"):
+        _trainer(micro_cfg(2, 4, **{"train.precision": "bf16"}), "warmup", data, tmp_path / "w")

@@ -1,0 +1,67 @@
+"""The backend switch: train.backend is one visible choice, never a silent alias.
+
+    pytest tests/test_engine_backend.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from andrea.engine import ops_numpy
+from andrea.engine.backend import NumpyBackend, select_backend
+from andrea.engine.schedule import lr_at
+from andrea.errors import AndreaError
+
+
+def _cuda_usable() -> bool:
+    try:
+        from andrea.cuda.backend import probe
+    except ImportError:
+        return False
+    return probe() is None
+
+
+def test_numpy_is_numpy():
+    be, why = select_backend("numpy")
+    assert isinstance(be, NumpyBackend) and be.ops is ops_numpy and why.startswith("numpy")
+
+
+def test_auto_says_what_it_picked_and_why():
+    be, why = select_backend("auto")
+    assert why.startswith(be.name + ":")
+    if not _cuda_usable():
+        assert be.name == "numpy" and "cupy is not usable" in why
+
+
+def test_cupy_never_falls_back():
+    if _cuda_usable():
+        be, _ = select_backend("cupy")
+        assert be.name == "cupy"
+    else:
+        with pytest.raises(AndreaError, match="train.backend=cupy: no usable CUDA backend"):
+            select_backend("cupy")
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(AndreaError, match="unknown backend"):
+        select_backend("numpyy")
+
+
+def test_every_op_of_the_contract_exists_on_the_numpy_backend():
+    names = {"embed", "layernorm", "attn_qkv", "attn", "attn_out", "mlp", "residual_add", "loss"}
+    for n in names:
+        assert callable(getattr(NumpyBackend.ops, f"{n}_forward"))
+        assert callable(getattr(NumpyBackend.ops, f"{n}_backward"))
+    for n in ("grad_norm_partial", "grad_norm_final", "grad_scale", "adamw", "work_elems"):
+        assert callable(getattr(NumpyBackend.ops, n))
+
+
+def test_lr_schedule_warmup_then_cosine():
+    t = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "max_steps": 110}
+    assert lr_at(0, t) == pytest.approx(0.1)
+    assert lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(60, t) == pytest.approx(0.55)
+    assert lr_at(110, t) == pytest.approx(0.1)
+    assert lr_at(500, t) == pytest.approx(0.1)
+    assert all(lr_at(s, t) >= lr_at(s + 1, t) for s in range(10, 120))
