@@ -12,7 +12,7 @@ atomically, so a failed run leaves the previous shards in place.
 Per source it measures bytes, tokens, bytes/token, byte-fallback rate (share of bytes
 sent as single-byte tokens; non-ASCII bytes separately), the share of the N morphemes
 used, and the top morphemes. The saturation curve trains tokenizers of every size in
-``diet.sweep`` on a sample of the train split (the documents with the smallest doc_id
+``diet.sweep`` (as the tokenizer stage would) on a sample of the train split (the documents with the smallest doc_id
 hashes, up to ``diet.max_sample_bytes``: a uniform sample whatever the row order) and
 measures bytes/token on a held-out sample of val; the saturation point is the first N
 whose next doubling gains less than ``diet.saturation_gain``. A source whose bytes/token
@@ -40,7 +40,7 @@ from andrea.errors import AndreaError
 from andrea.fsutil import atomic_dir, atomic_write_json, atomic_write_text
 from andrea.shards import ShardWriter
 from andrea.tokenizer import Tokenizer, load
-from andrea.tokenizer.harris import train_ranking, utf8
+from andrea.tokenizer.harris import select_morphemes, train_ranking, utf8
 from andrea.tokenizer.stage import iter_parquet_texts
 
 FORMAT = "andrea.diet/1"
@@ -156,7 +156,8 @@ def knee(steps: list[dict]) -> int | None:
 
 
 def sweep_curve(train_docs, eval_docs, sizes, tcfg: dict, progress=None) -> dict:
-    """Compression against N: one Harris ranking of the train sample, its top-n for every n."""
+    """Compression against N: one Harris ranking of the train sample; for every n its n most
+    useful candidates, selected as the tokenizer stage does (``tokenizer.refine_rounds``)."""
     ranking = train_ranking((t for _, t, _ in train_docs), max_morpheme_len=int(tcfg["max_morpheme_len"]),
                             min_count=int(tcfg["min_count"]), max_word_types=int(tcfg["max_word_types"]))
     eval_bytes: dict[str, int] = {}
@@ -167,7 +168,7 @@ def sweep_curve(train_docs, eval_docs, sizes, tcfg: dict, progress=None) -> dict
         if n > len(ranking.morphemes):
             skipped.append(n)
             continue
-        tok = Tokenizer(ranking.morphemes[:n])
+        tok = Tokenizer(select_morphemes(ranking, n, int(tcfg["refine_rounds"])).morphemes)
         per: dict[str, int] = {}
         for s, t, _ in eval_docs:
             per[s] = per.get(s, 0) + len(tok.encode(t))

@@ -12,7 +12,8 @@
    Without ``data/embedded`` the same is done with the docstrings and sources of the
    running CPython's standard library.
 2. Training, each in its own process (peak RSS = that process's VmHWM): ours
-   (``andrea.tokenizer.stage.train_from_parquet``, streaming word counts) and HF BPE with
+   (``andrea.tokenizer.stage.train_from_parquet``, streaming word counts, then 4 refine
+   rounds as in params.yaml) and HF BPE with
    a byte-level pre-tokenizer trained to the same vocabulary size (256 + N + 1) from an
    iterator over the same Parquet batches.
 3. Encoding, each in its own process, single core (``RAYON_NUM_THREADS=1``,
@@ -174,7 +175,7 @@ def worker(kind: str, corpus: Path, n: int, tok_path: Path, encode_mb: float) ->
         t0 = time.perf_counter()
         ranking = train_from_parquet(corpus, {"max_morpheme_len": 16, "min_count": 5, "max_word_types": 2_000_000},
                                      max_bytes=1 << 62)
-        tok = Tokenizer.from_ranking(ranking, n)
+        tok = Tokenizer.from_ranking(ranking, n, refine_rounds=4)
         dt = time.perf_counter() - t0
         tok_path.write_text(tok.dumps(), encoding="utf-8")
         return {"seconds": dt, "peak_rss_mb": _rss_mb(), "base_rss_mb": base, "vocab_size": tok.vocab_size,

@@ -75,7 +75,7 @@ def test_successor_variety_finds_the_stem():
 
 def test_morphology_walk_forms_share_a_stem_token():
     ranking = train_ranking(_verb_corpus(), max_morpheme_len=16, min_count=2)
-    tok = Tokenizer.from_ranking(ranking, 64)
+    tok = Tokenizer.from_ranking(ranking, 64, refine_rounds=2)
     firsts = set()
     for form in [" walk", " walks", " walked", " walking"]:
         ids = tok.encode(form)
@@ -87,6 +87,20 @@ def test_morphology_walk_forms_share_a_stem_token():
     assert tok.token_bytes(stem) == b" walk"
     assert [tok.token_bytes(i) for i in tok.encode(" walking")] == [b" walk", b"ing"]
     assert [tok.token_bytes(i) for i in tok.encode(" walked")] == [b" walk", b"ed"]
+
+
+def test_refinement_never_encodes_the_training_text_longer():
+    from andrea.tokenizer.harris import select_morphemes
+
+    ranking = train_ranking(_topics(), max_morpheme_len=16, min_count=3)
+    sel = select_morphemes(ranking, 300, rounds=3)
+    assert len(sel.total_tokens) == 4 and min(sel.total_tokens) < sel.total_tokens[0]
+    tok = Tokenizer(sel.morphemes)
+    assert sum(c * len(tok.encode(w)) for w, c in ranking.word_counts.items()) == min(sel.total_tokens)
+    saved = [u * (len(m.encode()) - 1) for m, u in zip(sel.morphemes, sel.uses)]
+    assert saved == sorted(saved, reverse=True) and len(set(sel.morphemes)) == 300
+    again = select_morphemes(train_ranking(_topics(), max_morpheme_len=16, min_count=3), 300, rounds=3)
+    assert again.morphemes == sel.morphemes                       # deterministic
 
 
 def test_vocab_layout(doc_tok):

@@ -16,8 +16,12 @@ Training (Zellig Harris, "From phoneme to morpheme", 1955; Hafer & Weiss 1974):
 3. Every word type is cut at those boundaries (non-letter words stay whole); the first
    piece keeps the word's leading space. Pieces are counted, weighted by word frequency,
    and scored by the bytes they save over byte fallback: ``count * (len(utf8) - 1)``.
-   The N best (ties by their bytes) become ids 256..256+N-1 above the 256 byte ids;
-   id 256+N is end-of-text, so ``vocab_size = 256 + N + 1``.
+   The N best (ties by their bytes) are the first vocabulary.
+4. Refinement (``refine_rounds``): every counted word is encoded with the vocabulary by
+   the encoder below, which gives each morpheme's exact use; the 10% that save the
+   fewest bytes give way to the next candidates; the round whose vocabulary encodes the
+   counted text in the fewest tokens wins. Its morphemes, by bytes saved, become ids
+   256..256+N-1 above the 256 byte ids; id 256+N is end-of-text: ``vocab_size = 256 + N + 1``.
 
 Encoding: each word is cut into the fewest tokens by dynamic programming over the
 morpheme vocabulary, with every single byte always available (byte fallback), so any
@@ -27,7 +31,7 @@ per-text cost is one regex pass, one dict lookup per word and one flatten.
 
     from andrea.tokenizer.harris import train_ranking, Tokenizer
     ranking = train_ranking(texts, max_morpheme_len=16, min_count=5)
-    tok = Tokenizer.from_ranking(ranking, n_morphemes=4096)
+    tok = Tokenizer.from_ranking(ranking, n_morphemes=4096, refine_rounds=4)
     ids = tok.encode("walking home")   # np.ndarray int32 (T,)
     assert tok.decode(ids) == "walking home"
 """
@@ -179,6 +183,7 @@ class Ranking:
     scores: list[int]
     n_frequent: int              # how many candidates reach min_count (the rest are relaxed)
     stats: dict = field(default_factory=dict)
+    word_counts: Counter | None = field(default=None, repr=False)  # what training counted (for selection)
 
 
 def rank_candidates(counts: Counter, max_morpheme_len: int, min_count: int,
@@ -232,7 +237,63 @@ def train_ranking(texts: Iterable[str], max_morpheme_len: int = 16, min_count: i
         wc.add(t)
     r = rank_candidates(wc.counts, max_morpheme_len, min_count, progress)
     r.stats.update({"train_bytes": wc.n_bytes, "train_docs": wc.n_docs, "pruned_word_types": wc.n_pruned})
+    r.word_counts = wc.counts
     return r
+
+
+@dataclass
+class Selection:
+    """The N morphemes chosen, ordered by the bytes they save in the counted text."""
+
+    morphemes: list[str]
+    uses: list[int]              # occurrences of each in the encoded training words
+    total_tokens: list[int]      # tokens of the whole counted text after each round (round 0: static top N)
+
+
+def select_morphemes(ranking: Ranking, n: int, rounds: int = 0, swap: float = 0.1) -> Selection:
+    """The ``n`` most useful candidates: the static top ``n``, then ``rounds`` of usage-based swaps.
+
+    Each round encodes every counted word with the current vocabulary (the encoder's own
+    dynamic program), so a morpheme's use is exact; the ``swap`` share that saves the
+    fewest bytes gives way to the next candidates of the ranking. The vocabulary with the
+    fewest tokens over the counted text wins (so a round never makes things worse).
+    """
+    if len(ranking.morphemes) < n:
+        raise AndreaError(f"tokenizer: the training text yields only {len(ranking.morphemes)} candidate "
+                          f"morphemes, fewer than tokenizer.n_morphemes={n}; give more text or a smaller N")
+    vocab, nxt = list(ranking.morphemes[:n]), n
+    items = list((ranking.word_counts or {}).items())
+    if not items or rounds <= 0:
+        return Selection(vocab, [0] * n, [])
+    best: tuple[int, list[str], np.ndarray] | None = None
+    totals = []
+    for r in range(rounds + 1):
+        tok = Tokenizer(vocab)
+        ids_all: list[int] = []
+        weights: list[int] = []
+        total = 0
+        for w, c in items:
+            ids = tok._cache[w]
+            ids_all.extend(ids)
+            weights.extend([c] * len(ids))
+            total += c * len(ids)
+        use = np.bincount(np.asarray(ids_all, dtype=np.int64), weights=np.asarray(weights, dtype=np.float64),
+                          minlength=tok.vocab_size)[N_BYTES:N_BYTES + n].astype(np.int64)
+        totals.append(total)
+        if best is None or total < best[0]:
+            best = (total, vocab, use)
+        k = min(max(1, int(n * swap)), len(ranking.morphemes) - nxt)
+        if r == rounds or k <= 0:
+            break
+        saved = use * np.array([len(utf8(m)) - 1 for m in vocab], dtype=np.int64)
+        order = sorted(range(n), key=lambda i: (int(saved[i]), utf8(vocab[i])))
+        drop = set(order[:k])
+        vocab = [m for i, m in enumerate(vocab) if i not in drop] + list(ranking.morphemes[nxt:nxt + k])
+        nxt += k
+    _, vocab, use = best
+    saved = [int(u) * (len(utf8(m)) - 1) for m, u in zip(vocab, use)]
+    order = sorted(range(n), key=lambda i: (-saved[i], utf8(vocab[i])))
+    return Selection([vocab[i] for i in order], [int(use[i]) for i in order], totals)
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -288,11 +349,10 @@ class Tokenizer:
 
     # -- construction / persistence
     @classmethod
-    def from_ranking(cls, ranking: Ranking, n_morphemes: int, meta: dict | None = None) -> "Tokenizer":
-        if len(ranking.morphemes) < n_morphemes:
-            raise AndreaError(f"tokenizer: the training text yields only {len(ranking.morphemes)} candidate "
-                              f"morphemes, fewer than tokenizer.n_morphemes={n_morphemes}; give more text or a smaller N")
-        return cls(ranking.morphemes[:n_morphemes], meta=meta)
+    def from_ranking(cls, ranking: Ranking, n_morphemes: int, meta: dict | None = None,
+                     refine_rounds: int = 0) -> "Tokenizer":
+        """The tokenizer of the ``n_morphemes`` most useful candidates (see ``select_morphemes``)."""
+        return cls(select_morphemes(ranking, n_morphemes, refine_rounds).morphemes, meta=meta)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "type": "harris-morpheme", "n_morphemes": self.n_morphemes,

@@ -4,12 +4,12 @@
 
 Reads the ``text`` column of the Parquet file in row order, streaming, until
 ``tokenizer.max_train_bytes`` UTF-8 bytes are seen; learns morpheme boundaries by
-successor/predecessor variety and keeps the ``tokenizer.n_morphemes`` best segments
-(see ``andrea/tokenizer/harris.py``). Writes, atomically, ``<out>/tokenizer.json``
+successor/predecessor variety and keeps the ``tokenizer.n_morphemes`` best segments,
+refined by ``tokenizer.refine_rounds`` usage-based swaps (see ``andrea/tokenizer/harris.py``). Writes, atomically, ``<out>/tokenizer.json``
 and ``<out>/tokenizer.json.sha256`` (``<hex>  tokenizer.json``, as sha256sum prints it).
 
 Params: tokenizer.n_morphemes, tokenizer.max_train_bytes, tokenizer.max_morpheme_len,
-tokenizer.min_count, tokenizer.max_word_types.
+tokenizer.min_count, tokenizer.max_word_types, tokenizer.refine_rounds.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Iterator
 
 from andrea.errors import AndreaError
 from andrea.fsutil import atomic_dir
-from andrea.tokenizer.harris import Ranking, Tokenizer, train_ranking, utf8
+from andrea.tokenizer.harris import Ranking, Tokenizer, select_morphemes, train_ranking, utf8
 
 BATCH_ROWS = 2048
 
@@ -89,12 +89,13 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
                   console=console, transient=not sys.stderr.isatty()) as bar:
         task = bar.add_task("count", total=int(tcfg["max_train_bytes"]))
         ranking = train_from_parquet(args.train, tcfg, progress=lambda b: bar.update(task, completed=b))
-    meta = {**ranking.stats, "min_count": int(tcfg["min_count"]), "max_morpheme_len": int(tcfg["max_morpheme_len"]),
-            "source": Path(args.train).name, "frequent_candidates": ranking.n_frequent,
-            "counts": ranking.counts[:n], "scores": ranking.scores[:n]}
     if ranking.stats["train_bytes"] == 0:
         raise AndreaError(f"{args.train}: no text to train on")
-    tok = Tokenizer.from_ranking(ranking, n, meta=meta)
+    sel = select_morphemes(ranking, n, int(tcfg["refine_rounds"]))
+    meta = {**ranking.stats, "min_count": int(tcfg["min_count"]), "max_morpheme_len": int(tcfg["max_morpheme_len"]),
+            "refine_rounds": int(tcfg["refine_rounds"]), "source": Path(args.train).name,
+            "frequent_candidates": ranking.n_frequent, "tokens_per_round": sel.total_tokens, "uses": sel.uses}
+    tok = Tokenizer(sel.morphemes, meta=meta)
     blob = tok.dumps().encode("utf-8")
     digest = hashlib.sha256(blob).hexdigest()
     with atomic_dir(args.out) as tmp:
