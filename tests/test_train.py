@@ -177,3 +177,21 @@ def test_a_hook_can_halt_the_run_with_a_reason(data, tmp_path):
 def test_numpy_backend_refuses_mixed_precision(data, tmp_path):
     with pytest.raises(AndreaError, match="train.precision=bf16: the numpy backend supports fp32"):
         _trainer(micro_cfg(2, 4, **{"train.precision": "bf16"}), "warmup", data, tmp_path / "w")
+
+
+def test_cli_run_wires_the_coherence_check(data, tmp_path):
+    """`andrea train` samples the fixed prompts every coherence.every steps into .samples.json."""
+    import argparse
+
+    from andrea.train import run
+
+    tok, tokens = data
+    cfg = micro_cfg(10, 20, **{"coherence.every": 5, "coherence.max_new_tokens": 8})
+    args = argparse.Namespace(phase="warmup", tokenizer=str(tok), tokens=str(tokens), out=str(tmp_path / "w"), init=None)
+    assert run(args, cfg) == 0
+    samples = json.loads((tmp_path / "w" / "model.samples.json").read_text())
+    assert samples["format"] == "andrea.samples/1"
+    assert sorted({s["step"] for s in samples["samples"]}) == [5, 10]
+    assert all({"step", "prompt", "text", "scores"} <= set(s) for s in samples["samples"])
+    st = json.loads((tmp_path / "w" / "model.state.json").read_text())
+    assert set(st["hooks"]["coherence"]) >= {"streak", "n_loss"} and st["hooks"]["coherence"]["n_loss"] == 10
