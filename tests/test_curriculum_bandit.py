@@ -261,3 +261,15 @@ def test_apply_factor_moves_scores_the_right_way():
     assert apply_factor(2.0, 0.5) == 1.0 and apply_factor(-2.0, 0.5) == -4.0
     assert apply_factor(2.0, 1.3) == pytest.approx(2.6) and apply_factor(-2.6, 1.3) == pytest.approx(-2.0)
     assert apply_factor(math.inf, 0.5) == math.inf
+
+
+def test_a_first_batch_without_progress_does_not_count_as_a_pull(base_cfg, big_shards):
+    # dwell 1: each source's first pull is its first loss, which only starts its EMA. Such a
+    # pull earns nothing, so the source stays untried (+inf) and is explored once more.
+    c = copy.deepcopy(base_cfg)
+    c["bandit"].update(dice_main=1, floor=0.0)
+    cur, order, pulls = simulate(c, big_shards, 2 * len(big_shards))
+    assert [p["why"] for p in pulls] == ["explore"] * (2 * len(big_shards))
+    assert [p["reward"] for p in pulls[:3]] == [None] * 3 and all(p["reward"] is not None for p in pulls[3:])
+    assert sorted(order[:3]) == sorted(order[3:]) == sorted(big_shards)
+    assert all(v == 1.0 for v in cur.policy.n.values())

@@ -13,7 +13,9 @@ sets it) and derive the reward of an observation from it:
 ``UCB1Policy`` (docs/curriculum.md has the full reading of the seeds):
   * a *pull* chooses a source and holds it for a dwell of 1dN batches rolled on the
     seeded dice (N = ``bandit.dice_warmup`` in the warmup phase, ``bandit.dice_main``
-    after); its reward is the mean reward over its batches;
+    after); its reward is the mean reward over its batches. A pull with no reward at all
+    (a source's very first batch only starts its EMA; NaN losses) does not count as a pull,
+    so a source is never judged on a reward of 0 it could not have earned;
   * the run is cut into phases of ``bandit.phases[k % len] * bandit.phase_unit``
     batches; a dwell never crosses a phase boundary, and at each boundary the bandit
     halves its pull counts and reward sums (means kept, confidence widened), so it
@@ -62,7 +64,8 @@ class _EmaRewards:
         self.ema: dict[str, float | None] = {s: None for s in sources}
 
     def update(self, source: str, loss: float) -> float | None:
-        """Fold one loss into the source's EMA; return the reward, or None for a non-finite loss."""
+        """Fold one loss into the source's EMA; return the reward, or None when there is none:
+        a non-finite loss, or (progress) the source's first loss, which only starts its EMA."""
         if not math.isfinite(loss):
             return None
         before = self.ema[source]
@@ -70,7 +73,7 @@ class _EmaRewards:
         self.ema[source] = after
         if self.mode == "loss":
             return after
-        return 0.0 if before is None else (before - after) * self.scale
+        return None if before is None else (before - after) * self.scale
 
 
 class UniformPolicy:
@@ -170,7 +173,9 @@ class UCB1Policy:
             if deficit[worst] >= 1.0:  # a whole batch behind its floor share
                 return worst, "floor"
         unpulled = [s for s in self.eligible if math.isinf(scores[s])]
-        if unpulled:
+        if unpulled:  # the least tried of the untried sources, ties by the dice
+            fewest = min(self.batches[s] for s in unpulled)
+            unpulled = [s for s in unpulled if self.batches[s] == fewest]
             return unpulled[int(dice.integers(len(unpulled)))], "explore"
         best = max(scores.values())
         top = [s for s in self.eligible if scores[s] == best]
