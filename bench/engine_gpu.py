@@ -101,6 +101,64 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str) -> dict
     return res
 
 
+def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
+    """ms per step spent in each kind of launch of our engine (eager, events on the engine's stream)."""
+    import cupy as cp
+
+    import andrea.cuda.backend as be
+    from andrea.engine.engine import Hyper
+    from andrea.engine.model import ModelConfig
+
+    mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
+    eng = be.make_backend().make_engine(mc, B, precision=precision, cuda_graph=False)
+    eng.init_weights(1)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
+    y = np.roll(x, -1, axis=1)
+    pairs = []
+    names = ["k_attn_fwd", "k_attn_bwd", "k_layernorm_fwd", "k_layernorm_bwd", "k_gelu_fwd", "k_gelu_bwd",
+             "k_residual_add", "k_cast", "k_loss_fwd", "k_loss_bwd", "k_embed_bwd"]
+    saved = {n: getattr(be, n) for n in names}
+    mm = eng.blas.mm
+
+    def timed(name, fn):
+        def w(*a, **k):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(eng.stream)
+            fn(*a, **k)
+            e1.record(eng.stream)
+            pairs.append((name, e0, e1))
+        return w
+
+    for n in names:
+        setattr(be, n, timed(n, saved[n]))
+    eng.blas.mm = timed("gemm (cuBLAS)", mm)
+    try:
+        for _ in range(reps + 1):
+            pairs.clear()
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(eng.stream)
+            eng.zero_grads()
+            eng.micro_step(x, y)
+            o0 = cp.cuda.Event()
+            o0.record(eng.stream)
+            eng.apply_update(1, 3.0, 3e-4, 1, Hyper())
+            e1.record(eng.stream)
+            e1.synchronize()
+    finally:
+        for n in names:
+            setattr(be, n, saved[n])
+        eng.blas.mm = mm
+    out: dict[str, float] = {}
+    for name, a, b in pairs:
+        out[name] = out.get(name, 0.0) + cp.cuda.get_elapsed_time(a, b)
+    out["optimizer (norm + AdamW)"] = cp.cuda.get_elapsed_time(o0, e1)
+    out["total (eager, incl. gaps)"] = cp.cuda.get_elapsed_time(e0, e1)
+    del eng
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
 def build_torch_model(s: dict):
     import torch
     import torch.nn as nn
@@ -193,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--anchors", nargs="+", default=["compile", "eager"], choices=["compile", "eager"])
     ap.add_argument("--json", default=None, help="write all figures here")
+    ap.add_argument("--breakdown", action="store_true", help="also print where our step spends its time")
     args = ap.parse_args(argv)
     rows, allres = [], {}
     for v in args.variants:
@@ -221,6 +280,12 @@ def main(argv=None) -> int:
         o = r["ours"]
         print(f"{v}: planned {o['planned_bytes']:,} bytes; pool in use {o['pool_used_bytes']:,}; "
               f"plan == pool: {o['planned_bytes'] == o['pool_used_bytes']}")
+    if args.breakdown:
+        for v in args.variants:
+            bd = breakdown(variant_shapes(v), args.batch, args.precision)
+            allres[v]["breakdown_ms"] = bd
+            print(f"{v} breakdown (ms/step): " + ", ".join(f"{k} {t:.2f}" for k, t in
+                                                          sorted(bd.items(), key=lambda kv: -kv[1])))
     if args.json:
         Path(args.json).write_text(json.dumps(allres, indent=1))
     return 0

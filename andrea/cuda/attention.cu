@@ -13,7 +13,8 @@
 // Two implementations with the same contract:
 //   *_simt_<t>_d<D>: one thread per row, fp32 FMA; any storage type; D in {8, 16, 32, 64, 128}.
 //   *_mma_<t>_d<D>:  tensor cores (mma.sync m16n8k16, fp32 accumulate), bf16/fp16 storage,
-//                    D in {32, 64}; 4 warps x 16 rows = 64-row tiles; P and dS are rounded to the
+//                    D in {32, 64}; 4 warps x 16 rows = 64-row tiles; B operands that need a transpose
+//                    come through ldmatrix.trans (no transposed copies); P and dS are rounded to the
 //                    storage type before their matmuls (as FlashAttention does).
 // sl2 = log2(e) / sqrt(D): scores are kept in the log2 domain so exp2f can be used.
 
@@ -253,6 +254,13 @@ __device__ __forceinline__ float hi_f(unsigned u) {
 
 typedef unsigned short u16;
 
+// B fragment (k16 x n8) of a row-major [k][n] tile in shared memory, transposed by ldmatrix:
+// lanes 0-15 give the addresses of rows k0 .. k0+15 at column n0 (16-byte aligned rows).
+__device__ __forceinline__ void ldsm_x2_trans(unsigned& b0, unsigned& b1, const u16* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(a));
+}
+
 // Load a 64-row tile (rows r0.., D columns) of a (B*T, ld) 16-bit matrix into smem, row-major with
 // pitch P, and optionally its transpose (D rows, pitch PT). Rows >= Tn are zero.
 template <int D, int P, int PT>
@@ -293,7 +301,7 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
                              float sl2) {
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(16) u16 Ks[64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Vt[D][64 + ATT_PAD];
+    __shared__ __align__(16) u16 Vs[64][D + ATT_PAD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int qt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
     const long long rb = (long long)b * Tn;
@@ -308,7 +316,7 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
     for (int kt = 0; kt * 64 <= last; ++kt) {
         __syncthreads();
         load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(k + h * D, rb, kt * 64, Tn, ld, Ks, (u16(*)[64 + ATT_PAD]) nullptr);
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(v + h * D, rb, kt * 64, Tn, ld, (u16(*)[D + ATT_PAD]) nullptr, Vt);
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(v + h * D, rb, kt * 64, Tn, ld, Vs, (u16(*)[64 + ATT_PAD]) nullptr);
         __syncthreads();
         float s[8][4];
 #pragma unroll
@@ -362,8 +370,8 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
             pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Vt[n * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Vt[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                unsigned b0, b1;
+                ldsm_x2_trans(b0, b1, &Vs[kk * 16 + (lane & 15)][n * 8]);
                 mma16816<BF>(o[n], pa, b0, b1);
             }
         }
@@ -393,7 +401,6 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(16) u16 Ks[64][D + ATT_PAD];
     __shared__ __align__(16) u16 Vs[64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Kt[D][64 + ATT_PAD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int qt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
     const long long rb = (long long)b * Tn;
@@ -411,7 +418,7 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
     const int last = min(Tn, qt * 64 + 64) - 1;
     for (int kt = 0; kt * 64 <= last; ++kt) {
         __syncthreads();
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(k + h * D, rb, kt * 64, Tn, ld, Ks, Kt);
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(k + h * D, rb, kt * 64, Tn, ld, Ks, (u16(*)[64 + ATT_PAD]) nullptr);
         load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(v + h * D, rb, kt * 64, Tn, ld, Vs, (u16(*)[64 + ATT_PAD]) nullptr);
         __syncthreads();
         float s[8][4], dp[8][4];
@@ -445,8 +452,8 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
             pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Kt[n * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Kt[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                unsigned b0, b1;
+                ldsm_x2_trans(b0, b1, &Ks[kk * 16 + (lane & 15)][n * 8]);
                 mma16816<BF>(acc[n], pa, b0, b1);
             }
         }
@@ -475,8 +482,6 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(16) u16 Qs[64][D + ATT_PAD];
     __shared__ __align__(16) u16 Os[64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Qt[D][64 + ATT_PAD];
-    __shared__ __align__(16) u16 Ot[D][64 + ATT_PAD];
     __shared__ float Ls[64];
     __shared__ float Es[64];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -495,8 +500,8 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     const int ntiles = (Tn + 63) / 64;
     for (int qt = kt; qt < ntiles; ++qt) {
         __syncthreads();
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(q + h * D, rb, qt * 64, Tn, ld, Qs, Qt);
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(dy + h * D, rb, qt * 64, Tn, ldy, Os, Ot);
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(q + h * D, rb, qt * 64, Tn, ld, Qs, (u16(*)[64 + ATT_PAD]) nullptr);
+        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(dy + h * D, rb, qt * 64, Tn, ldy, Os, (u16(*)[64 + ATT_PAD]) nullptr);
         if (tid < 64) {
             const int qq = qt * 64 + tid;
             Ls[tid] = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
@@ -540,11 +545,10 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
             sa[3] = pack2<BF>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Ot[n * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Ot[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                unsigned b0, b1, c0, c1;
+                ldsm_x2_trans(b0, b1, &Os[kk * 16 + (lane & 15)][n * 8]);
                 mma16816<BF>(dva[n], pa, b0, b1);
-                const unsigned c0 = *reinterpret_cast<const unsigned*>(&Qt[n * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned c1 = *reinterpret_cast<const unsigned*>(&Qt[n * 8 + g][kk * 16 + 8 + 2 * t4]);
+                ldsm_x2_trans(c0, c1, &Qs[kk * 16 + (lane & 15)][n * 8]);
                 mma16816<BF>(dka[n], sa, c0, c1);
             }
         }

@@ -15,7 +15,8 @@ Two ways to run the model on the GPU:
 - ``GpuEngine`` (``be.make_engine``): the same model, weights, AdamW and checkpoint layout (fp32 flat
   w, m, v), with activations in fp32 | bf16 | fp16 (fp32 master weights, a 16-bit compute copy
   refreshed by the AdamW kernel), one preallocated arena whose size is the printed plan, clipping
-  and the NaN/inf skip on the device, and an optional CUDA graph of the whole step.
+  and the NaN/inf skip on the device, and a CUDA graph of forward+backward. LayerNorm outputs and
+  GELU activations are recomputed in the backward (one scratch buffer each, not one per layer).
 
 Python owns launch geometry and checks dtype, shape and contiguity before each launch
 (``_need``); the kernels are in ``andrea/cuda/*.cu`` and go through ``andrea.cuda.loader``. Large
@@ -106,6 +107,26 @@ class Blas:
         self.cp = cp
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
+        # CuPy's cuBLAS wrapper refuses calls while a stream is being captured; the C entry points
+        # of the very library CuPy loaded (already in the process) take the same arguments and are
+        # legal inside a capture, so the GEMMs go through ctypes.
+        self._lib = None
+        import ctypes  # noqa: PLC0415
+
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+                f = lib.cublasGemmEx
+                P, I = ctypes.c_void_p, ctypes.c_int
+                f.argtypes = [P, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I, I, I]
+                f.restype = I
+                g = lib.cublasSetStream_v2
+                g.argtypes = [P, P]
+                g.restype = I
+                self._lib = lib
+                break
+            except (OSError, AttributeError):
+                continue
 
     def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_32F) -> None:
         def tcode(a):
@@ -123,11 +144,20 @@ class Blas:
         if K != Kb or C.shape != (M, N):
             raise AndreaError(f"cuda gemm: shapes do not chain: op(A) {M}x{K}, op(B) {Kb}x{N}, C {C.shape}")
         h = self.cp.cuda.device.get_cublas_handle()
-        self.cublas.setStream(h, self.cp.cuda.get_current_stream().ptr)
         alpha = self._one
         b = self._one if beta == 1.0 else self._zero
         if beta not in (0.0, 1.0):
             raise AndreaError("cuda gemm: beta must be 0 or 1")
+        if self._lib is not None:
+            st = self._lib.cublasSetStream_v2(h, self.cp.cuda.get_current_stream().ptr)
+            rc = self._lib.cublasGemmEx(h, 1 if tb else 0, 1 if ta else 0, N, M, K, alpha.ctypes.data,
+                                        B.data.ptr, tcode(B), B.shape[1], A.data.ptr, tcode(A), A.shape[1],
+                                        b.ctypes.data, C.data.ptr, tcode(C), N, CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT)
+            if st or rc:
+                raise AndreaError(f"cuda gemm: cuBLAS status {st or rc} for {M}x{N}x{K}")
+            return
+        self.cublas.setStream(h, self.cp.cuda.get_current_stream().ptr)
         self.cublas.gemmEx(h, 1 if tb else 0, 1 if ta else 0, N, M, K, alpha.ctypes.data,
                            B.data.ptr, tcode(B), B.shape[1], A.data.ptr, tcode(A), A.shape[1],
                            b.ctypes.data, C.data.ptr, tcode(C), N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
@@ -528,10 +558,10 @@ class GpuEngine:
         spec = [
             ("w", (n,), np.float32), ("g", (n,), np.float32), ("m", (n,), np.float32), ("v", (n,), np.float32),
             ("res", (2 * L + 1, N, C), np.float32),
-            ("ln1", (L, N, C), low), ("ln1_mean", (L, N), np.float32), ("ln1_rstd", (L, N), np.float32),
+            ("ln1", (N, C), low), ("ln1_mean", (L, N), np.float32), ("ln1_rstd", (L, N), np.float32),
             ("qkv", (L, N, 3 * C), low), ("atty", (L, N, C), low), ("lse", (L, B * H, T), np.float32),
-            ("ln2", (L, N, C), low), ("ln2_mean", (L, N), np.float32), ("ln2_rstd", (L, N), np.float32),
-            ("h_pre", (L, N, F), low), ("h_act", (L, N, F), low),
+            ("ln2", (N, C), low), ("ln2_mean", (L, N), np.float32), ("ln2_rstd", (L, N), np.float32),
+            ("h_pre", (L, N, F), low), ("h_act", (N, F), low),
             ("lnf", (N, C), low), ("lnf_mean", (N,), np.float32), ("lnf_rstd", (N,), np.float32),
             ("logits", (N, V), low), ("loss_lse", (N,), np.float32), ("losses", (N,), np.float32),
             ("loss_out", (8,), np.float32), ("branch", (N, C), low),
@@ -630,15 +660,15 @@ class GpuEngine:
         for l in range(mc.n_layer):
             q = f"h.{l}."
             x_in, x_mid, x_out = a["res"][2 * l], a["res"][2 * l + 1], a["res"][2 * l + 2]
-            k_layernorm_fwd(p, a["ln1"][l], a["ln1_mean"][l], a["ln1_rstd"][l], x_in, W[q + "ln1.g"], W[q + "ln1.b"], N, C)
-            mm(a["qkv"][l], a["ln1"][l], WL[q + "attn.w_qkv"], lowtype=lt)
+            k_layernorm_fwd(p, a["ln1"], a["ln1_mean"][l], a["ln1_rstd"][l], x_in, W[q + "ln1.g"], W[q + "ln1.b"], N, C)
+            mm(a["qkv"][l], a["ln1"], WL[q + "attn.w_qkv"], lowtype=lt)
             k_attn_fwd(p, a["atty"][l], a["lse"][l], a["qkv"][l], B, T, C, H)
             mm(a["branch"], a["atty"][l], WL[q + "attn.w_o"], lowtype=lt)
             k_residual_add(p, x_mid, x_in, a["branch"], N * C)
-            k_layernorm_fwd(p, a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l], x_mid, W[q + "ln2.g"], W[q + "ln2.b"], N, C)
-            mm(a["h_pre"][l], a["ln2"][l], WL[q + "mlp.w_fc"], lowtype=lt)
-            k_gelu_fwd(p, a["h_act"][l], a["h_pre"][l], N * 4 * C)
-            mm(a["branch"], a["h_act"][l], WL[q + "mlp.w_proj"], lowtype=lt)
+            k_layernorm_fwd(p, a["ln2"], a["ln2_mean"][l], a["ln2_rstd"][l], x_mid, W[q + "ln2.g"], W[q + "ln2.b"], N, C)
+            mm(a["h_pre"][l], a["ln2"], WL[q + "mlp.w_fc"], lowtype=lt)
+            k_gelu_fwd(p, a["h_act"], a["h_pre"][l], N * 4 * C)
+            mm(a["branch"], a["h_act"], WL[q + "mlp.w_proj"], lowtype=lt)
             k_residual_add(p, x_out, x_mid, a["branch"], N * C)
         k_layernorm_fwd(p, a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][-1], W["lnf.g"], W["lnf.b"], N, C)
         mm(a["logits"], a["lnf"], WL["wte"], tb=True, lowtype=lt)
@@ -660,12 +690,16 @@ class GpuEngine:
         for l in reversed(range(mc.n_layer)):
             q = f"h.{l}."
             # x_out = x_mid + mlp(ln2(x_mid)): the residual passes dres through; the branch gets it too
+            # ln2(x_mid) and gelu(h_pre) are recomputed (same kernels, same bits) instead of kept per layer
+            k_layernorm_fwd(p, a["ln2"], a["ln2_mean"][l], a["ln2_rstd"][l], a["res"][2 * l + 1], W[q + "ln2.g"],
+                            W[q + "ln2.b"], N, C)
+            k_gelu_fwd(p, a["h_act"], a["h_pre"][l], N * 4 * C)
             if p != "fp32":
                 k_cast(p, dbranch, dres, N * C)
             mm(a["dh"], dbranch, WL[q + "mlp.w_proj"], tb=True, lowtype=lt)
-            mm(G[q + "mlp.w_proj"], a["h_act"][l], dbranch, ta=True, beta=1.0, lowtype=lt)
+            mm(G[q + "mlp.w_proj"], a["h_act"], dbranch, ta=True, beta=1.0, lowtype=lt)
             k_gelu_bwd(p, a["dh"], a["dh"], a["h_pre"][l], N * 4 * C)
-            mm(G[q + "mlp.w_fc"], a["ln2"][l], a["dh"], ta=True, beta=1.0, lowtype=lt)
+            mm(G[q + "mlp.w_fc"], a["ln2"], a["dh"], ta=True, beta=1.0, lowtype=lt)
             mm(dln, a["dh"], WL[q + "mlp.w_fc"], tb=True, lowtype=lt)
             k_layernorm_bwd(p, dres, G[q + "ln2.g"], G[q + "ln2.b"], dln, a["res"][2 * l + 1], a["ln2_mean"][l],
                             a["ln2_rstd"][l], W[q + "ln2.g"], a["ln_part"], N, C)
@@ -676,7 +710,9 @@ class GpuEngine:
             mm(G[q + "attn.w_o"], a["atty"][l], dbranch, ta=True, beta=1.0, lowtype=lt)
             k_attn_bwd(p, a["dqkv"], a["datty"], a["atty"][l], a["lse"][l], a["dvec"], a["qkv"][l], B, T, C, H,
                        accumulate=False)
-            mm(G[q + "attn.w_qkv"], a["ln1"][l], a["dqkv"], ta=True, beta=1.0, lowtype=lt)
+            k_layernorm_fwd(p, a["ln1"], a["ln1_mean"][l], a["ln1_rstd"][l], a["res"][2 * l], W[q + "ln1.g"],
+                            W[q + "ln1.b"], N, C)
+            mm(G[q + "attn.w_qkv"], a["ln1"], a["dqkv"], ta=True, beta=1.0, lowtype=lt)
             mm(dln, a["dqkv"], WL[q + "attn.w_qkv"], tb=True, lowtype=lt)
             k_layernorm_bwd(p, dres, G[q + "ln1.g"], G[q + "ln1.b"], dln, a["res"][2 * l], a["ln1_mean"][l],
                             a["ln1_rstd"][l], W[q + "ln1.g"], a["ln_part"], N, C)
