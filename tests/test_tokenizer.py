@@ -73,6 +73,15 @@ def test_successor_variety_finds_the_stem():
         assert segment(w, sv, pv) == want
 
 
+def test_suffix_before_a_last_letter_with_many_predecessors():
+    # words ending in "d" after many letters: PV("d") >= PV("ed"), yet "-ed" is still cut
+    extra = ["and", "old", "bad", "mud", "kid", "odd", "word", "card", "glad", "yard", "head", "ahead", "food",
+             "cold", "wild", "grand", "fjord", "vivid", "avoid", "plaid", "squid", "dad", "lloyd", "david", "sword"]
+    sv, pv = varieties([s + x for s in STEMS for x in SUFFIXES] + extra)
+    assert pv["d"] > pv["ed"] >= 3
+    assert segment("walked", sv, pv) == ["walk", "ed"] and segment("cold", sv, pv) == ["cold"]
+
+
 def test_morphology_walk_forms_share_a_stem_token():
     ranking = train_ranking(_verb_corpus(), max_morpheme_len=16, min_count=2)
     tok = Tokenizer.from_ranking(ranking, 64, refine_rounds=2)
@@ -109,9 +118,10 @@ def test_vocab_layout(doc_tok):
     assert doc_tok.token_bytes(65) == b"A"
     assert doc_tok.token_bytes(doc_tok.eot_id) == b""
     assert all(len(doc_tok.token_bytes(i)) >= 2 for i in range(256, doc_tok.eot_id))
-    ids = doc_tok.encode("Return the value of the attribute.")
+    text = "Return the value of the attribute."
+    ids = doc_tok.encode(text)
     assert ids.dtype == np.int32 and (ids < doc_tok.eot_id).all()
-    assert (ids >= 256).mean() > 0.5          # trained on this register: mostly morphemes
+    assert len(ids) < len(text) / 2           # trained on this register: mostly morphemes
 
 
 def test_compresses_held_out_text(doc_tok):

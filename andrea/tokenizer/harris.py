@@ -4,15 +4,17 @@ Training (Zellig Harris, "From phoneme to morpheme", 1955; Hafer & Weiss 1974):
 
 1. Text is pre-split by ``PRETOKEN_PATTERN`` into words (a ``<|tag|>``, a letter run, up
    to three digits, a punctuation run, an underscore run -- each with at most one leading
-   space -- or a whitespace run). Word counts are streamed: only the ``Counter`` of distinct words is kept, and it
-   is pruned of its rarest entries whenever it grows past ``max_word_types``.
+   space -- or a whitespace run). Word counts are streamed: only the ``Counter`` of
+   distinct words is kept, pruned of its rarest entries whenever it grows past
+   ``max_word_types``.
 2. For the letter words seen at least ``min_count`` times (their "core", without the
    leading space) the successor variety SV(p) -- how many distinct characters (or the
    end of the word) follow the prefix p among word types -- and the predecessor variety
    PV(s) -- how many distinct characters (or the start) precede the suffix s -- are
    counted. A morpheme boundary lies after position i of a word where SV rises
-   (SV(w[:i]) > SV(w[:i-1]): a stem just ended) while PV falls (PV(w[i:]) > PV(w[i+1:]):
-   an affix starts): ``walking`` -> ``walk|ing``, ``returns`` -> ``return|s``.
+   (SV(w[:i]) > SV(w[:i-1]): a stem just ended) while PV, read from the right, rises too
+   (PV(w[i:]) > PV(w[i+1:]): an affix starts; see ``segment``): ``walking`` -> ``walk|ing``,
+   ``returns`` -> ``return|s``, ``documented`` -> ``document|ed``.
 3. Every word type is cut at those boundaries (non-letter words stay whole); the first
    piece keeps the word's leading space. Pieces are counted, weighted by word frequency,
    and scored by the bytes they save over byte fallback: ``count * (len(utf8) - 1)``.
@@ -155,9 +157,12 @@ def segment(word: str, sv: dict[str, int], pv: dict[str, int]) -> list[str]:
     """Cut ``word`` where successor variety rises and predecessor variety falls.
 
     A cut after ``word[:i]`` needs SV(word[:i]) > SV(word[:i-1]) (more ways to go on after
-    the longer prefix: a stem just ended) and PV(word[i:]) > PV(word[i+1:]) (more ways to
-    reach the suffix than the shorter one: an affix begins here). No cut leaves a one-letter
-    first piece; a one-letter last piece needs SV >= 3 before it. ``walking`` -> ``walk|ing``.
+    the longer prefix: a stem just ended), PV(word[i:]) >= 3 (the rest is reached from
+    several stems) and PV(word[i:]) > PV(word[i+1:]) (more ways to reach the suffix than the
+    shorter one: an affix begins here). That last test is skipped when the shorter suffix
+    is a single letter, whose PV (nearly every letter precedes it) says nothing. No cut
+    leaves a one-letter first piece; a one-letter last piece needs SV >= 3 before it.
+    ``walking`` -> ``walk|ing``, ``documented`` -> ``document|ed``.
     """
     n = len(word)
     if n <= 2:
@@ -167,7 +172,8 @@ def segment(word: str, sv: dict[str, int], pv: dict[str, int]) -> list[str]:
     p = [get_p(word[i:], 0) for i in range(n)] + [0]
     out, j = [], 0
     for i in range(2, n):
-        if s[i] > s[i - 1] and p[i] > p[i + 1] and (i < n - 1 or s[i] >= 3):
+        shorter = p[i + 1] if i + 1 <= n - 2 else 0
+        if s[i] > s[i - 1] and p[i] >= 3 and p[i] > shorter and (i < n - 1 or s[i] >= 3):
             out.append(word[j:i])
             j = i
     out.append(word[j:])
