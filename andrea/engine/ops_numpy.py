@@ -17,8 +17,8 @@ Conventions (every op):
 - Backward functions ADD (``+=``) into every gradient they produce, parameter gradients
   and input gradients alike; the caller zeroes gradient buffers (``Engine.zero_grads``).
 - ``work`` is a flat scratch buffer of the activations' dtype owned by the caller, at
-  least ``work_elems(B, T, C, H, V)`` long (or ``n_params`` long for ``adamw``, which
-  instead consumes its ``g``); ops carve views from it and leave garbage in it.
+  least ``work_elems(B, T, C, H, V)`` long; ops carve views from it and leave garbage in
+  it. ``adamw`` takes no work buffer: it consumes its ``g`` as scratch.
 - Every op is dtype-generic (float32 in training, float64 in the gradient checks).
 - Determinism: no op depends on anything but its arguments (same inputs, same thread
   count -> same bits).
@@ -55,7 +55,7 @@ def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
         N * 4 * C + 4 * C * C,                 # linear backward (attn_qkv: 3C, mlp in/out: 4C)
         4 * N * C + B * H * T,                 # attn_forward: q, k, v, y (B, H, T, D), row stat (B, H, T)
         5 * N * C + B * H * T * T + B * H * T,  # attn_backward: q, k, v, dy, tmp, datt, row dot
-        3 * N * 4 * C,                         # mlp_backward: dh, tanh, gelu' term (weight tmps reuse them)
+        3 * N * 4 * C,                         # mlp_backward: dh, s, r (the weight-grad tmps reuse s and r)
         N * C + V * C + N,                     # loss_backward: dx tmp, dwte tmp, row index
         N,                                     # loss_forward: row sums
     )
