@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def ordinary_mode(path: str | Path, mode: int = 0o666) -> None:
+    """mkstemp/mkdtemp make 0600/0700; give a result the mode a plain open()/mkdir() would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -33,6 +40,7 @@ def atomic_open(path: str | Path, mode: str = "wb", **kw) -> Iterator[Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    ordinary_mode(tmp)
     try:
         with open(tmp, mode, **kw) as f:
             yield f
@@ -68,9 +76,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any mkdir
+    ordinary_mode(tmp, 0o777)
     try:
         yield tmp
         old = None

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea.errors import AndreaError
+from andrea.fsutil import ordinary_mode
 
 MAGIC = b"ANDRTOK\x00"
 VERSION = 1
@@ -55,6 +56,7 @@ class ShardWriter:
         self.code, self.dtype = dtype_for(self.vocab_size)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        ordinary_mode(self._tmp)
         self._f = os.fdopen(fd, "wb")
         self._f.write(b"\0" * HEADER.size)
         self._offsets = [0]

@@ -88,12 +88,17 @@ def test_damaged_shards_are_refused(tmp_path):
         Shard(tmp_path / "missing.bin")
 
 
-def test_atomic_dir_has_ordinary_permissions(tmp_path):
+def test_results_have_ordinary_permissions(tmp_path):
     import os
     umask = os.umask(0o022)
     try:
         with atomic_dir(tmp_path / "out") as d:
             (d / "a").write_text("x")
+        atomic_write_json(tmp_path / "r.json", {})
+        with ShardWriter(tmp_path / "s.bin", vocab_size=10, eot_id=9) as w:
+            w.add([1])
     finally:
         os.umask(umask)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "s.bin").stat().st_mode & 0o777 == 0o644

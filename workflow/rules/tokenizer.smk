@@ -6,6 +6,7 @@ rule train_tokenizer:
         train=lambda w: f"{megachat_dir(w)}/train.parquet",
     output:
         "data/tokenizer/{variant}/tokenizer.json",
+        "data/tokenizer/{variant}/tokenizer.json.sha256",
     conda:
         "../envs/andrea.yaml"
     log:
