@@ -102,10 +102,10 @@ def test_layernorm_pair(be, prec):
     close(cp.asnumpy(db), rdb, "fp32", scale=10.0, what="db")
 
 
-@pytest.mark.parametrize("prec", ["fp32", "bf16"])
-def test_gelu_pair(be, prec):
+@pytest.mark.parametrize("prec,n", [("fp32", 10_000), ("bf16", 10_000), ("bf16", 10_001), ("fp16", 4_096)])
+def test_gelu_pair(be, prec, n):
+    # n % 8 == 0 takes the 8-wide kernels, 10_001 the scalar ones
     rng = np.random.default_rng(2)
-    n = 10_000
     x, x64 = to_dev(rng.normal(0, 2, n), prec)
     dy, dy64 = to_dev(rng.normal(0, 1, n), prec)
     y = empty(n, prec)

@@ -253,6 +253,7 @@ __device__ __forceinline__ float hi_f(unsigned u) {
 }
 
 typedef unsigned short u16;
+#define ATT_PAD 8  // row padding (16 bytes) of shared tiles: conflict-free fragment loads
 
 // B fragment (k16 x n8) of a row-major [k][n] tile in shared memory, transposed by ldmatrix:
 // lanes 0-15 give the addresses of rows k0 .. k0+15 at column n0 (16-byte aligned rows).
@@ -261,23 +262,22 @@ __device__ __forceinline__ void ldsm_x2_trans(unsigned& b0, unsigned& b1, const 
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(a));
 }
 
-// Load a 64-row tile (rows r0.., D columns) of a (B*T, ld) 16-bit matrix into smem, row-major with
-// pitch P, and optionally its transpose (D rows, pitch PT). Rows >= Tn are zero.
-template <int D, int P, int PT>
-__device__ __forceinline__ void load_tile(const u16* __restrict__ src, long long row_base, int r0, int Tn, int ld,
-                                          u16 (*dst)[P], u16 (*dstT)[PT]) {
+// Asynchronous copy (cp.async, 16 bytes per thread and step) of a 64-row tile into shared memory;
+// rows >= Tn are zero-filled (0 source bytes). Completed by cp_async_wait + __syncthreads.
+template <int D>
+__device__ __forceinline__ void async_tile(const u16* __restrict__ src, long long row_base, int r0, int Tn, int ld,
+                                           u16 (*dst)[D + ATT_PAD]) {
     for (int idx = threadIdx.x; idx < 64 * D / 8; idx += blockDim.x) {
         const int r = idx / (D / 8), c8 = (idx % (D / 8)) * 8;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (r0 + r < Tn) val = *reinterpret_cast<const uint4*>(src + (row_base + r0 + r) * ld + c8);
-        if (dst != nullptr) *reinterpret_cast<uint4*>(&dst[r][c8]) = val;
-        if (dstT != nullptr) {
-            const u16* e = reinterpret_cast<const u16*>(&val);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) dstT[c8 + i][r] = e[i];
-        }
+        const bool ok = r0 + r < Tn;
+        const u16* gp = src + (row_base + (ok ? r0 + r : 0)) * ld + c8;
+        const unsigned sa = (unsigned)__cvta_generic_to_shared(&dst[r][c8]);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gp), "r"(ok ? 16 : 0));
     }
 }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // A fragment (16 rows x D) of rows ra/rb straight from global memory, as KS k16 slices.
 template <int D>
@@ -293,19 +293,21 @@ __device__ __forceinline__ void load_afrag(const u16* __restrict__ src, long lon
     }
 }
 
-#define ATT_PAD 8
 
 template <bool BF, int D>
 __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                              int ld, u16* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H,
                              float sl2) {
     constexpr int KS = D / 16, ND = D / 8;
-    __shared__ __align__(16) u16 Ks[64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Vs[64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Ks2[2][64][D + ATT_PAD];   // double-buffered: tile kt+1 is in flight
+    __shared__ __align__(16) u16 Vs2[2][64][D + ATT_PAD];   // while tile kt is used
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int qt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
+    async_tile<D>(k + h * D, rb, 0, Tn, ld, Ks2[0]);
+    async_tile<D>(v + h * D, rb, 0, Tn, ld, Vs2[0]);
+    cp_async_commit();
     unsigned qa[KS][4];
     load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
     float o[ND][4];
@@ -313,11 +315,19 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
     for (int n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m0 = -ANDREA_INF, m1 = -ANDREA_INF, l0 = 0.0f, l1 = 0.0f;
     const int last = min(Tn, qt * 64 + 64) - 1;
-    for (int kt = 0; kt * 64 <= last; ++kt) {
+    const int nkt = last / 64 + 1;
+    for (int kt = 0; kt < nkt; ++kt) {
+        if (kt + 1 < nkt) {
+            async_tile<D>(k + h * D, rb, (kt + 1) * 64, Tn, ld, Ks2[(kt + 1) & 1]);
+            async_tile<D>(v + h * D, rb, (kt + 1) * 64, Tn, ld, Vs2[(kt + 1) & 1]);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(k + h * D, rb, kt * 64, Tn, ld, Ks, (u16(*)[64 + ATT_PAD]) nullptr);
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(v + h * D, rb, kt * 64, Tn, ld, Vs, (u16(*)[64 + ATT_PAD]) nullptr);
-        __syncthreads();
+        u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
+        u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
         float s[8][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -375,6 +385,7 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
                 mma16816<BF>(o[n], pa, b0, b1);
             }
         }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -399,12 +410,15 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
                                 const float* __restrict__ dvec, u16* __restrict__ dq, int Tn, int H, float sl2,
                                 float scale, int accumulate) {
     constexpr int KS = D / 16, ND = D / 8;
-    __shared__ __align__(16) u16 Ks[64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Vs[64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Ks2[2][64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Vs2[2][64][D + ATT_PAD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int qt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
+    async_tile<D>(k + h * D, rb, 0, Tn, ld, Ks2[0]);
+    async_tile<D>(v + h * D, rb, 0, Tn, ld, Vs2[0]);
+    cp_async_commit();
     unsigned qa[KS][4], da[KS][4];
     load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
     load_afrag<D>(dy + h * D, rb, r0, r1, Tn, ldy, t4, da);
@@ -416,11 +430,19 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
 #pragma unroll
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     const int last = min(Tn, qt * 64 + 64) - 1;
-    for (int kt = 0; kt * 64 <= last; ++kt) {
+    const int nkt = last / 64 + 1;
+    for (int kt = 0; kt < nkt; ++kt) {
+        if (kt + 1 < nkt) {
+            async_tile<D>(k + h * D, rb, (kt + 1) * 64, Tn, ld, Ks2[(kt + 1) & 1]);
+            async_tile<D>(v + h * D, rb, (kt + 1) * 64, Tn, ld, Vs2[(kt + 1) & 1]);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(k + h * D, rb, kt * 64, Tn, ld, Ks, (u16(*)[64 + ATT_PAD]) nullptr);
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(v + h * D, rb, kt * 64, Tn, ld, Vs, (u16(*)[64 + ATT_PAD]) nullptr);
-        __syncthreads();
+        u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
+        u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
         float s[8][4], dp[8][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -457,6 +479,7 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
                 mma16816<BF>(acc[n], pa, b0, b1);
             }
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int n = 0; n < ND; ++n) {
@@ -480,10 +503,10 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
                                  const float* __restrict__ dvec, u16* __restrict__ dk, u16* __restrict__ dv, int Tn,
                                  int H, float sl2, float scale, int accumulate) {
     constexpr int KS = D / 16, ND = D / 8;
-    __shared__ __align__(16) u16 Qs[64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Os[64][D + ATT_PAD];
-    __shared__ float Ls[64];
-    __shared__ float Es[64];
+    __shared__ __align__(16) u16 Qs2[2][64][D + ATT_PAD];
+    __shared__ __align__(16) u16 Os2[2][64][D + ATT_PAD];
+    __shared__ float Ls2[2][64];
+    __shared__ float Es2[2][64];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
     const long long rb = (long long)b * Tn;
@@ -498,16 +521,30 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
         dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
     }
     const int ntiles = (Tn + 63) / 64;
-    for (int qt = kt; qt < ntiles; ++qt) {
-        __syncthreads();
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(q + h * D, rb, qt * 64, Tn, ld, Qs, (u16(*)[64 + ATT_PAD]) nullptr);
-        load_tile<D, D + ATT_PAD, 64 + ATT_PAD>(dy + h * D, rb, qt * 64, Tn, ldy, Os, (u16(*)[64 + ATT_PAD]) nullptr);
+    auto issue = [&](int qt) {
+        const int bf = qt & 1;
+        async_tile<D>(q + h * D, rb, qt * 64, Tn, ld, Qs2[bf]);
+        async_tile<D>(dy + h * D, rb, qt * 64, Tn, ldy, Os2[bf]);
+        cp_async_commit();
         if (tid < 64) {
             const int qq = qt * 64 + tid;
-            Ls[tid] = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
-            Es[tid] = qq < Tn ? dvec[(long long)bh * Tn + qq] : 0.0f;
+            Ls2[bf][tid] = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
+            Es2[bf][tid] = qq < Tn ? dvec[(long long)bh * Tn + qq] : 0.0f;
+        }
+    };
+    issue(kt);
+    for (int qt = kt; qt < ntiles; ++qt) {
+        if (qt + 1 < ntiles) {
+            issue(qt + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
+        u16(*Qs)[D + ATT_PAD] = Qs2[qt & 1];
+        u16(*Os)[D + ATT_PAD] = Os2[qt & 1];
+        const float* Ls = Ls2[qt & 1];
+        const float* Es = Es2[qt & 1];
         float s[8][4], dp[8][4];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -552,6 +589,7 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
                 mma16816<BF>(dka[n], sa, c0, c1);
             }
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int n = 0; n < ND; ++n) {

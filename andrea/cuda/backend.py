@@ -183,16 +183,32 @@ def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C):
     kernel("layernorm.cu", "k_layernorm_bwd_wsum")((_blocks(C, 128),), (128,), (part, dg, db, _i(n_chunks), _i(C)))
 
 
+def _vec8(n: int, *arrays) -> bool:
+    """The 8-wide kernels need n % 8 == 0 and 16-byte aligned buffers."""
+    return n % 8 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+
+
 def k_gelu_fwd(prec, y, x, n):
-    kernel("elementwise.cu", f"k_gelu_fwd_{_SUFFIX[prec]}")((_blocks(n),), (256,), (x, y, np.int64(n)))
+    if _vec8(n, x, y):
+        kernel("elementwise.cu", f"k_gelu_fwd8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,), (x, y, np.int64(n // 8)))
+    else:
+        kernel("elementwise.cu", f"k_gelu_fwd_{_SUFFIX[prec]}")((_blocks(n),), (256,), (x, y, np.int64(n)))
 
 
 def k_gelu_bwd(prec, dx, dy, x, n):
-    kernel("elementwise.cu", f"k_gelu_bwd_{_SUFFIX[prec]}")((_blocks(n),), (256,), (x, dy, dx, np.int64(n)))
+    if _vec8(n, x, dy, dx):
+        kernel("elementwise.cu", f"k_gelu_bwd8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,),
+                                                                 (x, dy, dx, np.int64(n // 8)))
+    else:
+        kernel("elementwise.cu", f"k_gelu_bwd_{_SUFFIX[prec]}")((_blocks(n),), (256,), (x, dy, dx, np.int64(n)))
 
 
 def k_residual_add(prec, out, a, b, n):
-    kernel("elementwise.cu", f"k_residual_add_{_SUFFIX[prec]}")((_blocks(n),), (256,), (a, b, out, np.int64(n)))
+    if _vec8(n, out, a, b):
+        kernel("elementwise.cu", f"k_residual_add8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,),
+                                                                     (a, b, out, np.int64(n // 8)))
+    else:
+        kernel("elementwise.cu", f"k_residual_add_{_SUFFIX[prec]}")((_blocks(n),), (256,), (a, b, out, np.int64(n)))
 
 
 def k_accumulate(da, dout, n):
@@ -200,7 +216,10 @@ def k_accumulate(da, dout, n):
 
 
 def k_cast(prec, dst, src, n):
-    kernel("elementwise.cu", f"k_cast_{_SUFFIX[prec]}")((_blocks(n),), (256,), (src, dst, np.int64(n)))
+    if _vec8(n, dst, src):
+        kernel("elementwise.cu", f"k_cast8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,), (src, dst, np.int64(n // 8)))
+    else:
+        kernel("elementwise.cu", f"k_cast_{_SUFFIX[prec]}")((_blocks(n),), (256,), (src, dst, np.int64(n)))
 
 
 def k_scale(g, n, s):
