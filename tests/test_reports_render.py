@@ -51,3 +51,12 @@ def test_tables_and_fmt():
     page = R.html_page("T", [("S", "<p>x</p>")], subtitle="sub")
     assert page.startswith("<!DOCTYPE html>") and "<style>" in page and "<h2>S</h2>" in page
     assert math.isfinite(float(R.fmt(0.5)))
+
+
+def test_pinned_colours_follow_the_name():
+    cmap = R.colour_map(["py-code", "chat-single", "py-code"])
+    assert cmap == {"chat-single": R.PALETTE[0], "py-code": R.PALETTE[1]}
+    svg = R.line_chart({"py-code": [(0, 1), (1, 2)], "new": [(0, 2), (1, 1)]}, title="t", xlabel="x", ylabel="y",
+                       colours=cmap)
+    assert f'stroke="{R.PALETTE[1]}"' in svg and f'stroke="{R.PALETTE[1]}" stroke-width' in svg
+    assert 'fill="#123456"' in R.bar_chart({"a": 1.0}, title="b", ylabel="y", colours={"a": "#123456"})

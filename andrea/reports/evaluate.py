@@ -270,23 +270,26 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
     flags_rows = [[f["id"], f["domain"], f["sample"], "; ".join(f["flags"])] for f in ev["flags"]]
     judge_rows = [[d, v] for d, v in (judge.get("by_domain") or {}).items()]
 
-    # --- figures
+    # --- figures: one colour per source in every figure
+    names = set(srcs) | {str(r.get("source")) for r in hist["train"] + hist["pulls"] if r.get("source") is not None}
+    cmap = {**R.colour_map(names), "overall": "#000000", "unigram": "#7F7F7F"}
     figs = [
         ("Train loss per source (EMA 0.9 over each source's steps)",
-         R.line_chart(ema_by_source(hist["train"]), title="train loss per source", xlabel="step", ylabel="loss (nats)")),
+         R.line_chart(ema_by_source(hist["train"]), title="train loss per source", xlabel="step", ylabel="loss (nats)",
+                      colours=cmap)),
         ("Held-out loss during training",
          R.line_chart({"overall": series(hist["val"], "loss"), **val_by_source(hist["val"])},
-                      title="held-out loss", xlabel="step", ylabel="loss (nats)")),
+                      title="held-out loss", xlabel="step", ylabel="loss (nats)", colours=cmap)),
         ("Bandit pull shares over time",
          R.line_chart(pull_shares(hist), title="share of pulls per source", xlabel="step", ylabel="share",
-                      y_min=0.0, y_max=1.0)),
+                      y_min=0.0, y_max=1.0, colours=cmap)),
         ("Learning rate", R.line_chart({"lr": series(hist["train"], "lr")}, title="learning rate", xlabel="step",
                                        ylabel="lr")),
         ("Throughput", R.line_chart({"tokens/s": series(hist["train"], "tokens_per_s")}, title="tokens per second",
                                     xlabel="step", ylabel="tokens/s")),
         ("Bits per byte per source (final checkpoint, held-out)",
          R.bar_chart({**{s: ho["per_source"][s]["bpb"] for s in srcs}, "overall": ho["overall"]["bpb"],
-                      "unigram": uni["bpb"]}, title="held-out bits per byte", ylabel="bits/byte")),
+                      "unigram": uni["bpb"]}, title="held-out bits per byte", ylabel="bits/byte", colours=cmap)),
     ]
     sections = [("Summary", R.html_table(["item", "value"], summary_rows)),
                 ("Held-out loss and bits per byte", R.html_table(src_head, src_rows)

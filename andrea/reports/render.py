@@ -91,10 +91,12 @@ def _tick_label(v: float) -> str:
 
 def line_chart(series: dict[str, Sequence[tuple[float, float]]], *, title: str, xlabel: str, ylabel: str,
                width: int = 680, height: int = 300, log_y: bool = False, y_min: float | None = None,
-               y_max: float | None = None) -> str:
+               y_max: float | None = None, colours: dict[str, str] | None = None) -> str:
     """An inline SVG line chart: one polyline per named series of (x, y) points, with axes and a legend.
 
-    Non-finite points are dropped (and, with ``log_y``, non-positive ones). A chart with
+    ``colours`` pins a series' colour by name (so one source looks the same in every
+    figure); others take the palette in order. Non-finite points are dropped (and, with
+    ``log_y``, non-positive ones). A chart with
     no points says so in place of lines, so a report never silently shows an empty box.
     """
     clean: dict[str, list[tuple[float, float]]] = {}
@@ -152,7 +154,7 @@ def line_chart(series: dict[str, Sequence[tuple[float, float]]], *, title: str, 
                  f'<text x="14" y="{mt + ph / 2:.1f}" text-anchor="middle" font-size="12" '
                  f'transform="rotate(-90 14 {mt + ph / 2:.1f})">{esc(ylabel)}</text>')
     for i, (name, pts) in enumerate(clean.items()):
-        colour = PALETTE[i % len(PALETTE)]
+        colour = (colours or {}).get(name) or PALETTE[i % len(PALETTE)]
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         if len(pts) == 1:
             X, Y = coords.split(",")
@@ -168,7 +170,13 @@ def line_chart(series: dict[str, Sequence[tuple[float, float]]], *, title: str, 
     return "".join(parts)
 
 
-def bar_chart(values: dict[str, float], *, title: str, ylabel: str, width: int = 680, height: int = 280) -> str:
+def colour_map(names: Iterable[str]) -> dict[str, str]:
+    """A fixed colour per name: the palette in sorted-name order."""
+    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(sorted(set(names)))}
+
+
+def bar_chart(values: dict[str, float], *, title: str, ylabel: str, width: int = 680, height: int = 280,
+              colours: dict[str, str] | None = None) -> str:
     """An inline SVG bar chart, one bar per named value (non-finite values drawn as missing)."""
     ml, mr, mt, mb = 62, 14, 30, 70
     pw, ph = width - ml - mr, height - mt - mb
@@ -196,7 +204,7 @@ def bar_chart(values: dict[str, float], *, title: str, ylabel: str, width: int =
         if v is not None and math.isfinite(float(v)):
             h = max(float(v), 0.0) / top * ph
             parts.append(f'<rect x="{cx - slot * 0.35:.1f}" y="{mt + ph - h:.1f}" width="{slot * 0.7:.1f}" '
-                         f'height="{h:.1f}" fill="{PALETTE[i % len(PALETTE)]}"><title>{esc(name)}: {fmt(float(v))}</title></rect>'
+                         f'height="{h:.1f}" fill="{(colours or {}).get(name) or PALETTE[i % len(PALETTE)]}"><title>{esc(name)}: {fmt(float(v))}</title></rect>'
                          f'<text x="{cx:.1f}" y="{mt + ph - h - 3:.1f}" text-anchor="middle" font-size="10">{fmt(float(v), 3)}</text>')
         parts.append(f'<text x="{cx:.1f}" y="{mt + ph + 14}" text-anchor="end" font-size="11" '
                      f'transform="rotate(-30 {cx:.1f} {mt + ph + 14})">{esc(name)}</text>')
