@@ -99,17 +99,17 @@ def test_loss_reward_prefers_the_hard_source(base_cfg, big_shards):
 
 def test_floors_hold(base_cfg, big_shards):
     c = copy.deepcopy(base_cfg)
-    c["bandit"]["floor"] = 0.15
+    c["bandit"]["floor"] = 0.25
     steps = 900
     cur, order, pulls = simulate(c, big_shards, steps)
     die = c["bandit"]["dice_main"]
     for s in big_shards:
-        assert order.count(s) / steps >= 0.15 - (die + 1) / steps, (s, order.count(s))
+        assert order.count(s) / steps >= 0.25 - (die + 1) / steps, (s, order.count(s))
     assert any(p["why"] == "floor" for p in pulls)
-    # without a floor the learned and noise sources fall well below that share
+    # without a floor the learned or the noise source falls well below that share
     c["bandit"]["floor"] = 0.0
     _, order0, _ = simulate(c, big_shards, steps)
-    assert min(order0.count("learned"), order0.count("noise")) / steps < 0.1
+    assert min(order0.count("learned"), order0.count("noise")) / steps < 0.2
 
 
 def test_floor_that_cannot_hold_is_refused(base_cfg, big_shards):
@@ -273,3 +273,36 @@ def test_a_first_batch_without_progress_does_not_count_as_a_pull(base_cfg, big_s
     assert [p["reward"] for p in pulls[:3]] == [None] * 3 and all(p["reward"] is not None for p in pulls[3:])
     assert sorted(order[:3]) == sorted(order[3:]) == sorted(big_shards)
     assert all(v == 1.0 for v in cur.policy.n.values())
+
+
+def test_reward_scaled_confidence_prevents_lock_in(base_cfg, tmp_path):
+    # Four identical sources whose progress rewards are large and noisy (early training).
+    # Plain UCB1 (radius in units of 1) is then greedy on a few noisy first rewards and
+    # starves some sources; with the radius in units of the pooled reward spread the
+    # pulls stay even, as they should between identical sources.
+    shards = {s: write_shard(tmp_path / f"{s}.bin", 400, 50, seed=i) for i, s in enumerate("abcd")}
+    curves = {s: (lambda k: 2.0 + 5.0 * math.exp(-k / 100.0)) for s in shards}
+    mins = {}
+    for scale in ("one", "std"):
+        c = copy.deepcopy(base_cfg)
+        c["bandit"].update(ucb_scale=scale, floor=0.0)
+        mins[scale] = [min(order.count(s) for s in shards) / len(order)
+                       for order in (simulate(c, shards, 400, seed=seed, curves=curves, noise=0.3)[1]
+                                     for seed in range(3))]
+    assert min(mins["std"]) > 0.15, mins
+    assert min(mins["one"]) < 0.05, mins
+
+
+def test_progress_per_step_divides_a_drop_by_the_gap():
+    from andrea.curriculum.policy import _EmaRewards
+
+    b = {"ema": 0.5, "reward": "progress", "reward_scale": 1000.0, "progress_per_step": True}
+    r = _EmaRewards(["s"], b)
+    assert r.update("s", 4.0, t=1) is None                  # first loss: EMA starts, no reward
+    assert r.update("s", 3.0, t=2) == pytest.approx(500.0)  # drop 0.5 over one batch
+    assert r.update("s", 2.5, t=12) == pytest.approx(50.0)  # drop 0.5 over ten batches
+    r2 = _EmaRewards(["s"], {**b, "progress_per_step": False})
+    for t, loss in ((1, 4.0), (2, 3.0)):
+        r2.update("s", loss, t)
+    assert r2.update("s", 2.5, t=12) == pytest.approx(500.0)
+    assert _EmaRewards(["s"], {**b, "reward": "loss"}).update("s", 4.0, t=1) == 4.0

@@ -6,7 +6,8 @@ engine reports back (``observe``). Both keep a per-source loss EMA
 sets it) and derive the reward of an observation from it:
 
   * ``bandit.reward: progress`` -- learning progress, the drop of the EMA
-    ``(ema_before - ema_after) * bandit.reward_scale``;
+    ``(ema_before - ema_after) * bandit.reward_scale``, divided by the batches since the
+    source's previous batch when ``bandit.progress_per_step`` is true;
   * ``bandit.reward: loss`` -- the ODM-style ablation: the EMA itself (in nats, not
     scaled), so the bandit prefers the sources the model still finds hard.
 
@@ -20,8 +21,10 @@ sets it) and derive the reward of an observation from it:
     batches; a dwell never crosses a phase boundary, and at each boundary the bandit
     halves its pull counts and reward sums (means kept, confidence widened), so it
     re-explores on the 7/14/21/28/42 cadence while learning progress drifts;
-  * score of source i: the UCB1 index ``mean_i + c * sqrt(2 ln N / n_i)`` (an unpulled
-    source scores +inf), times the epoch penalty ``1 / (1 + epochs_i)``, times the
+  * score of source i: the UCB1 index ``mean_i + c * u * sqrt(2 ln N / n_i)`` (an unpulled
+    source scores +inf; u = 1 with ``bandit.ucb_scale: one``, the pooled within-source
+    standard deviation of pull rewards with ``std``), times the epoch penalty
+    ``1 / (1 + epochs_i)``, times the
     freshness factor ``1 + (bonus - 1) * unseen_share_i``. A factor below one always
     lowers a score and one above one always raises it: a negative score is divided by
     the factor instead of multiplied;
@@ -61,19 +64,38 @@ class _EmaRewards:
         self.a = float(bandit_cfg["ema"])
         self.mode = bandit_cfg["reward"]
         self.scale = float(bandit_cfg["reward_scale"])
+        self.per_step = bool(bandit_cfg["progress_per_step"])
         self.ema: dict[str, float | None] = {s: None for s in sources}
+        self.last: dict[str, int | None] = {s: None for s in sources}  # batch index of the EMA's last update
 
-    def update(self, source: str, loss: float) -> float | None:
-        """Fold one loss into the source's EMA; return the reward, or None when there is none:
-        a non-finite loss, or (progress) the source's first loss, which only starts its EMA."""
+    def update(self, source: str, loss: float, t: int) -> float | None:
+        """Fold the loss of batch ``t`` into the source's EMA; return the reward, or None when
+        there is none: a non-finite loss, or (progress) the source's first loss, which only
+        starts its EMA. With ``progress_per_step`` the drop is divided by the batches since
+        the EMA's previous update, so a source is not credited for what it learned while
+        others were trained."""
         if not math.isfinite(loss):
             return None
-        before = self.ema[source]
+        before, last = self.ema[source], self.last[source]
         after = loss if before is None else self.a * before + (1.0 - self.a) * loss
-        self.ema[source] = after
+        self.ema[source], self.last[source] = after, int(t)
         if self.mode == "loss":
             return after
-        return None if before is None else (before - after) * self.scale
+        if before is None:
+            return None
+        gap = max(1, int(t) - last) if self.per_step and last is not None else 1
+        return (before - after) * self.scale / gap
+
+    def state_dict(self) -> dict:
+        return {"ema": dict(self.ema), "last": dict(self.last)}
+
+    def load_state_dict(self, d: dict) -> None:
+        for s, v in d.get("ema", {}).items():
+            if s in self.ema:
+                self.ema[s] = None if v is None else float(v)
+        for s, v in d.get("last", {}).items():
+            if s in self.last:
+                self.last[s] = None if v is None else int(v)
 
 
 class UniformPolicy:
@@ -85,36 +107,34 @@ class UniformPolicy:
         self.sources, self.eligible = sources, eligible
         self.rewards = _EmaRewards(sources, cfg["bandit"])
         self.batches = {s: 0 for s in sources}    # batches drawn in this training phase
+        self.t = 0                                # batches drawn in total
         self.current: str | None = None
 
     def select(self, dice: np.random.Generator, streams: dict) -> str:
         self.current = self.eligible[int(dice.integers(len(self.eligible)))]
         self.batches[self.current] += 1
+        self.t += 1
         return self.current
 
     def observe(self, step: int, source: str, loss: float, streams: dict) -> dict | None:
-        r = self.rewards.update(source, loss)
+        r = self.rewards.update(source, loss, self.t)
         share = 1.0 / len(self.eligible)
         return {"step": int(step), "source": source, "reward": _finite(r), "why": "uniform", "dwell": 1,
                 "scores": {s: share for s in self.eligible}, "ema": _finite(self.rewards.ema[source]),
                 "epochs": streams[source].epochs, "coverage": 1.0 - streams[source].unseen_share}
 
     def state_dict(self) -> dict:
-        return {"ema": dict(self.rewards.ema), "batches": dict(self.batches), "current": self.current}
+        return {"rewards": self.rewards.state_dict(), "batches": dict(self.batches), "t": self.t,
+                "current": self.current}
 
     def load_state_dict(self, d: dict, same_phase: bool) -> None:
-        _load_ema(self.rewards, d)
+        self.rewards.load_state_dict(d.get("rewards", {}))
+        self.t = int(d.get("t", 0))
         self.current = d.get("current") if same_phase else None
         if same_phase:
             for s, v in d.get("batches", {}).items():
                 if s in self.batches:
                     self.batches[s] = int(v)
-
-
-def _load_ema(rewards: _EmaRewards, d: dict) -> None:
-    for s, v in d.get("ema", {}).items():
-        if s in rewards.ema:
-            rewards.ema[s] = None if v is None else float(v)
 
 
 class UCB1Policy:
@@ -127,6 +147,7 @@ class UCB1Policy:
         self.sources, self.eligible = sources, eligible
         self.rewards = _EmaRewards(sources, b)
         self.c = float(b["ucb_c"])
+        self.ucb_scale = b["ucb_scale"]
         self.phases = [int(p) for p in b["phases"]]
         self.unit = int(b["phase_unit"])
         self.die = int(b["dice_warmup"] if phase == "warmup" else b["dice_main"])
@@ -137,6 +158,7 @@ class UCB1Policy:
                               f"(floor x sources must be <= 1)")
         self.n = {s: 0.0 for s in sources}        # pulls, halved at each phase boundary
         self.rsum = {s: 0.0 for s in sources}     # summed pull rewards, halved alongside
+        self.rsq = {s: 0.0 for s in sources}      # summed squared pull rewards, halved alongside
         self.batches = {s: 0 for s in sources}    # batches drawn in this training phase (floors)
         self.t = 0                                # batches drawn in total
         self.phase_idx = 0
@@ -144,15 +166,36 @@ class UCB1Policy:
         self.pull: dict | None = None
 
     # ---- scoring ---------------------------------------------------------------------
+    def reward_spread(self) -> float:
+        """The unit of the confidence radius: 1 (``ucb_scale: one``, plain UCB1, which assumes
+        rewards in [0, 1]) or (``std``) the pooled within-source standard deviation of pull
+        rewards, so exploration keeps pace with however large the rewards are (progress x1000
+        is in the hundreds early in a run and near 1 late)."""
+        if self.ucb_scale == "one":
+            return 1.0
+        num = den = 0.0
+        for s in self.eligible:
+            if self.n[s] > 1.0:
+                num += max(0.0, self.rsq[s] - self.rsum[s] ** 2 / self.n[s])
+                den += self.n[s] - 1.0
+        if den <= 0.0:
+            n = sum(self.n[s] for s in self.eligible)
+            if n <= 1.0:
+                return 1.0
+            mean = sum(self.rsum[s] for s in self.eligible) / n
+            num, den = max(0.0, sum(self.rsq[s] for s in self.eligible) - n * mean * mean), n - 1.0
+        return math.sqrt(num / den) if num > 0.0 else 1.0
+
     def scores(self, streams: dict) -> dict[str, float]:
         total = sum(self.n[s] for s in self.eligible)
         log_n = math.log(total) if total > 1.0 else 0.0
+        unit = self.reward_spread()
         out = {}
         for s in self.eligible:
             if self.n[s] <= 0.0:
                 out[s] = math.inf
                 continue
-            idx = self.rsum[s] / self.n[s] + self.c * math.sqrt(2.0 * log_n / self.n[s])
+            idx = self.rsum[s] / self.n[s] + self.c * unit * math.sqrt(2.0 * log_n / self.n[s])
             idx = apply_factor(idx, 1.0 / (1.0 + streams[s].epochs))
             out[s] = apply_factor(idx, 1.0 + (self.bonus - 1.0) * streams[s].unseen_share)
         return out
@@ -164,6 +207,7 @@ class UCB1Policy:
             for s in self.sources:
                 self.n[s] *= 0.5
                 self.rsum[s] *= 0.5
+                self.rsq[s] *= 0.5
 
     def _choose(self, dice: np.random.Generator, scores: dict[str, float]) -> tuple[str, str]:
         total = sum(self.batches[s] for s in self.eligible)
@@ -204,7 +248,7 @@ class UCB1Policy:
             want = None if self.pull is None else self.pull["source"]
             raise AndreaError(f"curriculum.observe(step={step}): loss reported for source {source!r} but the "
                               f"open pull is {want!r}; call observe once after each next_batch")
-        r = self.rewards.update(source, loss)
+        r = self.rewards.update(source, loss, self.t)
         if r is not None:
             self.pull["rsum"] += r
             self.pull["k"] += 1
@@ -223,20 +267,22 @@ class UCB1Policy:
         if reward is not None:
             self.n[s] += 1.0
             self.rsum[s] += reward
+            self.rsq[s] += reward * reward
         return {"step": None, "source": s, "reward": _finite(reward), "why": p["why"], "dwell": p["dwell"],
                 "phase": p["phase"], "scores": p["scores"], "ema": _finite(self.rewards.ema[s])}
 
     def state_dict(self) -> dict:
-        return {"ema": dict(self.rewards.ema), "n": dict(self.n), "rsum": dict(self.rsum),
+        return {"rewards": self.rewards.state_dict(), "n": dict(self.n), "rsum": dict(self.rsum),
+                "rsq": dict(self.rsq),
                 "batches": dict(self.batches), "t": self.t, "phase_idx": self.phase_idx,
                 "phase_end": self.phase_end, "pull": None if self.pull is None else dict(self.pull)}
 
     def load_state_dict(self, d: dict, same_phase: bool) -> None:
         """Restore; a state from the other training phase keeps what was learned (EMAs,
         counts, the phase clock) but starts the floors' batch shares and the pull afresh."""
-        _load_ema(self.rewards, d)
+        self.rewards.load_state_dict(d.get("rewards", {}))
         try:
-            for key in ("n", "rsum"):
+            for key in ("n", "rsum", "rsq"):
                 for s, v in d[key].items():
                     if s in self.sources:
                         getattr(self, key)[s] = float(v)
