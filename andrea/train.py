@@ -71,12 +71,20 @@ TRAJECTORY_FREE = (("train", "log_every"), ("train", "checkpoint_every"), ("trai
 UNIGRAM_MAX_TOKENS = 10_000_000  # per train shard, for the baseline's token counts
 
 
+class RunMismatch(AndreaError):
+    """The run folder holds a run of another trajectory config, tokenizer, data or model size."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase", required=True, choices=["warmup", "main"], help="which stretch of the run")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json the shards were encoded with")
     p.add_argument("--tokens", required=True, help="token shard folder: <tokens>/{train,val}/<source>.bin")
     p.add_argument("--out", required=True, help="run folder: model.bin, model.{state,loss,samples}.json")
     p.add_argument("--init", default=None, help="(--phase main) the finished warmup run folder to start from")
+    p.add_argument("--on-mismatch", choices=["refuse", "restart"], default="refuse",
+                   help="when --out holds a run of another config/tokenizer/data: refuse (default), or move it "
+                        "aside to <out>.stale-<its config hash> and start over (for `dvc exp run -S ...` with "
+                        "persisted outputs)")
 
 
 def trajectory_hash(cfg: dict) -> str:
@@ -153,7 +161,7 @@ class History:
 
 class Trainer:
     def __init__(self, cfg: dict, phase: str, tokenizer: str | Path, tokens: str | Path, out: str | Path,
-                 init: str | Path | None = None, console=None):
+                 init: str | Path | None = None, console=None, on_mismatch: str = "refuse"):
         from rich.console import Console
 
         from andrea.tokenizer import load as load_tokenizer
@@ -188,6 +196,7 @@ class Trainer:
         self.step = 0
         self.cur = None
         self._init = init
+        self.on_mismatch = on_mismatch
         self._signals: list[int] = []
         self._last_loss_write = 0.0
         self._unigram_logp: np.ndarray | None = None
@@ -199,18 +208,18 @@ class Trainer:
         if state.get("phase") != want_phase:
             raise AndreaError(f"{where}: a {state.get('phase')!r} run, expected {want_phase!r}")
         if state.get("tokenizer_sha256") != self.tok.sha256:
-            raise AndreaError(f"{where}: trained with tokenizer {str(state.get('tokenizer_sha256'))[:12]}..., "
+            raise RunMismatch(f"{where}: trained with tokenizer {str(state.get('tokenizer_sha256'))[:12]}..., "
                               f"but --tokenizer is {self.tok.sha256[:12]}...")
         if state.get("config_hash") != self.hash:
-            raise AndreaError(f"{where}: trained with another config (config_hash {str(state.get('config_hash'))[:12]}... "
+            raise RunMismatch(f"{where}: trained with another config (config_hash {str(state.get('config_hash'))[:12]}... "
                               f"!= {self.hash[:12]}...); only train.log_every/checkpoint_every/eval_every/eval_batches "
                               "may change on resume: use the same params or a new --out")
         fp = state.get("train_shards")
         if fp is not None and fp != shard_fingerprint(self.shards):
-            raise AndreaError(f"{where}: the train token shards changed since this run was made "
+            raise RunMismatch(f"{where}: the train token shards changed since this run was made "
                               f"({fp} != {shard_fingerprint(self.shards)}): re-run from scratch with a new --out")
         if state.get("n_params") != self.engine.n_params:
-            raise AndreaError(f"{where}: n_params {state.get('n_params')} != the model's {self.engine.n_params}")
+            raise RunMismatch(f"{where}: n_params {state.get('n_params')} != the model's {self.engine.n_params}")
 
     def _load_run(self, paths: dict, want_phase: str) -> tuple[dict, int]:
         state = ck.read_json(paths["state"], "run state")
@@ -228,6 +237,12 @@ class Trainer:
         """Fresh start, resume, or (main) start from the warmup run. Returns what happened."""
         from andrea.curriculum import make_curriculum
 
+        stale = ""
+        if self.paths["bin"].exists() and self.on_mismatch == "restart":
+            try:
+                self._load_run(self.paths, self.phase)
+            except RunMismatch as e:
+                stale = self._move_aside(str(e))
         if self.paths["bin"].exists():
             state, step = self._load_run(self.paths, self.phase)
             self.cur = make_curriculum(self.cfg, self.shards, self.phase, self.seed)
@@ -264,12 +279,30 @@ class Trainer:
             self.hist.load(ipaths)
             self.hist.truncate(step)
             self.hist.events.append({"step": step, "kind": "phase", "detail": f"main starts from {ipaths['bin']}"})
-            return f"main phase from {ipaths['bin']} at step {step}"
+            return stale + f"main phase from {ipaths['bin']} at step {step}"
         self.engine.init_weights(self.seed)
         self.cur = make_curriculum(self.cfg, self.shards, "warmup", self.seed)
         self.step = 0
         self.hist.events.append({"step": 0, "kind": "start", "detail": "fresh warmup run"})
-        return "fresh warmup run from seeded init"
+        return stale + "fresh warmup run from seeded init"
+
+    def _move_aside(self, why: str) -> str:
+        """Move the run files of a mismatched run to a sibling folder (nothing is deleted)."""
+        try:
+            old_hash = str(ck.read_json(self.paths["state"], "run state").get("config_hash", "unknown"))[:12]
+        except AndreaError:
+            old_hash = "unknown"
+        dest = self.out.with_name(f"{self.out.name}.stale-{old_hash}")
+        k = 1
+        while dest.exists():
+            k += 1
+            dest = self.out.with_name(f"{self.out.name}.stale-{old_hash}-{k}")
+        dest.mkdir(parents=True)
+        for p in self.paths.values():
+            if p.exists():
+                p.replace(dest / p.name)
+        self.console.print(f"--on-mismatch restart: moved the old run to {dest} ({why})")
+        return f"old run moved to {dest}; "
 
     def checkpoint(self, why: str) -> None:
         """model.bin, then model.state.json, model.loss.json, model.samples.json (each atomic)."""
@@ -494,7 +527,8 @@ def coherence_hook(trainer: Trainer) -> Hook:
 
 
 def run(args: argparse.Namespace, cfg: dict) -> int:
-    tr = Trainer(cfg, args.phase, args.tokenizer, args.tokens, args.out, args.init)
+    tr = Trainer(cfg, args.phase, args.tokenizer, args.tokens, args.out, args.init,
+                 on_mismatch=getattr(args, "on_mismatch", "refuse"))
     tr.hooks.append(coherence_hook(tr))
     return tr.run()
 

@@ -195,3 +195,24 @@ def test_cli_run_wires_the_coherence_check(data, tmp_path):
     assert all({"step", "prompt", "text", "scores"} <= set(s) for s in samples["samples"])
     st = json.loads((tmp_path / "w" / "model.state.json").read_text())
     assert set(st["hooks"]["coherence"]) >= {"streak", "n_loss"} and st["hooks"]["coherence"]["n_loss"] == 10
+
+
+def test_on_mismatch_restart_moves_the_old_run_aside(data, tmp_path):
+    out = tmp_path / "w"
+    assert _trainer(micro_cfg(4, 8), "warmup", data, out).run() == 0
+    old = (out / "model.bin").read_bytes()
+    cfg2 = micro_cfg(4, 8, **{"bandit.coverage_bonus": 1.5})
+    with pytest.raises(AndreaError, match="another config"):
+        _trainer(cfg2, "warmup", data, out).run()
+    tok, tokens = data
+    tr = Trainer(cfg2, "warmup", tok, tokens, out, console=Console(stderr=True), on_mismatch="restart")
+    assert tr.run() == 0
+    stale = [p for p in tmp_path.iterdir() if p.name.startswith("w.stale-")]
+    assert len(stale) == 1 and (stale[0] / "model.bin").read_bytes() == old
+    assert {p.name for p in stale[0].iterdir()} == {"model.bin", "model.state.json", "model.loss.json",
+                                                     "model.samples.json"}
+    st = json.loads((out / "model.state.json").read_text())
+    assert st["step"] == 4 and st["config"]["bandit"]["coverage_bonus"] == 1.5
+    # a run of the same config is resumed (here: already complete), never moved
+    assert Trainer(cfg2, "warmup", tok, tokens, out, console=Console(stderr=True), on_mismatch="restart").run() == 0
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("w.stale-")]) == 1
