@@ -72,10 +72,12 @@ def be():
     return backend
 
 
-@pytest.mark.parametrize("prec", ["fp32", "bf16", "fp16"])
-def test_layernorm_pair(be, prec):
+@pytest.mark.parametrize("prec,C", [("fp32", 96), ("bf16", 96), ("fp16", 96), ("fp32", 98), ("bf16", 98),
+                                    ("bf16", 768), ("fp32", 1536)])
+def test_layernorm_pair(be, prec, C):
+    # C % 4 == 0 takes the float4 kernels (fused backward), C = 98 the scalar three-kernel backward
     rng = np.random.default_rng(1)
-    N, C = 300, 96
+    N = 300
     x = rng.normal(0.5, 2.0, (N, C)).astype(np.float32)
     g = rng.normal(1.0, 0.3, C).astype(np.float32)
     b = rng.normal(0.0, 0.3, C).astype(np.float32)
@@ -92,7 +94,7 @@ def test_layernorm_pair(be, prec):
     dx0 = rng.normal(0, 1, (N, C)).astype(np.float32)          # backward adds (+=)
     dg0, db0 = rng.normal(0, 1, C).astype(np.float32), rng.normal(0, 1, C).astype(np.float32)
     dx, dg, db = cp.asarray(dx0), cp.asarray(dg0), cp.asarray(db0)
-    part = cp.full(((N + 63) // 64) * 2 * C, np.nan, np.float32)
+    part = cp.full(((N + be.LN_ROWS_PER_CHUNK - 1) // be.LN_ROWS_PER_CHUNK) * 2 * C, np.nan, np.float32)
     be.k_layernorm_bwd(prec, dx, dg, db, dy, cp.asarray(x), mean, rstd, cp.asarray(g), part, N, C)
     rdx, rdg, rdb = dx0.astype(np.float64), dg0.astype(np.float64), db0.astype(np.float64)
     ops.layernorm_backward(rdx, rdg, rdb, dy64, x.astype(np.float64), rm, rr, g.astype(np.float64),

@@ -41,7 +41,7 @@ CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 LN_EPS = 1e-5
-LN_ROWS_PER_CHUNK = 64
+LN_ROWS_PER_CHUNK = 32
 NORM_BLOCKS = 512
 
 _SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
@@ -166,20 +166,34 @@ class Blas:
 # ----------------------------------------------------------------------------- kernel wrappers
 # Storage-type-generic wrappers (prec in fp32 | bf16 | fp16; 16-bit arrays are uint16 payloads).
 
+def _ln_vec(C: int, *arrays) -> int | None:
+    """V (float4 columns per lane / 32) of the vectorized LayerNorm kernels, or None for the scalar ones."""
+    if C % 4 or not all(a.data.ptr % 16 == 0 for a in arrays):
+        return None
+    return next((V for V in (1, 2, 3, 6, 12) if C // 4 <= 32 * V), None)
+
+
 def k_layernorm_fwd(prec, y, mean, rstd, x, g, b, N, C):
-    kernel("layernorm.cu", f"k_layernorm_fwd_{_SUFFIX[prec]}")(
-        (_blocks(N, 8),), (256,), (x, g, b, y, mean, rstd, _i(N), _i(C), _f(LN_EPS)))
+    V = _ln_vec(C, x, g, b, y)
+    name = f"k_layernorm_fwd4_{_SUFFIX[prec]}_v{V}" if V else f"k_layernorm_fwd_{_SUFFIX[prec]}"
+    kernel("layernorm.cu", name)((_blocks(N, 8),), (256,), (x, g, b, y, mean, rstd, _i(N), _i(C), _f(LN_EPS)))
 
 
 def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C):
-    """dx (N, C) fp32 += ...; dg, db (C,) += ...; part holds >= ceil(N/64)*2*C floats of scratch."""
+    """dx (N, C) fp32 += ...; dg, db (C,) += ...; part holds >= ceil(N/32)*2*C floats of scratch."""
     s = _SUFFIX[prec]
     n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
     if part.size < n_chunks * 2 * C:
         raise AndreaError(f"cuda op layernorm_backward: scratch has {part.size} floats, needs {n_chunks * 2 * C}")
-    kernel("layernorm.cu", f"k_layernorm_bwd_{s}")((_blocks(N, 8),), (256,), (x, g, mean, rstd, dy, dx, _i(N), _i(C)))
-    kernel("layernorm.cu", f"k_layernorm_bwd_wpart_{s}")(
-        (_blocks(C, 128), n_chunks), (128,), (x, mean, rstd, dy, part, _i(N), _i(C), _i(LN_ROWS_PER_CHUNK)))
+    V = _ln_vec(C, x, g, dy, dx)
+    if V:
+        kernel("layernorm.cu", f"k_layernorm_bwd4_{s}_v{V}")(
+            (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, part, _i(N), _i(C), _i(LN_ROWS_PER_CHUNK)))
+    else:
+        kernel("layernorm.cu", f"k_layernorm_bwd_{s}")((_blocks(N, 8),), (256,),
+                                                       (x, g, mean, rstd, dy, dx, _i(N), _i(C)))
+        kernel("layernorm.cu", f"k_layernorm_bwd_wpart_{s}")(
+            (_blocks(C, 128), n_chunks), (128,), (x, mean, rstd, dy, part, _i(N), _i(C), _i(LN_ROWS_PER_CHUNK)))
     kernel("layernorm.cu", "k_layernorm_bwd_wsum")((_blocks(C, 128),), (128,), (part, dg, db, _i(n_chunks), _i(C)))
 
 
