@@ -216,3 +216,21 @@ def test_on_mismatch_restart_moves_the_old_run_aside(data, tmp_path):
     # a run of the same config is resumed (here: already complete), never moved
     assert Trainer(cfg2, "warmup", tok, tokens, out, console=Console(stderr=True), on_mismatch="restart").run() == 0
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("w.stale-")]) == 1
+
+
+def test_grad_accumulation_in_the_loop(data, tmp_path):
+    """train.grad_accum microbatches per step: each is observed by the curriculum, one update per step."""
+    cfg = micro_cfg(6, 12, **{"train.grad_accum": 3})
+    tr = _trainer(cfg, "warmup", data, tmp_path / "w")
+    drawn = []
+    orig = tr.engine.micro_step
+
+    def micro_step(x, y):
+        drawn.append(tr.step)
+        return orig(x, y)
+
+    tr.engine.micro_step = micro_step
+    assert tr.run() == 0
+    assert drawn == [s for s in range(6) for _ in range(3)]
+    loss = json.loads((tmp_path / "w" / "model.loss.json").read_text())
+    assert [r["step"] for r in loss["train"]] == list(range(6))
