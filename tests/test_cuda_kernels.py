@@ -257,6 +257,16 @@ def test_clipping_and_adamw_match_numpy(be):
     kernel("optim.cu", "k_grad_norm_partial")((512,), (256,), (gbad, np.int64(n), pp))
     kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (pp, np.int32(512), np.float32(1.0), np.float32(1.0), gs))
     assert cp.asnumpy(gs)[2] == 0.0
+    # finite grads: gstate[1] = min(1, clip / (norm + 1e-6)) and k_grad_scale applies it
+    gd = cp.asarray(g)
+    kernel("optim.cu", "k_grad_norm_partial")((512,), (256,), (gd, np.int64(n), pp))
+    kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (pp, np.int32(512), np.float32(0.5), np.float32(1.0), gs))
+    norm = float(np.sqrt(np.sum(g.astype(np.float64) ** 2)))
+    state = cp.asnumpy(gs)
+    assert abs(state[0] - norm) <= 1e-5 * norm and state[2] == 1.0
+    assert abs(state[1] - 0.5 / (norm + 1e-6)) <= 1e-5 * state[1]
+    kernel("optim.cu", "k_grad_scale")((math.ceil(n / 256),), (256,), (gd, np.int64(n), gs))
+    close(cp.asnumpy(gd), g.astype(np.float64) * float(state[1]), "fp32", scale=1e-4, what="k_grad_scale")
     w0 = cp.asarray(w)
     hp = cp.asarray(be._adam_hyper(1, 1e-3, 0.9, 0.95, 1e-8, 0.1))
     kernel("optim.cu", "k_adamw_f32")((math.ceil(n / 256),), (256,), (w0, gbad, cp.zeros(n, np.float32),

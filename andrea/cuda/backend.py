@@ -186,7 +186,7 @@ def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C):
     if part.size < n_chunks * 2 * C:
         raise AndreaError(f"cuda op layernorm_backward: scratch has {part.size} floats, needs {n_chunks * 2 * C}")
     V = _ln_vec(C, x, g, dy, dx)
-    if V:
+    if V and V <= 6:   # V = 12 (C > 768) keeps 144 partial sums per lane: measured slower than 3 kernels
         kernel("layernorm.cu", f"k_layernorm_bwd4_{s}_v{V}")(
             (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, part, _i(N), _i(C), _i(LN_ROWS_PER_CHUNK)))
     else:

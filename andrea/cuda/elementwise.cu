@@ -6,7 +6,6 @@
 // k_residual_add_bwd:  da (n,) fp32 += dout   (the residual branch's gradient is dout itself,
 //                      cast to the branch's storage type by k_cast_<t>)
 // k_cast_<t>:          dst (n,) t = src fp32
-// k_add_<t>:           dst (n,) t += src t (in fp32 arithmetic)
 // k_*8_<t>:            the same, 8 consecutive elements per thread with 16-byte accesses (n % 8 == 0,
 //                      16-byte aligned buffers; the wrappers in backend.py choose them)
 // GELU is evaluated as x * sigmoid(2u) (one expf), the same function as 0.5 x (1 + tanh u).
@@ -126,13 +125,6 @@ __device__ void cast_from_f32(const float* __restrict__ src, T* __restrict__ dst
     dst[i] = from_f<T>(src[i]);
 }
 
-template <typename T>
-__device__ void add_inplace(T* __restrict__ dst, const T* __restrict__ src, long long n) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    dst[i] = from_f<T>(to_f(dst[i]) + to_f(src[i]));
-}
-
 extern "C" __global__ void k_residual_add_bwd(const float* __restrict__ dout, float* __restrict__ da, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -150,7 +142,6 @@ extern "C" __global__ void k_residual_add_bwd(const float* __restrict__ dout, fl
     extern "C" __global__ void k_cast_##SUF(const float* src, T* dst, long long n) {                     \
         cast_from_f32<T>(src, dst, n);                                                                   \
     }                                                                                                    \
-    extern "C" __global__ void k_add_##SUF(T* dst, const T* src, long long n) { add_inplace<T>(dst, src, n); } \
     extern "C" __global__ void k_gelu_fwd8_##SUF(const T* x, T* y, long long n8) { gelu_fwd8<T>(x, y, n8); } \
     extern "C" __global__ void k_gelu_bwd8_##SUF(const T* x, const T* dy, T* dx, long long n8) {         \
         gelu_bwd8<T>(x, dy, dx, n8);                                                                     \
