@@ -1,4 +1,5 @@
-# Training: curriculum warmup, then the main run from the warmup checkpoint.
+# Training: curriculum warmup, then the main run from the warmup checkpoint. A run folder left by
+# other params is moved aside (<out>.stale-<hash>) and training starts over; the same params resume.
 
 
 rule train_warmup:
@@ -12,10 +13,10 @@ rule train_warmup:
     log:
         "logs/train_warmup/{variant}.log",
     params:
-        cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "seed"),
+        cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "coherence", "seed"),
     shell:
         "andrea train --phase warmup --profile {wildcards.variant} --tokenizer {input.tokenizer}"
-        " --tokens {input.tokens} --out runs/{wildcards.variant}/warmup > {log} 2>&1"
+        " --tokens {input.tokens} --out runs/{wildcards.variant}/warmup --on-mismatch restart > {log} 2>&1"
 
 
 rule train_main:
@@ -33,4 +34,5 @@ rule train_main:
         cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "coherence", "seed"),
     shell:
         "andrea train --phase main --profile {wildcards.variant} --tokenizer {input.tokenizer}"
-        " --tokens {input.tokens} --init runs/{wildcards.variant}/warmup --out runs/{wildcards.variant}/main > {log} 2>&1"
+        " --tokens {input.tokens} --init runs/{wildcards.variant}/warmup --out runs/{wildcards.variant}/main"
+        " --on-mismatch restart > {log} 2>&1"
