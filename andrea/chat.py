@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 from andrea.generate import add_sampling_arguments, generate, load_model, options_from
+from andrea.reports.audit import answer_stops
 
 
 def add_arguments(p) -> None:
@@ -47,13 +48,13 @@ def fit_turns(turns: list[dict], tok, budget: int) -> list[dict]:
 def run(args, cfg) -> int:
     from dataclasses import replace
 
-    from andrea.data.template import STOP_STRINGS, render_prompt
+    from andrea.data.template import render_prompt
     from andrea.engine.backend import select_backend
 
     be, _ = select_backend(args.backend or cfg["train"]["backend"])
     lm = load_model(args.run, args.tokenizer, cfg, be)
     tok = lm.tokenizer
-    opts = replace(options_from(args, cfg["audit"]), stop_strings=tuple(STOP_STRINGS))
+    opts = replace(options_from(args, cfg["audit"]), stop_strings=answer_stops())
     rng = np.random.default_rng(cfg["seed"] if args.seed is None else args.seed)
     budget = max(8, lm.config.context - opts.max_new_tokens)
     interactive = sys.stdin.isatty()

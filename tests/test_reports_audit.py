@@ -24,6 +24,7 @@ def test_shipped_prompt_sets_load_with_every_domain():
     assert {"chat", "prose", "code"} <= domains
     chat = [p for p in prompts if p.domain == "chat"]
     assert all(p.text.endswith("<|assistant|>\n") and p.stop_strings for p in chat)
+    assert {"<|end|>", "<|user|>", "<|system|>", "<|assistant|>"} <= set(chat[0].stop_strings)
     assert any("<|system|>" in p.text for p in chat) and any(p.text.count("<|user|>") > 1 for p in chat)
     assert len({p.id for p in prompts}) == len(prompts)
 

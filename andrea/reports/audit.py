@@ -59,7 +59,7 @@ def _prompt_files() -> list[tuple[str, str]]:
 
 def load_prompts(files: list[tuple[str, str]] | None = None) -> list[Prompt]:
     """Every prompt of the shipped sets, in file then list order. Bad files raise naming file and row."""
-    from andrea.data.template import STOP_STRINGS, conversation_problem, render_prompt
+    from andrea.data.template import conversation_problem, render_prompt
 
     out: list[Prompt] = []
     seen: set[str] = set()
@@ -88,7 +88,7 @@ def load_prompts(files: list[tuple[str, str]] | None = None) -> list[Prompt]:
                 problem = conversation_problem(list(turns or []) + [{"from": "gpt", "value": "x"}])
                 if problem:
                     raise AndreaError(f"{where}: prompt {row} ({pid}): turns are not a usable conversation ({problem})")
-                out.append(Prompt(pid, domain, render_prompt(turns), turns[-1]["value"], tuple(STOP_STRINGS)))
+                out.append(Prompt(pid, domain, render_prompt(turns), turns[-1]["value"], answer_stops()))
             else:
                 text = item.get("text")
                 if not isinstance(text, str) or not text:
@@ -97,6 +97,14 @@ def load_prompts(files: list[tuple[str, str]] | None = None) -> list[Prompt]:
     if not out:
         raise AndreaError("andrea/prompts: no prompt sets found")
     return out
+
+
+def answer_stops() -> tuple[str, ...]:
+    """Where a chat answer ends: the template's stop strings plus any role tag (a new assistant
+    tag too: an answer never contains one, a small model sometimes starts a second turn)."""
+    from andrea.data.template import ROLE_TAGS, STOP_STRINGS
+
+    return tuple(dict.fromkeys([*STOP_STRINGS, *ROLE_TAGS.values()]))
 
 
 def sample_flags(text: str, s: dict, max_repeat: dict) -> list[str]:
