@@ -29,6 +29,8 @@ rule eval_model:
         html="reports/{variant}/eval.html",
         md="reports/{variant}/eval.md",
         metrics="reports/{variant}/metrics.json",
+        loss="reports/{variant}/loss.csv",
+        val_loss="reports/{variant}/val_loss.csv",
     conda:
         "../envs/andrea.yaml"
     log:
