@@ -267,6 +267,9 @@ def test_clipping_and_adamw_match_numpy(be):
     assert abs(state[1] - 0.5 / (norm + 1e-6)) <= 1e-5 * state[1]
     kernel("optim.cu", "k_grad_scale")((math.ceil(n / 256),), (256,), (gd, np.int64(n), gs))
     close(cp.asnumpy(gd), g.astype(np.float64) * float(state[1]), "fp32", scale=1e-4, what="k_grad_scale")
+    # gstate from the NaN gradients again (the finite check above overwrote it): AdamW must skip
+    kernel("optim.cu", "k_grad_norm_partial")((512,), (256,), (gbad, np.int64(n), pp))
+    kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (pp, np.int32(512), np.float32(1.0), np.float32(1.0), gs))
     w0 = cp.asarray(w)
     hp = cp.asarray(be._adam_hyper(1, 1e-3, 0.9, 0.95, 1e-8, 0.1))
     kernel("optim.cu", "k_adamw_f32")((math.ceil(n / 256),), (256,), (w0, gbad, cp.zeros(n, np.float32),
