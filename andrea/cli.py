@@ -44,7 +44,7 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("andrea.reports.evaluate", "held-out bits per byte, coherence, judge; eval.html + metrics.json"),
     "sample": Command("andrea.generate", "sample text from a checkpoint"),
     "chat": Command("andrea.chat", "chat with a checkpoint in the chat template"),
-    "dashboard": Command("andrea.reports.dashboard", "serve a live loss dashboard for a run on 127.0.0.1"),
+    "dashboard": Command("andrea.reports.dashboard", "serve a live loss dashboard for a run on 127.0.0.1", False),
 }
 
 

@@ -5,6 +5,7 @@ rule audit_samples:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         model="runs/{variant}/main/model.bin",
+        warmup="runs/{variant}/warmup/model.bin",
     output:
         json="reports/{variant}/audit.json",
         md="reports/{variant}/audit.md",
@@ -13,10 +14,11 @@ rule audit_samples:
     log:
         "logs/audit_samples/{variant}.log",
     params:
-        cfg=lambda w: section_hash(w.variant, "audit", "coherence"),
+        cfg=lambda w: section_hash(w.variant, "audit", "coherence", "seed", "model", "train"),
     shell:
         "andrea audit --profile {wildcards.variant} --run runs/{wildcards.variant}/main"
-        " --tokenizer {input.tokenizer} --out reports/{wildcards.variant} > {log} 2>&1"
+        " --extra-checkpoint runs/{wildcards.variant}/warmup --tokenizer {input.tokenizer}"
+        " --out reports/{wildcards.variant} > {log} 2>&1"
 
 
 rule eval_model:
@@ -36,7 +38,7 @@ rule eval_model:
     log:
         "logs/eval_model/{variant}.log",
     params:
-        cfg=lambda w: section_hash(w.variant, "eval"),
+        cfg=lambda w: section_hash(w.variant, "eval", "model", "train"),
     shell:
         "andrea eval --profile {wildcards.variant} --run runs/{wildcards.variant}/main --tokenizer {input.tokenizer}"
         " --tokens {input.tokens} --audit {input.audit} --out reports/{wildcards.variant} > {log} 2>&1"
