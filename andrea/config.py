@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import yaml
 from andrea.errors import ConfigError
 
 SCHEMA_RELPATH = Path("workflow") / "schemas" / "params.schema.yaml"
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 
 def _read_yaml(path: Path) -> dict:
@@ -62,6 +64,8 @@ def apply_override(cfg: dict, item: str) -> None:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {e}") from None
+    if isinstance(value, str) and _NUMBER.match(value.strip()):
+        value = float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string; on a command line it means a number
     node = cfg
     for i, p in enumerate(parts[:-1]):
         nxt = node.get(p)

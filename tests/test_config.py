@@ -68,6 +68,12 @@ def test_overrides_parse_as_yaml_and_win():
     assert cfg["train"]["lr"] == 0.01
 
 
+def test_exponent_without_a_dot_is_a_number():
+    cfg = load_config(PARAMS, "tiny", ["coherence.temperature=1e-6", "train.lr=3E-4"])
+    assert cfg["coherence"]["temperature"] == 1e-6 and cfg["train"]["lr"] == 3e-4
+    assert load_config(PARAMS, "tiny", ["profile=tiny"])["profile"] == "tiny"
+
+
 def test_overlay_wins_over_base_and_lists_are_replaced():
     base = yaml.safe_load(PARAMS.read_text())
     tiny = load_config(PARAMS, "tiny")
