@@ -27,6 +27,8 @@ Conventions (every op):
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -169,6 +171,53 @@ def _heads_contig(work_views, qkv: np.ndarray, B: int, T: int, H: int, scale: fl
     return qh, kh, vh
 
 
+# The attention matmuls are B*H small GEMMs ((T, D) x (D, T)); a multi-threaded BLAS splits
+# each one across its threads and pays a thread handshake per GEMM (with a busy second core,
+# the attention ran ~100x slower at 2 BLAS threads than at 1). So the attention ops run with
+# BLAS single-threaded and split the batch instead: one contiguous batch range per thread of
+# one persistent pool (softmax included). Batch rows are independent and each GEMM is the same
+# single-threaded call whatever the split, so the bits do not depend on the thread count.
+_POOL: tuple | None = None          # (pid, n_threads, executor or None, BLAS controllers)
+
+
+def _pool() -> tuple:
+    """The process's worker pool, created once (again after a fork): as many threads as BLAS
+    was given (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else the core count)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        from threadpoolctl import ThreadpoolController
+
+        ctl = ThreadpoolController().select(user_api="blas").lib_controllers
+        n = max([int(c.num_threads) for c in ctl] or [1])
+        ex = ThreadPoolExecutor(n - 1, thread_name_prefix="andrea-ops") if n > 1 else None
+        _POOL = (os.getpid(), n, ex, ctl)
+    return _POOL
+
+
+def _split_batch(fn, B: int) -> None:
+    """Call fn(b0, b1) on fixed contiguous batch ranges covering [0, B), one per pool thread
+    (the caller takes the first), with BLAS single-threaded meanwhile."""
+    _, n, ex, ctl = _pool()
+    n = min(n, B)
+    if ex is None or n < 2:
+        fn(0, B)
+        return
+    bounds = [B * i // n for i in range(n + 1)]
+    saved = [c.num_threads for c in ctl]
+    for c in ctl:
+        c.set_num_threads(1)
+    try:
+        futs = [ex.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, n)]
+        try:
+            fn(bounds[0], bounds[1])
+        finally:
+            for f in futs:
+                f.result()
+    finally:
+        for c, k in zip(ctl, saved):
+            c.set_num_threads(k)
+
+
 def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
                  n_head: int, work: np.ndarray) -> None:
     """Causal scaled dot-product attention.
@@ -181,17 +230,22 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
     H = n_head
     C = out.shape[-1]
     D = C // H
-    qh, kh, vh, y, stat = _carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, 1))
-    _heads_contig((qh, kh, vh), qkv, B, T, H, 1.0 / math.sqrt(D))
-    np.matmul(qh, kh.swapaxes(-1, -2), out=att)
-    att += mask
-    np.max(att, axis=-1, keepdims=True, out=stat)
-    att -= stat
-    np.exp(att, out=att)
-    np.sum(att, axis=-1, keepdims=True, out=stat)
-    att /= stat
-    np.matmul(att, vh, out=y)
-    np.copyto(out.reshape(B, T, H, D), y.transpose(0, 2, 1, 3))
+    QH, KH, VH, Y, STAT = _carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, 1))
+
+    def part(b0: int, b1: int) -> None:
+        qh, kh, vh, y, stat, a = QH[b0:b1], KH[b0:b1], VH[b0:b1], Y[b0:b1], STAT[b0:b1], att[b0:b1]
+        _heads_contig((qh, kh, vh), qkv[b0:b1], b1 - b0, T, H, 1.0 / math.sqrt(D))
+        np.matmul(qh, kh.swapaxes(-1, -2), out=a)
+        a += mask
+        np.max(a, axis=-1, keepdims=True, out=stat)
+        a -= stat
+        np.exp(a, out=a)
+        np.sum(a, axis=-1, keepdims=True, out=stat)
+        a /= stat
+        np.matmul(a, vh, out=y)
+        np.copyto(out[b0:b1].reshape(b1 - b0, T, H, D), y.transpose(0, 2, 1, 3))
+
+    _split_batch(part, B)
 
 
 def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray,
@@ -202,23 +256,30 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
     C = dout.shape[-1]
     D = C // H
     scale = 1.0 / math.sqrt(D)
-    qh, kh, vh, dy, tmp, datt, rowdot = _carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D),
+    QH, KH, VH, DY, TMP, DATT, ROWDOT = _carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D),
                                                (B, H, T, D), (B, H, T, T), (B, H, T, 1))
-    _heads_contig((qh, kh, vh), qkv, B, T, H, scale)           # qh = q * scale
-    dq, dk, dv = _heads(dqkv, B, T, H)
-    np.copyto(dy, dout.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-    np.matmul(att.swapaxes(-1, -2), dy, out=tmp)                  # dv = att^T dy
-    dv += tmp
-    np.matmul(dy, vh.swapaxes(-1, -2), out=datt)                  # datt = dy v^T
-    # softmax backward: ds = att * (datt - sum(datt * att, -1)) is dL/d(scaled scores)
-    np.einsum("bhij,bhij->bhi", datt, att, out=rowdot[..., 0])
-    datt -= rowdot
-    datt *= att
-    np.matmul(datt, kh, out=tmp)                                  # dq = ds k * scale
-    tmp *= scale
-    dq += tmp
-    np.matmul(datt.swapaxes(-1, -2), qh, out=tmp)                 # dk = ds^T (q * scale)
-    dk += tmp
+
+    def part(b0: int, b1: int) -> None:
+        n = b1 - b0
+        qh, kh, vh, dy, tmp = QH[b0:b1], KH[b0:b1], VH[b0:b1], DY[b0:b1], TMP[b0:b1]
+        datt, rowdot, a = DATT[b0:b1], ROWDOT[b0:b1], att[b0:b1]
+        _heads_contig((qh, kh, vh), qkv[b0:b1], n, T, H, scale)        # qh = q * scale
+        dq, dk, dv = _heads(dqkv[b0:b1], n, T, H)
+        np.copyto(dy, dout[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3))
+        np.matmul(a.swapaxes(-1, -2), dy, out=tmp)                      # dv = att^T dy
+        dv += tmp
+        np.matmul(dy, vh.swapaxes(-1, -2), out=datt)                    # datt = dy v^T
+        # softmax backward: ds = att * (datt - sum(datt * att, -1)) is dL/d(scaled scores)
+        np.einsum("bhij,bhij->bhi", datt, a, out=rowdot[..., 0])
+        datt -= rowdot
+        datt *= a
+        np.matmul(datt, kh, out=tmp)                                    # dq = ds k * scale
+        tmp *= scale
+        dq += tmp
+        np.matmul(datt.swapaxes(-1, -2), qh, out=tmp)                   # dk = ds^T (q * scale)
+        dk += tmp
+
+    _split_batch(part, B)
 
 
 # ------------------------------------------------------------------------ attn_out
