@@ -135,16 +135,14 @@ def _linear_backward(dx: np.ndarray, dw: np.ndarray, dout: np.ndarray, x: np.nda
     N, Cin = x.shape
     Cout = w.shape[1]
     tx, tw = _carve(work, (N, Cin), (Cin, Cout))
-    np.matmul(dout, w.T, out=tx)
-    dx += tx
-    np.matmul(x.T, dout, out=tw)
-    dw += tw
+    _mm_acc(dx, dout, w.T, tx)
+    _mm_acc(dw, x.T, dout, tw)
 
 
 # ------------------------------------------------------------------------ attn_qkv
 def attn_qkv_forward(qkv: np.ndarray, x: np.ndarray, w_qkv: np.ndarray) -> None:
     """qkv (N, 3C) = x (N, C) @ w_qkv (C, 3C); columns are [q | k | v], each head-major (H, D)."""
-    np.matmul(x, w_qkv, out=qkv)
+    _mm(qkv, x, w_qkv)
 
 
 def attn_qkv_backward(dx: np.ndarray, dw_qkv: np.ndarray, dqkv: np.ndarray, x: np.ndarray,
@@ -218,6 +216,21 @@ def _split_batch(fn, B: int) -> None:
             c.set_num_threads(k)
 
 
+def _mm(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """out (M, K) = a (M, J) @ b (J, K), split over fixed row ranges of a and out (a may be a
+    transposed view: its row ranges are column ranges of the stored array, no copy)."""
+    _split_batch(lambda r0, r1: np.matmul(a[r0:r1], b, out=out[r0:r1]), a.shape[0])
+
+
+def _mm_acc(acc: np.ndarray, a: np.ndarray, b: np.ndarray, tmp: np.ndarray) -> None:
+    """acc (M, K) += a (M, J) @ b (J, K) through the scratch tmp (M, K), split as ``_mm``."""
+    def part(r0: int, r1: int) -> None:
+        np.matmul(a[r0:r1], b, out=tmp[r0:r1])
+        acc[r0:r1] += tmp[r0:r1]
+
+    _split_batch(part, a.shape[0])
+
+
 def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
                  n_head: int, work: np.ndarray) -> None:
     """Causal scaled dot-product attention.
@@ -285,7 +298,7 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
 # ------------------------------------------------------------------------ attn_out
 def attn_out_forward(out: np.ndarray, y: np.ndarray, w_o: np.ndarray) -> None:
     """out (N, C) = y (N, C) @ w_o (C, C): the output projection of the attention heads."""
-    np.matmul(y, w_o, out=out)
+    _mm(out, y, w_o)
 
 
 def attn_out_backward(dy: np.ndarray, dw_o: np.ndarray, dout: np.ndarray, y: np.ndarray,
@@ -317,11 +330,15 @@ def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.nda
     evaluated as u * sigmoid(2 k (u + a u^3)). Saves h_pre = x @ w_fc and h_act = gelu(h_pre),
     both (N, 4C), for the backward.
     """
-    np.matmul(x, w_fc, out=h_pre)
-    _neg2u_exp(h_act, h_pre)
-    h_act += 1.0
-    np.divide(h_pre, h_act, out=h_act)
-    np.matmul(h_act, w_proj, out=out)
+    def part(r0: int, r1: int) -> None:                # rows are independent
+        hp, ha = h_pre[r0:r1], h_act[r0:r1]
+        np.matmul(x[r0:r1], w_fc, out=hp)
+        _neg2u_exp(ha, hp)
+        ha += 1.0
+        np.divide(hp, ha, out=ha)
+        np.matmul(ha, w_proj, out=out[r0:r1])
+
+    _split_batch(part, x.shape[0])
 
 
 def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: np.ndarray,
@@ -334,29 +351,30 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
     """
     N, C = x.shape
     F = w_fc.shape[1]
-    dh, s, r = _carve(work, (N, F), (N, F), (N, F))
-    np.matmul(dout, w_proj.T, out=dh)                  # dL/dh_act
-    tw = s.reshape(-1)[:F * C].reshape(F, C)
-    np.matmul(h_act.T, dout, out=tw)
-    dw_proj += tw
-    _neg2u_exp(s, h_pre)                               # s = e
-    np.multiply(h_pre, h_pre, out=r)                   # r = u (2k + 6ka u^2)
-    r *= 6.0 * GELU_K * GELU_A
-    r += 2.0 * GELU_K
-    r *= h_pre
-    np.multiply(r, s, out=r)                           # r e
-    s += 1.0
-    np.reciprocal(s, out=s)                            # s = sigmoid(2v)
-    r *= s                                             # r s e
-    r += 1.0
-    r *= s                                             # gelu'(u)
-    dh *= r                                            # dh = dL/dh_pre
-    tw = s.reshape(-1)[:C * F].reshape(C, F)
-    np.matmul(x.T, dh, out=tw)
-    dw_fc += tw
-    tx = r.reshape(-1)[:N * C].reshape(N, C)
-    np.matmul(dh, w_fc.T, out=tx)
-    dx += tx
+    DH, S, R = _carve(work, (N, F), (N, F), (N, F))
+
+    def rows(r0: int, r1: int) -> None:               # dh = dL/dh_pre and dx, row by row
+        dh, s, r, hp = DH[r0:r1], S[r0:r1], R[r0:r1], h_pre[r0:r1]
+        np.matmul(dout[r0:r1], w_proj.T, out=dh)       # dL/dh_act
+        _neg2u_exp(s, hp)                              # s = e
+        np.multiply(hp, hp, out=r)                     # r = u (2k + 6ka u^2)
+        r *= 6.0 * GELU_K * GELU_A
+        r += 2.0 * GELU_K
+        r *= hp
+        np.multiply(r, s, out=r)                       # r e
+        s += 1.0
+        np.reciprocal(s, out=s)                        # s = sigmoid(2v)
+        r *= s                                         # r s e
+        r += 1.0
+        r *= s                                         # gelu'(u)
+        dh *= r                                        # dh = dL/dh_pre
+        tx = r.reshape(-1)[:(r1 - r0) * C].reshape(r1 - r0, C)
+        np.matmul(dh, w_fc.T, out=tx)
+        dx[r0:r1] += tx
+
+    _split_batch(rows, N)
+    _mm_acc(dw_proj, h_act.T, dout, S.reshape(-1)[:F * C].reshape(F, C))
+    _mm_acc(dw_fc, x.T, DH, R.reshape(-1)[:C * F].reshape(C, F))
 
 
 # ---------------------------------------------------------------------- residual
@@ -382,18 +400,24 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
     takes the log of an underflowed probability). targets int (N,) or None (logits only).
     """
     N, V = logits.shape
-    np.matmul(x, wte.T, out=logits)
     if targets is None:
+        _mm(logits, x, wte.T)
         return
-    (rowsum,) = _carve(work, (N,))
-    np.max(logits, axis=1, out=losses)                 # losses holds the row max for now
-    np.subtract(logits, losses[:, None], out=probs)
-    np.exp(probs, out=probs)
-    np.sum(probs, axis=1, out=rowsum)
-    probs /= rowsum[:, None]
-    np.log(rowsum, out=rowsum)
-    losses += rowsum                                   # logsumexp
-    losses -= np.take_along_axis(logits, targets.reshape(N, 1), axis=1)[:, 0]
+    (ROWSUM,) = _carve(work, (N,))
+
+    def part(r0: int, r1: int) -> None:                # rows are independent
+        lg, pr, ls, rowsum = logits[r0:r1], probs[r0:r1], losses[r0:r1], ROWSUM[r0:r1]
+        np.matmul(x[r0:r1], wte.T, out=lg)
+        np.max(lg, axis=1, out=ls)                     # losses holds the row max for now
+        np.subtract(lg, ls[:, None], out=pr)
+        np.exp(pr, out=pr)
+        np.sum(pr, axis=1, out=rowsum)
+        pr /= rowsum[:, None]
+        np.log(rowsum, out=rowsum)
+        ls += rowsum                                   # logsumexp
+        ls -= np.take_along_axis(lg, targets[r0:r1].reshape(r1 - r0, 1), axis=1)[:, 0]
+
+    _split_batch(part, N)
 
 
 def loss_backward(dx: np.ndarray, dwte: np.ndarray, probs: np.ndarray, x: np.ndarray,
@@ -411,11 +435,13 @@ def loss_backward(dx: np.ndarray, dwte: np.ndarray, probs: np.ndarray, x: np.nda
     flat_i += targets.reshape(N)
     p = probs.reshape(-1)
     p[flat_i] -= 1.0
-    probs *= dloss
-    np.matmul(probs, wte, out=tx)
-    dx += tx
-    np.matmul(probs.T, x, out=tw)
-    dwte += tw
+    def rows(r0: int, r1: int) -> None:
+        probs[r0:r1] *= dloss
+        np.matmul(probs[r0:r1], wte, out=tx[r0:r1])
+        dx[r0:r1] += tx[r0:r1]
+
+    _split_batch(rows, N)
+    _mm_acc(dwte, probs.T, x, tw)
 
 
 # ---------------------------------------------------------------- clipping + AdamW
