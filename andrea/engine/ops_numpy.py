@@ -254,7 +254,8 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
         a -= stat
         np.exp(a, out=a)
         np.sum(a, axis=-1, keepdims=True, out=stat)
-        a /= stat
+        np.reciprocal(stat, out=stat)                  # one divide per row, a multiply per entry
+        a *= stat
         np.matmul(a, vh, out=y)
         np.copyto(out[b0:b1].reshape(b1 - b0, T, H, D), y.transpose(0, 2, 1, 3))
 
@@ -277,22 +278,24 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         qh, kh, vh, dy, tmp = QH[b0:b1], KH[b0:b1], VH[b0:b1], DY[b0:b1], TMP[b0:b1]
         datt, rowdot, a = DATT[b0:b1], ROWDOT[b0:b1], att[b0:b1]
         _heads_contig((qh, kh, vh), qkv[b0:b1], n, T, H, scale)        # qh = q * scale
-        dq, dk, dv = _heads(dqkv[b0:b1], n, T, H)
         np.copyto(dy, dout[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3))
-        np.matmul(a.swapaxes(-1, -2), dy, out=tmp)                      # dv = att^T dy
-        dv += tmp
         np.matmul(dy, vh.swapaxes(-1, -2), out=datt)                    # datt = dy v^T
+        np.matmul(a.swapaxes(-1, -2), dy, out=vh)                       # vh = dv = att^T dy
         # softmax backward: ds = att * (datt - sum(datt * att, -1)) is dL/d(scaled scores)
         np.einsum("bhij,bhij->bhi", datt, a, out=rowdot[..., 0])
         datt -= rowdot
         datt *= a
-        np.matmul(datt, kh, out=tmp)                                    # dq = ds k * scale
-        tmp *= scale
-        dq += tmp
-        np.matmul(datt.swapaxes(-1, -2), qh, out=tmp)                   # dk = ds^T (q * scale)
-        dk += tmp
+        np.matmul(datt, kh, out=dy)                                     # dy = dq = ds k * scale
+        dy *= scale
+        np.matmul(datt.swapaxes(-1, -2), qh, out=tmp)                   # tmp = dk = ds^T (q * scale)
 
     _split_batch(part, B)
+    # The adds into the strided head views of dqkv run here, on one thread: NumPy buffers a
+    # strided += (a fixed 64 KiB per call), and concurrent calls would multiply that.
+    dq, dk, dv = _heads(dqkv, B, T, H)
+    dq += DY
+    dk += TMP
+    dv += VH
 
 
 # ------------------------------------------------------------------------ attn_out
@@ -412,9 +415,10 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
         np.subtract(lg, ls[:, None], out=pr)
         np.exp(pr, out=pr)
         np.sum(pr, axis=1, out=rowsum)
-        pr /= rowsum[:, None]
+        np.reciprocal(rowsum, out=rowsum)              # one divide per row, a multiply per entry
+        pr *= rowsum[:, None]
         np.log(rowsum, out=rowsum)
-        ls += rowsum                                   # logsumexp
+        ls -= rowsum                                   # logsumexp = max + log(sum) = max - log(1/sum)
         ls -= np.take_along_axis(lg, targets[r0:r1].reshape(r1 - r0, 1), axis=1)[:, 0]
 
     _split_batch(part, N)
