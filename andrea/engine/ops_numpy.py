@@ -90,16 +90,21 @@ def layernorm_forward(out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
     Biased variance, eps = 1e-5 (as torch.nn.LayerNorm).
     """
     C = x.shape[-1]
-    np.mean(x, axis=-1, out=mean)
-    np.subtract(x, mean[:, None], out=out)
-    np.einsum("ij,ij->i", out, out, out=rstd)          # sum of squares
-    rstd *= 1.0 / C
-    rstd += LN_EPS
-    np.sqrt(rstd, out=rstd)
-    np.reciprocal(rstd, out=rstd)
-    out *= rstd[:, None]
-    out *= g
-    out += b
+
+    def part(r0: int, r1: int) -> None:                # rows are independent
+        o, mu, rs = out[r0:r1], mean[r0:r1], rstd[r0:r1]
+        np.mean(x[r0:r1], axis=-1, out=mu)
+        np.subtract(x[r0:r1], mu[:, None], out=o)
+        np.einsum("ij,ij->i", o, o, out=rs)            # sum of squares
+        rs *= 1.0 / C
+        rs += LN_EPS
+        np.sqrt(rs, out=rs)
+        np.reciprocal(rs, out=rs)
+        o *= rs[:, None]
+        o *= g
+        o += b
+
+    _split_batch(part, x.shape[0])
 
 
 def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.ndarray,
@@ -111,21 +116,29 @@ def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
     """
     N, C = x.shape
-    xhat, tmp, a, c = _carve(work, (N, C), (N, C), (N,), (N,))
-    np.subtract(x, mean[:, None], out=xhat)
-    xhat *= rstd[:, None]
-    np.multiply(dout, xhat, out=tmp)
-    dg += tmp.sum(axis=0)
-    db += dout.sum(axis=0)
-    np.multiply(dout, g, out=tmp)                      # tmp = dxhat
-    np.mean(tmp, axis=-1, out=a)
-    np.einsum("ij,ij->i", tmp, xhat, out=c)
-    c *= 1.0 / C
-    tmp -= a[:, None]
-    xhat *= c[:, None]
-    tmp -= xhat
-    tmp *= rstd[:, None]
-    dx += tmp
+    XHAT, TMP, A, CC = _carve(work, (N, C), (N, C), (N,), (N,))
+    partial: dict[int, tuple] = {}
+
+    def part(r0: int, r1: int) -> None:
+        xhat, tmp, a, c, do, rs = XHAT[r0:r1], TMP[r0:r1], A[r0:r1], CC[r0:r1], dout[r0:r1], rstd[r0:r1]
+        np.subtract(x[r0:r1], mean[r0:r1, None], out=xhat)
+        xhat *= rs[:, None]
+        np.multiply(do, xhat, out=tmp)
+        partial[r0] = (tmp.sum(axis=0), do.sum(axis=0))   # (C,) each: this range's dg, db
+        np.multiply(do, g, out=tmp)                    # tmp = dxhat
+        np.mean(tmp, axis=-1, out=a)
+        np.einsum("ij,ij->i", tmp, xhat, out=c)
+        c *= 1.0 / C
+        tmp -= a[:, None]
+        xhat *= c[:, None]
+        tmp -= xhat
+        tmp *= rs[:, None]
+        dx[r0:r1] += tmp
+
+    _split_batch(part, N)
+    for r0 in sorted(partial):                         # fixed order: same bits every run
+        dg += partial[r0][0]
+        db += partial[r0][1]
 
 
 # -------------------------------------------------------------------------- linear
@@ -483,20 +496,25 @@ def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: i
     t is the 1-based step count. g is consumed as scratch (garbage on return).
     """
     dt = w.dtype.type
-    if weight_decay and n_decay:
-        w[:n_decay] *= dt(1.0 - lr * weight_decay)
     bc1 = 1.0 - beta1 ** t
     bc2 = 1.0 - beta2 ** t
-    m *= dt(beta1)
-    v *= dt(beta2)
-    g *= dt(1.0 - beta1)
-    m += g
-    np.multiply(g, g, out=g)                           # (1 - beta1)^2 g^2
-    g *= dt((1.0 - beta2) / (1.0 - beta1) ** 2)
-    v += g
-    np.sqrt(v, out=g)
-    g *= dt(1.0 / math.sqrt(bc2))
-    g += dt(eps)
-    np.divide(m, g, out=g)
-    g *= dt(lr / bc1)
-    w -= g
+
+    def part(i0: int, i1: int) -> None:                # element-wise: any split gives the same bits
+        wp, gp, mp, vp = w[i0:i1], g[i0:i1], m[i0:i1], v[i0:i1]
+        if weight_decay and n_decay > i0:
+            w[i0:min(i1, n_decay)] *= dt(1.0 - lr * weight_decay)
+        mp *= dt(beta1)
+        vp *= dt(beta2)
+        gp *= dt(1.0 - beta1)
+        mp += gp
+        np.multiply(gp, gp, out=gp)                    # (1 - beta1)^2 g^2
+        gp *= dt((1.0 - beta2) / (1.0 - beta1) ** 2)
+        vp += gp
+        np.sqrt(vp, out=gp)
+        gp *= dt(1.0 / math.sqrt(bc2))
+        gp += dt(eps)
+        np.divide(mp, gp, out=gp)
+        gp *= dt(lr / bc1)
+        wp -= gp
+
+    _split_batch(part, w.shape[0])
