@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from andrea.errors import AndreaError
+
 
 def ordinary_mode(path: str | Path, mode: int = 0o666) -> None:
     """mkstemp/mkdtemp make 0600/0700; give a result the mode a plain open()/mkdir() would."""
@@ -98,3 +100,17 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def read_json(path: str | Path, what: str) -> dict:
+    """A JSON object from ``path``; a missing, malformed or non-object file is an AndreaError naming it."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AndreaError(f"{path}: {what} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AndreaError(f"{path}: {what} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise AndreaError(f"{path}: {what} must be a JSON object")
+    return d

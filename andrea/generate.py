@@ -39,6 +39,7 @@ import numpy as np
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
+from andrea.fsutil import read_json
 
 
 # ------------------------------------------------------------------------- sampling
@@ -173,7 +174,7 @@ class InferenceModel:
     def _attend(self, l: int, n: int) -> None:
         """Causal attention of the n new rows (positions pos..pos+n-1) over the cache of layer l."""
         xp = self.xp
-        H, D, C = self.mc.n_head, self.mc.head_dim, self.mc.d_model
+        H, D = self.mc.n_head, self.mc.head_dim
         p, S = self.pos, self.pos + n
         qkv = self.qkv[:n].reshape(n, 3, H, D)
         self.k_cache[l, :, p:S] = qkv[:, 1].transpose(1, 0, 2)
@@ -318,12 +319,7 @@ def find_checkpoint(run: str | Path) -> Path:
 def read_state(ckpt: Path) -> dict | None:
     """The ``.state.json`` beside a checkpoint (``model.bin`` -> ``model.state.json``), or None."""
     sp = ckpt.with_name(ckpt.stem + ".state.json")
-    if not sp.is_file():
-        return None
-    try:
-        return json.loads(sp.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AndreaError(f"{sp}: not valid JSON: {e}") from None
+    return read_json(sp, "run state") if sp.is_file() else None
 
 
 def check_state(state: dict | None, state_path: Path, cfg: dict, tokenizer) -> None:

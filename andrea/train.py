@@ -56,7 +56,7 @@ from andrea.engine.engine import Engine, Hyper
 from andrea.engine.model import ModelConfig
 from andrea.engine.schedule import lr_at
 from andrea.errors import AndreaError
-from andrea.fsutil import atomic_write_json, sha256_file
+from andrea.fsutil import atomic_write_json, read_json, sha256_file
 from andrea.shards import Shard
 
 STATE_FORMAT = "andrea.state/1"
@@ -152,11 +152,11 @@ class History:
 
     def load(self, paths: dict) -> None:
         if paths["loss"].is_file():
-            d = ck.read_json(paths["loss"], "loss history")
+            d = read_json(paths["loss"], "loss history")
             self.train, self.val = list(d.get("train", [])), list(d.get("val", []))
             self.pulls, self.events = list(d.get("pulls", [])), list(d.get("events", []))
         if paths["samples"].is_file():
-            self.samples = list(ck.read_json(paths["samples"], "samples").get("samples", []))
+            self.samples = list(read_json(paths["samples"], "samples").get("samples", []))
 
 
 class Trainer:
@@ -222,7 +222,7 @@ class Trainer:
             raise RunMismatch(f"{where}: n_params {state.get('n_params')} != the model's {self.engine.n_params}")
 
     def _load_run(self, paths: dict, want_phase: str) -> tuple[dict, int]:
-        state = ck.read_json(paths["state"], "run state")
+        state = read_json(paths["state"], "run state")
         self._check_state(state, paths["state"], want_phase)
         step, w, m, v = ck.read_checkpoint(paths["bin"], self.engine.n_params)
         if state.get("step") != step:
@@ -289,7 +289,7 @@ class Trainer:
     def _move_aside(self, why: str) -> str:
         """Move the run files of a mismatched run to a sibling folder (nothing is deleted)."""
         try:
-            old_hash = str(ck.read_json(self.paths["state"], "run state").get("config_hash", "unknown"))[:12]
+            old_hash = str(read_json(self.paths["state"], "run state").get("config_hash", "unknown"))[:12]
         except AndreaError:
             old_hash = "unknown"
         dest = self.out.with_name(f"{self.out.name}.stale-{old_hash}")

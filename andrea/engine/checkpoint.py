@@ -17,7 +17,6 @@ andrea/train.py) and ``model.loss.json`` (the history). ``run_paths(out)`` names
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 
@@ -91,14 +90,3 @@ def read_weights(path: str | Path, n_params: int | None) -> tuple[int, np.ndarra
     return step, w
 
 
-def read_json(path: str | Path, what: str) -> dict:
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise AndreaError(f"{path}: {what} not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AndreaError(f"{path}: {what} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise AndreaError(f"{path}: {what} must be a JSON object")
-    return d

@@ -33,7 +33,7 @@ import numpy as np
 
 from andrea import coherence
 from andrea.errors import AndreaError
-from andrea.fsutil import atomic_write_json, atomic_write_text
+from andrea.fsutil import atomic_write_json, atomic_write_text, read_json
 
 FORMAT = "andrea.audit/1"
 PROMPTS_FORMAT = "andrea.prompts/1"
@@ -201,20 +201,12 @@ def training_summary(run: Path) -> dict:
     out: dict = {"coherence_checks": 0, "samples": 0, "last_check_step": None, "halt": None}
     sp = run / "model.samples.json"
     if sp.is_file():
-        try:
-            d = json.loads(sp.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AndreaError(f"{sp}: not valid JSON: {e}") from None
-        samples = d.get("samples", []) if isinstance(d, dict) else []
+        samples = read_json(sp, "samples").get("samples", [])
         steps = sorted({int(s["step"]) for s in samples if isinstance(s, dict) and "step" in s})
         out.update(coherence_checks=len(steps), samples=len(samples), last_check_step=steps[-1] if steps else None)
     st = run / "model.state.json"
     if st.is_file():
-        try:
-            state = json.loads(st.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AndreaError(f"{st}: not valid JSON: {e}") from None
-        out["halt"] = state.get("halt")
+        out["halt"] = read_json(st, "run state").get("halt")
     return out
 
 

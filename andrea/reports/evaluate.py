@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from pathlib import Path
 
@@ -126,7 +125,7 @@ def unigram_baseline(train_shards: dict, val: dict, vocab_size: int, byte_len: n
 
 # ------------------------------------------------------------------ history figures
 def load_history(run: Path) -> dict:
-    from andrea.engine.checkpoint import read_json
+    from andrea.fsutil import read_json
 
     p = run / "model.loss.json"
     if not p.is_file():
@@ -364,7 +363,8 @@ def run(args, cfg) -> int:
     from rich.progress import Progress
 
     from andrea.engine.backend import select_backend
-    from andrea.engine.checkpoint import read_json, read_weights
+    from andrea.engine.checkpoint import read_weights
+    from andrea.fsutil import read_json
     from andrea.engine.engine import Engine
     from andrea.generate import load_model
     from andrea.reports.render import fmt
