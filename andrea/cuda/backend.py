@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from andrea.cuda.loader import cupy_or_none, kernel
-from andrea.engine.engine import Hyper, StepResult
+from andrea.engine.engine import Engine, Hyper, StepResult
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
 
@@ -828,16 +828,8 @@ class GpuEngine:
             if self.good_steps % 1000 == 0:
                 self.loss_scale = min(2.0 ** 24, self.loss_scale * 2)
 
-    def train_step(self, batches, lr: float, t: int, hp: Hyper) -> StepResult:
-        """One optimizer step over ``batches`` = [(x, y), ...] microbatches of int32 (B, T)."""
-        self.zero_grads()
-        loss = 0.0
-        for x, y in batches:
-            li = self.micro_step(x, y)
-            loss += li / len(batches)
-            if not math.isfinite(li):
-                break
-        return self.apply_update(len(batches), loss, lr, t, hp)
+    # The microbatch loop is the NumPy engine's, over this engine's zero_grads/micro_step/apply_update.
+    train_step = Engine.train_step
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """Summed loss and token count of b <= B rows (b < B is padded with row 0, not counted).
