@@ -11,15 +11,20 @@ import tracemalloc
 
 import numpy as np
 
+from andrea.engine import ops_numpy
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.engine import Engine, Hyper
 from andrea.engine.model import ModelConfig
 
 MC = ModelConfig(vocab_size=300, d_model=128, n_head=4, n_layer=2, context=64)
-B = 8
-# NumPy's ufuncs may use fixed iteration buffers (8192 elements each, whatever the array
-# size) for broadcast operands; anything activation-sized is >= one (N, C) fp32 = 256 KiB here.
-TRANSIENT = 128 << 10
+# The engine runs one batch slice per pool thread; 8 rows per slice, so one slice's (rows, C)
+# fp32 activation is 256 KiB whatever the machine.
+S = ops_numpy.n_threads()
+B = 8 * S
+# NumPy's ufuncs use fixed iteration buffers (8192 elements each, whatever the array size) for
+# strided or broadcast operands, one set per thread running an op; anything activation-sized
+# is >= one (N, C) fp32 = 256 KiB x S here.
+TRANSIENT = (96 << 10) * S
 
 
 def _batch(rng):

@@ -534,6 +534,16 @@ class CupyBackend:
     def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
         return _Ops.work_elems(B, T, C, H, V)
 
+    @staticmethod
+    def row_slots(B: int) -> list[tuple[int, int]]:
+        """One slice: the device runs the whole batch per launch."""
+        return [(0, B)]
+
+    @staticmethod
+    def run_parallel(fn, n: int) -> None:
+        for i in range(n):
+            fn(i)
+
     def to_host(self, a) -> np.ndarray:
         return self.xp.asnumpy(a)
 

@@ -14,6 +14,8 @@ plus ``probe() -> str | None`` (None when a device is usable, else the reason)):
     precisions: tuple[str, ...]        the train.precision values it supports
     att_shape(B, H, T) -> tuple        what attn_forward saves per layer
     work_elems(B, T, C, H, V) -> int   scratch the ops need
+    row_slots(B) -> [(b0, b1), ...]    batch slices the engine runs at once (one per thread)
+    run_parallel(fn, n)                fn(0), ..., fn(n - 1) at once (or in turn), then return
     to_host(a) -> numpy.ndarray        (a copy for a device array; the array itself on numpy)
     copy_from_host(dst, src)           dst (device) <- src (host numpy), same shape
     synchronize()                      wait for queued work (no-op on numpy)
@@ -48,6 +50,14 @@ class NumpyBackend:
     @staticmethod
     def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
         return ops_numpy.work_elems(B, T, C, H, V)
+
+    @staticmethod
+    def row_slots(B: int) -> list[tuple[int, int]]:
+        return ops_numpy._ranges(B)
+
+    @staticmethod
+    def run_parallel(fn, n: int) -> None:
+        ops_numpy.run_parallel(fn, n)
 
     @staticmethod
     def to_host(a) -> np.ndarray:

@@ -84,7 +84,11 @@ class Engine:
         self.layout = param_layout(mc)
         self.n_params = self.layout.n_params
         C, H, V = mc.d_model, mc.n_head, mc.vocab_size
-        self.plan = activation_plan(mc, self.B, backend.work_elems(self.B, self.T, C, H, V),
+        # Batch slices that run at once, one per thread of the backend (NumPy: its pool; a
+        # device backend: one slice). Each slice has its own scratch and, after the first,
+        # its own gradient buffer; activations are rows of the shared buffers.
+        self.slots = backend.row_slots(self.B)
+        self.plan = activation_plan(mc, self.B, [backend.work_elems(b1 - b0, self.T, C, H, V) for b0, b1 in self.slots],
                                     backend.att_shape(self.B, H, self.T), n_partials)
 
         # --- parameters, gradients, Adam moments: four flat buffers
@@ -99,8 +103,10 @@ class Engine:
         # --- activations: one flat buffer per kind, one view per planned buffer
         self.a = {}
         self._flat = {}
-        for kind in ("saved", "dgrad", "const", "work"):
+        for kind in ("saved", "dgrad", "const", "work", "slot_grads"):
             items = [b for b in self.plan if b.kind == kind]
+            if not items:
+                continue
             flat = xp.zeros(sum(b.size for b in items), dtype=self.dtype)
             self._flat[kind], off = flat, 0
             for b in items:
@@ -111,8 +117,6 @@ class Engine:
                 self.a[b.name] = xp.zeros(b.shape, dtype=np.int32)
             elif b.kind == "stat":
                 self.a[b.name] = xp.zeros(b.shape, dtype=np.float64)
-        self.dacts = self._flat["dgrad"]
-        self.work = self._flat["work"]
         mask = np.triu(np.full((self.T, self.T), -np.inf, dtype=self.dtype), k=1)
         backend.copy_from_host(self.a["mask"], mask)
         self._pad = (np.zeros((self.B, self.T), np.int32), np.zeros((self.B, self.T), np.int32))  # eval_batch
@@ -150,30 +154,37 @@ class Engine:
                 f"{4 * self.n_params * self.dtype.itemsize / mib:.1f} MiB; {kinds} MiB")
 
     def _views(self) -> None:
-        """Per-layer views, built once so the step only indexes Python lists."""
-        a, W, G, mc = self.a, self.W, self.G, self.mc
-        B, T, C = self.B, self.T, mc.d_model
-        self.layers = []
-        for l in range(mc.n_layer):
-            p = f"h.{l}."
-            self.layers.append(SimpleNamespace(
-                x_in=a["res"][2 * l], x_mid=a["res"][2 * l + 1], x_out=a["res"][2 * l + 2],
-                ln1=a["ln1"][l], ln1_mean=a["ln1_mean"][l], ln1_rstd=a["ln1_rstd"][l],
-                qkv=a["qkv"][l], qkv3=a["qkv"][l].reshape(B, T, 3 * C), att=a["att"][l],
-                atty=a["atty"][l], atty3=a["atty"][l].reshape(B, T, C),
-                ln2=a["ln2"][l], ln2_mean=a["ln2_mean"][l], ln2_rstd=a["ln2_rstd"][l],
-                h_pre=a["h_pre"][l], h_act=a["h_act"][l],
-                **{k.replace(".", "_"): W[p + k] for k in
-                   ("ln1.g", "ln1.b", "attn.w_qkv", "attn.w_o", "ln2.g", "ln2.b", "mlp.w_fc", "mlp.w_proj")},
-                **{"d_" + k.replace(".", "_"): G[p + k] for k in
-                   ("ln1.g", "ln1.b", "attn.w_qkv", "attn.w_o", "ln2.g", "ln2.b", "mlp.w_fc", "mlp.w_proj")},
-            ))
-        self.emb3 = a["res"][0].reshape(B, T, C)
-        self.dres = [a["dres"][0], a["dres"][1]]
-        self.dres3 = [d.reshape(B, T, C) for d in self.dres]
-        self.datty3 = a["datty"].reshape(B, T, C)
-        self.dqkv3 = a["dqkv"].reshape(B, T, 3 * C)
-        self.targets_flat = a["targets"].reshape(self.N)
+        """Per-slice, per-layer views, built once so the step only indexes Python lists."""
+        a, W, mc, T, C = self.a, self.W, self.mc, self.T, self.mc.d_model
+        names = ("ln1.g", "ln1.b", "attn.w_qkv", "attn.w_o", "ln2.g", "ln2.b", "mlp.w_fc", "mlp.w_proj")
+        self.slices = []
+        for i, (b0, b1) in enumerate(self.slots):
+            r0, r1, n = b0 * T, b1 * T, b1 - b0
+            g = self.g if i == 0 else a["slot_grads"][i - 1]
+            G = {t.name: g[t.offset:t.offset + t.size].reshape(t.shape) for t in self.layout.tensors}
+            rows = {k: a[k][r0:r1] for k in ("branch", "lnf", "lnf_mean", "lnf_rstd", "logits", "probs", "losses",
+                                              "dbranch", "dln", "dqkv", "datty")}
+            z = SimpleNamespace(g=g, G=G, work=a[f"work.{i}"], idx=a["idx"][b0:b1],
+                                targets=a["targets"][b0:b1].reshape(n * T),
+                                emb3=a["res"][0][r0:r1].reshape(n, T, C), res_last=a["res"][-1][r0:r1],
+                                dres=[a["dres"][0][r0:r1], a["dres"][1][r0:r1]],
+                                dqkv3=rows["dqkv"].reshape(n, T, 3 * C), datty3=rows["datty"].reshape(n, T, C),
+                                layers=[], **rows)
+            z.dres3 = [d.reshape(n, T, C) for d in z.dres]
+            for l in range(mc.n_layer):
+                p = f"h.{l}."
+                qkv, atty = a["qkv"][l][r0:r1], a["atty"][l][r0:r1]
+                z.layers.append(SimpleNamespace(
+                    x_in=a["res"][2 * l][r0:r1], x_mid=a["res"][2 * l + 1][r0:r1], x_out=a["res"][2 * l + 2][r0:r1],
+                    ln1=a["ln1"][l][r0:r1], ln1_mean=a["ln1_mean"][l][r0:r1], ln1_rstd=a["ln1_rstd"][l][r0:r1],
+                    qkv=qkv, qkv3=qkv.reshape(n, T, 3 * C), att=a["att"][l][b0:b1],
+                    atty=atty, atty3=atty.reshape(n, T, C),
+                    ln2=a["ln2"][l][r0:r1], ln2_mean=a["ln2_mean"][l][r0:r1], ln2_rstd=a["ln2_rstd"][l][r0:r1],
+                    h_pre=a["h_pre"][l][r0:r1], h_act=a["h_act"][l][r0:r1],
+                    **{k.replace(".", "_"): W[p + k] for k in names},
+                    **{"d_" + k.replace(".", "_"): G[p + k] for k in names},
+                ))
+            self.slices.append(z)
 
     # --------------------------------------------------------------------- weights
     def init_weights(self, seed: int) -> None:
@@ -192,41 +203,62 @@ class Engine:
         """Run the model on (B, T) int32 ids ``x`` (host; None = the ids already loaded).
         With targets ``y`` return the mean loss as a float; without, leave logits (N, V) in
         ``self.a['logits']`` and return None."""
-        ops, a, be = self.ops, self.a, self.be
+        a, be = self.a, self.be
         if x is not None:
             be.copy_from_host(a["idx"], x)
         if y is not None:
             be.copy_from_host(a["targets"], y)
-        H, W = self.mc.n_head, self.W
-        ops.embed_forward(self.emb3, a["idx"], W["wte"], W["wpe"])
-        for s in self.layers:
-            ops.layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, s.x_in, s.ln1_g, s.ln1_b)
-            ops.attn_qkv_forward(s.qkv, s.ln1, s.attn_w_qkv)
-            ops.attn_forward(s.atty3, s.att, s.qkv3, a["mask"], H, self.work)
-            ops.attn_out_forward(a["branch"], s.atty, s.attn_w_o)
-            ops.residual_add_forward(s.x_mid, s.x_in, a["branch"])
-            ops.layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, s.ln2_g, s.ln2_b)
-            ops.mlp_forward(a["branch"], s.h_pre, s.h_act, s.ln2, s.mlp_w_fc, s.mlp_w_proj)
-            ops.residual_add_forward(s.x_out, s.x_mid, a["branch"])
-        ops.layernorm_forward(a["lnf"], a["lnf_mean"], a["lnf_rstd"], a["res"][-1], W["lnf.g"], W["lnf.b"])
-        targets = self.targets_flat if y is not None else None
-        ops.loss_forward(a["losses"], a["logits"], a["probs"], a["lnf"], W["wte"], targets, self.work)
+        be.run_parallel(lambda i: self._forward_slice(self.slices[i], y is not None), len(self.slices))
         if y is None:
             return None
         return float(a["losses"].sum(dtype=np.float64)) / self.N
 
+    def _forward_slice(self, z: SimpleNamespace, with_targets: bool) -> None:
+        """The forward of one batch slice: every op is row- (or batch-) independent."""
+        ops, H, W = self.ops, self.mc.n_head, self.W
+        ops.embed_forward(z.emb3, z.idx, W["wte"], W["wpe"])
+        for s in z.layers:
+            ops.layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, s.x_in, s.ln1_g, s.ln1_b)
+            ops.attn_qkv_forward(s.qkv, s.ln1, s.attn_w_qkv)
+            ops.attn_forward(s.atty3, s.att, s.qkv3, self.a["mask"], H, z.work)
+            ops.attn_out_forward(z.branch, s.atty, s.attn_w_o)
+            ops.residual_add_forward(s.x_mid, s.x_in, z.branch)
+            ops.layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, s.ln2_g, s.ln2_b)
+            ops.mlp_forward(z.branch, s.h_pre, s.h_act, s.ln2, s.mlp_w_fc, s.mlp_w_proj)
+            ops.residual_add_forward(s.x_out, s.x_mid, z.branch)
+        ops.layernorm_forward(z.lnf, z.lnf_mean, z.lnf_rstd, z.res_last, W["lnf.g"], W["lnf.b"])
+        ops.loss_forward(z.losses, z.logits, z.probs, z.lnf, W["wte"], z.targets if with_targets else None, z.work)
+
     def backward(self, dloss: float) -> None:
         """Accumulate (+=) dL/dparams into ``self.g`` for the last forward with targets, where
         L = dloss * sum(losses) (dloss = 1/N gives the gradient of the mean loss).
-        Consumes ``probs``; activation gradients are scratch (zeroed here)."""
-        ops, a, G, H, work = self.ops, self.a, self.G, self.mc.n_head, self.work
-        self.dacts.fill(0)
+        Consumes ``probs``; activation gradients are scratch (zeroed here). Slice 0 adds into
+        ``self.g`` directly, the others into their own zeroed buffers, summed into it after in
+        slice order (so the bits depend on the number of slices, never on timing)."""
+        be, S = self.be, len(self.slices)
+        be.run_parallel(lambda i: self._backward_slice(self.slices[i], dloss), S)
+        if S > 1:
+            n, g, extra = self.n_params, self.g, self.a["slot_grads"]
+
+            def add(i: int) -> None:                    # element ranges: any split, same bits
+                p0, p1 = n * i // S, n * (i + 1) // S
+                for j in range(S - 1):
+                    g[p0:p1] += extra[j, p0:p1]
+
+            be.run_parallel(add, S)
+
+    def _backward_slice(self, z: SimpleNamespace, dloss: float) -> None:
+        ops, G, H, W, work = self.ops, z.G, self.mc.n_head, self.W, z.work
+        if z.g is not self.g:
+            z.g.fill(0)
+        for d in (*z.dres, z.dln):                    # the rest are zeroed before each use below
+            d.fill(0)
         cur, nxt = 0, 1
-        dres, dbranch, dln = self.dres, a["dbranch"], a["dln"]
-        ops.loss_backward(dln, G["wte"], a["probs"], a["lnf"], self.W["wte"], self.targets_flat, dloss, work)
-        ops.layernorm_backward(dres[cur], G["lnf.g"], G["lnf.b"], dln, a["res"][-1], a["lnf_mean"],
-                               a["lnf_rstd"], self.W["lnf.g"], work)
-        for s in reversed(self.layers):
+        dres, dbranch, dln = z.dres, z.dbranch, z.dln
+        ops.loss_backward(dln, G["wte"], z.probs, z.lnf, W["wte"], z.targets, dloss, work)
+        ops.layernorm_backward(dres[cur], G["lnf.g"], G["lnf.b"], dln, z.res_last, z.lnf_mean, z.lnf_rstd,
+                               W["lnf.g"], work)
+        for s in reversed(z.layers):
             # x_out = x_mid + mlp(ln2(x_mid))
             dbranch.fill(0)
             dln.fill(0)
@@ -240,17 +272,17 @@ class Engine:
             # x_mid = x_in + attn_out(attn(attn_qkv(ln1(x_in))))
             dbranch.fill(0)
             dln.fill(0)
-            a["datty"].fill(0)
-            a["dqkv"].fill(0)
+            z.datty.fill(0)
+            z.dqkv.fill(0)
             ops.residual_add_backward(dres[nxt], dbranch, dres[cur])
-            ops.attn_out_backward(a["datty"], s.d_attn_w_o, dbranch, s.atty, s.attn_w_o, work)
-            ops.attn_backward(self.dqkv3, self.datty3, s.qkv3, s.att, H, work)
-            ops.attn_qkv_backward(dln, s.d_attn_w_qkv, a["dqkv"], s.ln1, s.attn_w_qkv, work)
+            ops.attn_out_backward(z.datty, s.d_attn_w_o, dbranch, s.atty, s.attn_w_o, work)
+            ops.attn_backward(z.dqkv3, z.datty3, s.qkv3, s.att, H, work)
+            ops.attn_qkv_backward(dln, s.d_attn_w_qkv, z.dqkv, s.ln1, s.attn_w_qkv, work)
             ops.layernorm_backward(dres[nxt], s.d_ln1_g, s.d_ln1_b, dln, s.x_in, s.ln1_mean, s.ln1_rstd,
                                    s.ln1_g, work)
             cur, nxt = nxt, cur
             dres[nxt].fill(0)
-        ops.embed_backward(G["wte"], G["wpe"], self.dres3[cur], a["idx"])
+        ops.embed_backward(G["wte"], G["wpe"], z.dres3[cur], z.idx)
 
     # -------------------------------------------------------------------- optimizer
     def zero_grads(self) -> None:

@@ -1,10 +1,11 @@
 """Model layout: parameter names, shapes and offsets in one flat fp32 buffer, and the
 activation buffer plan. Pure arithmetic on shapes: nothing here allocates.
 
+    from andrea.engine import ops_numpy
     from andrea.engine.model import ModelConfig, param_layout, activation_plan
     mc = ModelConfig(vocab_size=1281, d_model=128, n_head=4, n_layer=4, context=128)
     layout = param_layout(mc)          # layout.n_params, layout.n_decay, layout.tensors
-    plan = activation_plan(mc, batch_size=16)
+    plan = activation_plan(mc, batch_size=16, work_elems=ops_numpy.work_elems(16, 128, 128, 4, 1281))
 
 The model (decoder-only GPT, pre-LN, no biases except LayerNorm beta):
 
@@ -111,8 +112,9 @@ def param_layout(mc: ModelConfig) -> ParamLayout:
 @dataclass(frozen=True)
 class Buffer:
     """One planned buffer: ``kind`` is saved (forward activations kept for the backward),
-    dgrad (activation gradients, zeroed every backward), work (op scratch), index (int32
-    token ids), const (built once), stat (float64 reduction partials)."""
+    dgrad (activation gradients, zeroed every backward), work (op scratch), slot_grads (the
+    parameter gradients of the batch slices after the first), index (int32 token ids), const
+    (built once), stat (float64 reduction partials)."""
 
     name: str
     shape: tuple[int, ...]
@@ -124,18 +126,22 @@ class Buffer:
         return math.prod(self.shape)
 
 
-def activation_plan(mc: ModelConfig, batch_size: int, work_elems: int,
+def activation_plan(mc: ModelConfig, batch_size: int, work_elems: int | list[int],
                     att_shape: tuple[int, ...] | None = None, n_partials: int = 64) -> list[Buffer]:
     """Every non-parameter buffer one training step needs, for microbatch (B, T=context).
 
     ``att_shape`` is what attn_forward saves per layer for its backward: the softmax
     probabilities (B, H, T, T) on the NumPy backend; a fused backend saves less (e.g. the
     row log-sum-exp (B, H, T)) and passes its own shape. ``work_elems`` comes from the
-    backend's ops (``ops.work_elems``).
+    backend's ops (``ops.work_elems``): one scratch size, or one per batch slice when the
+    step runs its slices on S threads at once (``Engine``); then each slice after the first
+    also gets its own flat gradient buffer (``slot_grads`` (S - 1, n_params)), summed into
+    the main one after the backward.
     """
     B, T, C, H, V, L = batch_size, mc.context, mc.d_model, mc.n_head, mc.vocab_size, mc.n_layer
     N = B * T
     att_shape = tuple(att_shape) if att_shape is not None else (B, H, T, T)
+    works = [int(work_elems)] if isinstance(work_elems, int) else [int(n) for n in work_elems]
     return [
         Buffer("idx", (B, T), "index", "int32"),
         Buffer("targets", (B, T), "index", "int32"),
@@ -166,7 +172,8 @@ def activation_plan(mc: ModelConfig, batch_size: int, work_elems: int,
         Buffer("dln", (N, C), "dgrad"),
         Buffer("dqkv", (N, 3 * C), "dgrad"),
         Buffer("datty", (N, C), "dgrad"),
-        # scratch
-        Buffer("work", (work_elems,), "work"),
+        # scratch, per batch slice
+        *[Buffer(f"work.{i}", (n,), "work") for i, n in enumerate(works)],
+        *([Buffer("slot_grads", (len(works) - 1, param_layout(mc).n_params), "slot_grads")] if len(works) > 1 else []),
         Buffer("partials", (n_partials,), "stat", "float64"),
     ]

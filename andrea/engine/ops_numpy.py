@@ -28,13 +28,126 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
 import numpy as np
 
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 LN_EPS = 1e-5
+
+
+# ------------------------------------------------------------------- thread pool
+# Row ranges run on one persistent pool, with BLAS single-threaded meanwhile. A multi-threaded
+# BLAS splits each GEMM across its threads and pays a thread handshake per call (the attention
+# alone is B*H small GEMMs; with a busy second core it ran ~100x slower at 2 BLAS threads than
+# at 1), so the ops split rows instead: fixed contiguous ranges, one per pool thread. Rows are
+# independent and each GEMM is the same single-threaded call whatever the split, so the bits
+# depend only on the thread count. ``run_parallel`` hands a whole function (the engine runs
+# its forward + backward per batch slice this way) to the pool; inside it every op runs inline
+# on its thread, so a step pays a handful of handoffs instead of one per op.
+_POOL: tuple | None = None          # (pid, n_threads, workers, BLAS controllers)
+_MAX_THREADS = 64                   # scratch for per-thread partial sums is sized for this many
+_LOCAL = threading.local()          # .inline: this thread is running one range of a parallel call
+
+
+class _Worker:
+    """One pool thread. The handoff is a pair of locks (a release wakes the waiter with one
+    futex call): on a 2-vCPU VM a round trip costs ~60 us this way, ~130 us through
+    concurrent.futures."""
+
+    def __init__(self, name: str):
+        self.go, self.done = threading.Lock(), threading.Lock()
+        self.go.acquire()
+        self.done.acquire()
+        self.task: tuple | None = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        _LOCAL.inline = True
+        while True:
+            self.go.acquire()
+            fn, args = self.task
+            try:
+                fn(*args)
+            except BaseException as e:                  # handed back to the caller by wait()
+                self.error = e
+            self.task = None
+            self.done.release()
+
+    def start(self, fn, args: tuple) -> None:
+        self.task = (fn, args)
+        self.go.release()
+
+    def wait(self) -> None:
+        self.done.acquire()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+
+def _pool() -> tuple:
+    """The process's worker pool, created once (again after a fork): as many threads as BLAS
+    was given (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else the core count), at most 64."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        from threadpoolctl import ThreadpoolController
+
+        ctl = ThreadpoolController().select(user_api="blas").lib_controllers
+        n = min(max([int(c.num_threads) for c in ctl] or [1]), _MAX_THREADS)
+        workers = [_Worker(f"andrea-ops-{i}") for i in range(1, n)]
+        _POOL = (os.getpid(), n, workers, ctl)
+    return _POOL
+
+
+def n_threads() -> int:
+    """How many ranges a parallel call splits into here (1 inside a parallel call)."""
+    return 1 if getattr(_LOCAL, "inline", False) else _pool()[1]
+
+
+def _ranges(B: int) -> list[tuple[int, int]]:
+    """The fixed contiguous ranges covering [0, B) that ``_split_batch`` hands out."""
+    n = max(1, min(n_threads(), B))
+    return [(B * i // n, B * (i + 1) // n) for i in range(n)]
+
+
+def run_parallel(fn, n: int) -> None:
+    """Call fn(0), ..., fn(n - 1) at once, fn(i) on pool thread i (the caller takes fn(0)),
+    n <= n_threads(); each runs its ops inline, with BLAS single-threaded meanwhile."""
+    if n < 2 or getattr(_LOCAL, "inline", False):
+        for i in range(n):
+            fn(i)
+        return
+    _, size, workers, ctl = _pool()
+    if n > size:
+        raise ValueError(f"run_parallel: {n} calls for a pool of {size} threads")
+    saved = [c.num_threads for c in ctl]
+    for c in ctl:
+        c.set_num_threads(1)
+    try:
+        for i in range(1, n):
+            workers[i - 1].start(fn, (i,))
+        _LOCAL.inline = True
+        try:
+            fn(0)
+        finally:
+            _LOCAL.inline = False
+            for w in workers[:n - 1]:
+                w.wait()
+    finally:
+        for c, k in zip(ctl, saved):
+            c.set_num_threads(k)
+
+
+def _split_batch(fn, B: int) -> None:
+    """Call fn(b0, b1) on the ranges of ``_ranges(B)``, one per pool thread (the caller takes
+    the first); inside a parallel call, fn(0, B) on this thread."""
+    ranges = _ranges(B)
+    if len(ranges) == 1:
+        fn(0, B)
+        return
+    run_parallel(lambda i: fn(*ranges[i]), len(ranges))
 
 
 def _carve(work: np.ndarray, *shapes: tuple[int, ...]) -> list[np.ndarray]:
@@ -53,11 +166,12 @@ def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
     """Scratch elements the largest op needs (the engine allocates ``work`` once with this size)."""
     N = B * T
     return max(
-        2 * N * C + 2 * N,                     # layernorm_backward: xhat, dxhat, two row stats
+        2 * N * C + 2 * N + 2 * _MAX_THREADS * C,  # layernorm_backward: xhat, dxhat, two row stats, partials
         N * 4 * C + 4 * C * C,                 # linear backward (attn_qkv: 3C, mlp in/out: 4C)
         4 * N * C + B * H * T,                 # attn_forward: q, k, v, y (B, H, T, D), row stat (B, H, T)
         5 * N * C + B * H * T * T + B * H * T,  # attn_backward: q, k, v, dy, tmp, datt, row dot
-        3 * N * 4 * C,                         # mlp_backward: dh, s, r (the weight-grad tmps reuse s and r)
+        3 * N * 4 * C + N * C + 1,             # mlp_backward: dh, s, r, a bool mask
+        N * 4 * C + 4 * C * C,                 # mlp_backward: dh, then a weight-grad tmp over s and r
         N * C + V * C + N,                     # loss_backward: dx tmp, dwte tmp, row index
         N,                                     # loss_forward: row sums
     )
@@ -83,6 +197,23 @@ def embed_backward(dwte: np.ndarray, dwpe: np.ndarray, dout: np.ndarray, idx: np
 
 
 # ----------------------------------------------------------------------- layernorm
+_ONES: dict = {}
+
+
+def _ones(n: int, dtype) -> np.ndarray:
+    """A read-only vector of n ones: row sums and column sums as one BLAS gemv each (NumPy's
+    own reductions pay a fixed cost per row, which dominates for C = 128). Cached per dtype,
+    grown to the largest n asked for, so a step allocates nothing once warm."""
+    dtype = np.dtype(dtype)
+    have = _ONES.get(dtype)
+    if have is None or have.size < n:
+        have = np.ones(max(n, 1024), dtype)
+        have.flags.writeable = False
+        if _ONES.get(dtype) is None or _ONES[dtype].size < have.size:   # two threads may race here
+            _ONES[dtype] = have
+    return have[:n]
+
+
 def layernorm_forward(out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
                       x: np.ndarray, g: np.ndarray, b: np.ndarray) -> None:
     """out (N, C) = (x - mean) * rstd * g + b; saves mean (N,), rstd (N,) for the backward.
@@ -90,10 +221,12 @@ def layernorm_forward(out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
     Biased variance, eps = 1e-5 (as torch.nn.LayerNorm).
     """
     C = x.shape[-1]
+    ones = _ones(C, x.dtype)
 
     def part(r0: int, r1: int) -> None:                # rows are independent
         o, mu, rs = out[r0:r1], mean[r0:r1], rstd[r0:r1]
-        np.mean(x[r0:r1], axis=-1, out=mu)
+        np.matmul(x[r0:r1], ones, out=mu)
+        mu *= 1.0 / C
         np.subtract(x[r0:r1], mu[:, None], out=o)
         np.einsum("ij,ij->i", o, o, out=rs)            # sum of squares
         rs *= 1.0 / C
@@ -112,33 +245,40 @@ def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.
                        work: np.ndarray) -> None:
     """dx (N, C) += ...; dg (C,) += sum(dout * xhat); db (C,) += sum(dout).
 
-    With xhat = (x - mean) * rstd and dxhat = dout * g:
-    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)).
+    With xhat = (x - mean) * rstd, dxhat = dout * g, a = mean(dxhat), c = mean(dxhat * xhat)
+    (row means): dx = rstd * (dxhat - a - xhat * c).
     """
     N, C = x.shape
-    XHAT, TMP, A, CC = _carve(work, (N, C), (N, C), (N,), (N,))
-    partial: dict[int, tuple] = {}
+    ranges = _ranges(N)
+    XHAT, TMP, A, CC, PART = _carve(work, (N, C), (N, C), (N,), (N,), (len(ranges), 2, C))
+    ones = _ones(max(N, C), x.dtype)
+    slot = {r0: i for i, (r0, _) in enumerate(ranges)}
 
     def part(r0: int, r1: int) -> None:
         xhat, tmp, a, c, do, rs = XHAT[r0:r1], TMP[r0:r1], A[r0:r1], CC[r0:r1], dout[r0:r1], rstd[r0:r1]
+        dgb = PART[slot[r0]]
         np.subtract(x[r0:r1], mean[r0:r1, None], out=xhat)
         xhat *= rs[:, None]
         np.multiply(do, xhat, out=tmp)
-        partial[r0] = (tmp.sum(axis=0), do.sum(axis=0))   # (C,) each: this range's dg, db
+        np.matmul(ones[:r1 - r0], tmp, out=dgb[0])     # this range's dg and db (column sums)
+        np.matmul(ones[:r1 - r0], do, out=dgb[1])
         np.multiply(do, g, out=tmp)                    # tmp = dxhat
-        np.mean(tmp, axis=-1, out=a)
+        np.matmul(tmp, ones[:C], out=a)                # row sums
         np.einsum("ij,ij->i", tmp, xhat, out=c)
+        a *= rs                                        # a <- rstd * mean(dxhat)
+        a *= 1.0 / C
+        c *= rs                                        # c <- rstd * mean(dxhat * xhat)
         c *= 1.0 / C
-        tmp -= a[:, None]
+        tmp *= rs[:, None]
         xhat *= c[:, None]
         tmp -= xhat
-        tmp *= rs[:, None]
+        tmp -= a[:, None]
         dx[r0:r1] += tmp
 
     _split_batch(part, N)
-    for r0 in sorted(partial):                         # fixed order: same bits every run
-        dg += partial[r0][0]
-        db += partial[r0][1]
+    for i in range(len(ranges)):                       # fixed order: same bits every run
+        dg += PART[i, 0]
+        db += PART[i, 1]
 
 
 # -------------------------------------------------------------------------- linear
@@ -180,53 +320,6 @@ def _heads_contig(work_views, qkv: np.ndarray, B: int, T: int, H: int, scale: fl
     np.copyto(kh, k)
     np.copyto(vh, v)
     return qh, kh, vh
-
-
-# The attention matmuls are B*H small GEMMs ((T, D) x (D, T)); a multi-threaded BLAS splits
-# each one across its threads and pays a thread handshake per GEMM (with a busy second core,
-# the attention ran ~100x slower at 2 BLAS threads than at 1). So the attention ops run with
-# BLAS single-threaded and split the batch instead: one contiguous batch range per thread of
-# one persistent pool (softmax included). Batch rows are independent and each GEMM is the same
-# single-threaded call whatever the split, so the bits do not depend on the thread count.
-_POOL: tuple | None = None          # (pid, n_threads, executor or None, BLAS controllers)
-
-
-def _pool() -> tuple:
-    """The process's worker pool, created once (again after a fork): as many threads as BLAS
-    was given (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else the core count)."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        from threadpoolctl import ThreadpoolController
-
-        ctl = ThreadpoolController().select(user_api="blas").lib_controllers
-        n = max([int(c.num_threads) for c in ctl] or [1])
-        ex = ThreadPoolExecutor(n - 1, thread_name_prefix="andrea-ops") if n > 1 else None
-        _POOL = (os.getpid(), n, ex, ctl)
-    return _POOL
-
-
-def _split_batch(fn, B: int) -> None:
-    """Call fn(b0, b1) on fixed contiguous batch ranges covering [0, B), one per pool thread
-    (the caller takes the first), with BLAS single-threaded meanwhile."""
-    _, n, ex, ctl = _pool()
-    n = min(n, B)
-    if ex is None or n < 2:
-        fn(0, B)
-        return
-    bounds = [B * i // n for i in range(n + 1)]
-    saved = [c.num_threads for c in ctl]
-    for c in ctl:
-        c.set_num_threads(1)
-    try:
-        futs = [ex.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, n)]
-        try:
-            fn(bounds[0], bounds[1])
-        finally:
-            for f in futs:
-                f.result()
-    finally:
-        for c, k in zip(ctl, saved):
-            c.set_num_threads(k)
 
 
 def _mm(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
@@ -325,16 +418,15 @@ def attn_out_backward(dy: np.ndarray, dw_o: np.ndarray, dout: np.ndarray, y: np.
 
 # ----------------------------------------------------------------------------- mlp
 def _neg2u_exp(out: np.ndarray, x: np.ndarray) -> None:
-    """out = exp(min(-2u, 80)) with u = k (x + a x^3): 1 / (1 + out) = sigmoid(2u) = (1 + tanh u) / 2.
+    """out = exp(-2v) with v = k (x + a x^3), so 1 / (1 + out) = sigmoid(2v) = (1 + tanh v) / 2.
 
-    The sigmoid form needs one exp instead of a tanh (about half the cost in NumPy); the
-    clip at 80 only touches x < ~-9 where sigmoid(2u) < 2e-35, and keeps every product
-    in mlp_backward finite."""
+    The sigmoid form needs one exp instead of a tanh (about half the cost in NumPy). For
+    x < ~-9 the exp overflows to inf (the caller silences that warning) and x / (1 + inf)
+    is the correct -0."""
     np.multiply(x, x, out=out)
     out *= -2.0 * GELU_K * GELU_A
     out -= 2.0 * GELU_K
     out *= x
-    np.minimum(out, 80.0, out=out)
     np.exp(out, out=out)
 
 
@@ -343,13 +435,14 @@ def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.nda
     """out (N, C) = gelu(x @ w_fc) @ w_proj; w_fc (C, 4C), w_proj (4C, C).
 
     gelu is the tanh form, 0.5 u (1 + tanh(k (u + a u^3))) (as torch approximate="tanh"),
-    evaluated as u * sigmoid(2 k (u + a u^3)). Saves h_pre = x @ w_fc and h_act = gelu(h_pre),
-    both (N, 4C), for the backward.
+    evaluated as u / (1 + exp(-2 k (u + a u^3))) = u sigmoid(2v). Saves h_pre = x @ w_fc and
+    h_act = gelu(h_pre), both (N, 4C), for the backward.
     """
     def part(r0: int, r1: int) -> None:                # rows are independent
         hp, ha = h_pre[r0:r1], h_act[r0:r1]
         np.matmul(x[r0:r1], w_fc, out=hp)
-        _neg2u_exp(ha, hp)
+        with np.errstate(over="ignore"):               # thread-local: set in every worker
+            _neg2u_exp(ha, hp)
         ha += 1.0
         np.divide(hp, ha, out=ha)
         np.matmul(ha, w_proj, out=out[r0:r1])
@@ -362,26 +455,33 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
                  w_fc: np.ndarray, w_proj: np.ndarray, work: np.ndarray) -> None:
     """dx (N, C) += ...; dw_fc (C, 4C) += ...; dw_proj (4C, C) += ... for mlp_forward.
 
-    With s = sigmoid(2v), v = k (u + a u^3), e = exp(-2v) (so 1 - s = s e) and
-    r = 2 u dv/du = u (2k + 6ka u^2): gelu'(u) = s + r s (1 - s) = s (1 + (r s) e).
+    The forward saved h_act = u s with s = sigmoid(2v), v = k (u + a u^3), so the backward
+    reads s = h_act / h_pre back (one divide instead of a second exp; where |u| is zero or
+    subnormal, s = sigmoid(0) = 1/2). With r = 2 u dv/du = u (2k + 6ka u^2):
+    gelu'(u) = s + r s (1 - s) = s (1 + r (1 - s)).
     """
     N, C = x.shape
     F = w_fc.shape[1]
-    DH, S, R = _carve(work, (N, F), (N, F), (N, F))
+    DH, S, R, SMALL = _carve(work, (N, F), (N, F), (N, F), (-(-N * F // work.itemsize),))
+    SMALL = SMALL.view(np.bool_)[:N * F].reshape(N, F)
+    tiny = np.finfo(x.dtype).tiny
 
     def rows(r0: int, r1: int) -> None:               # dh = dL/dh_pre and dx, row by row
-        dh, s, r, hp = DH[r0:r1], S[r0:r1], R[r0:r1], h_pre[r0:r1]
+        dh, s, r, hp, small = DH[r0:r1], S[r0:r1], R[r0:r1], h_pre[r0:r1], SMALL[r0:r1]
         np.matmul(dout[r0:r1], w_proj.T, out=dh)       # dL/dh_act
-        _neg2u_exp(s, hp)                              # s = e
+        with np.errstate(invalid="ignore", divide="ignore"):
+            np.divide(h_act[r0:r1], hp, out=s)         # s = sigmoid(2v) (nan where u == 0)
+        np.abs(hp, out=r)
+        np.less(r, tiny, out=small)
+        np.copyto(s, 0.5, where=small)
         np.multiply(hp, hp, out=r)                     # r = u (2k + 6ka u^2)
         r *= 6.0 * GELU_K * GELU_A
         r += 2.0 * GELU_K
         r *= hp
-        np.multiply(r, s, out=r)                       # r e
-        s += 1.0
-        np.reciprocal(s, out=s)                        # s = sigmoid(2v)
-        r *= s                                         # r s e
+        np.subtract(1.0, s, out=s)                     # s <- 1 - s
+        r *= s                                         # r (1 - s)
         r += 1.0
+        np.subtract(1.0, s, out=s)                     # s again (to within 2^-24 absolute)
         r *= s                                         # gelu'(u)
         dh *= r                                        # dh = dL/dh_pre
         tx = r.reshape(-1)[:(r1 - r0) * C].reshape(r1 - r0, C)
@@ -389,8 +489,9 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
         dx[r0:r1] += tx
 
     _split_batch(rows, N)
-    _mm_acc(dw_proj, h_act.T, dout, S.reshape(-1)[:F * C].reshape(F, C))
-    _mm_acc(dw_fc, x.T, DH, R.reshape(-1)[:C * F].reshape(C, F))
+    (_, TW) = _carve(work, (N, F), (F, C))             # weight-grad tmp: over s and r, not dh
+    _mm_acc(dw_proj, h_act.T, dout, TW)
+    _mm_acc(dw_fc, x.T, DH, TW.reshape(C, F))
 
 
 # ---------------------------------------------------------------------- residual
