@@ -114,14 +114,13 @@ def _ranges(B: int) -> list[tuple[int, int]]:
 
 def run_parallel(fn, n: int) -> None:
     """Call fn(0), ..., fn(n - 1) at once, fn(i) on pool thread i (the caller takes fn(0)),
-    n <= n_threads(); each runs its ops inline, with BLAS single-threaded meanwhile."""
-    if n < 2 or getattr(_LOCAL, "inline", False):
+    each running its ops inline, with BLAS single-threaded meanwhile. More calls than pool
+    threads (or a call from inside a parallel call) run in turn on this thread."""
+    if n < 2 or getattr(_LOCAL, "inline", False) or n > _pool()[1]:
         for i in range(n):
             fn(i)
         return
     _, size, workers, ctl = _pool()
-    if n > size:
-        raise ValueError(f"run_parallel: {n} calls for a pool of {size} threads")
     saved = [c.num_threads for c in ctl]
     for c in ctl:
         c.set_num_threads(1)
