@@ -132,7 +132,7 @@ def _attn_case(be, prec, B, T, H, D, seed):
     lse = cp.full(B * H * T, np.nan, np.float32)
     be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H)
     ry = np.zeros((B, T, C))
-    att = np.zeros((B, H, T, T))
+    att = np.zeros(ops.att_shape(B, H, T))
     mask = np.triu(np.full((T, T), -np.inf), k=1)
     work = np.zeros(ops.work_elems(B, T, C, H, 1))
     ops.attn_forward(ry, att, qkv64.reshape(B, T, 3 * C), mask, H, work)

@@ -85,7 +85,7 @@ def test_every_backward_op_adds_into_its_gradients():
     mean, rstd = np.zeros(N), np.zeros(N)
     ops.layernorm_forward(np.zeros((N, C)), mean, rstd, x, g, b)
     qkv = _rand(rng, Bb, T, 3 * C)
-    att = np.zeros((Bb, H, T, T))
+    att = np.zeros(ops.att_shape(Bb, H, T))
     mask = np.triu(np.full((T, T), -np.inf), 1)
     ops.attn_forward(np.zeros((Bb, T, C)), att, qkv, mask, H, work)
     w_fc, w_proj = _rand(rng, C, 4 * C), _rand(rng, 4 * C, C)

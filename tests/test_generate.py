@@ -44,7 +44,7 @@ def full_forward(mc: ModelConfig, flat: np.ndarray, ids: np.ndarray) -> np.ndarr
     x = x.reshape(T, C)
     h, mean, rstd = np.zeros((T, C), f), np.zeros(T, f), np.zeros(T, f)
     qkv, y, br = np.zeros((T, 3 * C), f), np.zeros((T, C), f), np.zeros((T, C), f)
-    att = np.zeros((1, H, T, T), f)
+    att = np.zeros(ops.att_shape(1, H, T), f)
     mask = np.triu(np.full((T, T), -np.inf, f), k=1)
     hp, ha = np.zeros((T, 4 * C), f), np.zeros((T, 4 * C), f)
     for l in range(mc.n_layer):

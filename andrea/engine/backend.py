@@ -45,7 +45,7 @@ class NumpyBackend:
 
     @staticmethod
     def att_shape(B: int, H: int, T: int) -> tuple[int, ...]:
-        return (B, H, T, T)
+        return ops_numpy.att_shape(B, H, T)
 
     @staticmethod
     def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:

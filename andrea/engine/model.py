@@ -131,7 +131,7 @@ def activation_plan(mc: ModelConfig, batch_size: int, work_elems: int | list[int
     """Every non-parameter buffer one training step needs, for microbatch (B, T=context).
 
     ``att_shape`` is what attn_forward saves per layer for its backward: the softmax
-    probabilities (B, H, T, T) on the NumPy backend; a fused backend saves less (e.g. the
+    probabilities, key-major (B, T, H, T), on the NumPy backend; a fused backend saves less (e.g. the
     row log-sum-exp (B, H, T)) and passes its own shape. ``work_elems`` comes from the
     backend's ops (``ops.work_elems``): one scratch size, or one per batch slice when the
     step runs its slices on S threads at once (``Engine``); then each slice after the first
@@ -140,7 +140,7 @@ def activation_plan(mc: ModelConfig, batch_size: int, work_elems: int | list[int
     """
     B, T, C, H, V, L = batch_size, mc.context, mc.d_model, mc.n_head, mc.vocab_size, mc.n_layer
     N = B * T
-    att_shape = tuple(att_shape) if att_shape is not None else (B, H, T, T)
+    att_shape = tuple(att_shape) if att_shape is not None else (B, T, H, T)
     works = [int(work_elems)] if isinstance(work_elems, int) else [int(n) for n in work_elems]
     return [
         Buffer("idx", (B, T), "index", "int32"),
