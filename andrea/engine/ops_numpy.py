@@ -541,6 +541,7 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
         _mm(logits, x, wte.T)
         return
     (ROWSUM,) = _carve(work, (N,))
+    ones = _ones(V, logits.dtype)
 
     def part(r0: int, r1: int) -> None:                # rows are independent
         lg, pr, ls, rowsum = logits[r0:r1], probs[r0:r1], losses[r0:r1], ROWSUM[r0:r1]
@@ -548,7 +549,7 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
         np.max(lg, axis=1, out=ls)                     # losses holds the row max for now
         np.subtract(lg, ls[:, None], out=pr)
         np.exp(pr, out=pr)
-        np.sum(pr, axis=1, out=rowsum)
+        np.matmul(pr, ones, out=rowsum)                # row sums as one gemv (0.68 -> 0.22 ms at tiny)
         np.reciprocal(rowsum, out=rowsum)              # one divide per row, a multiply per entry
         pr *= rowsum[:, None]
         np.log(rowsum, out=rowsum)
