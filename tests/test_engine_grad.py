@@ -179,3 +179,34 @@ def test_batch_slices_give_the_one_slice_loss_logits_and_gradients(monkeypatch, 
         np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-14, err_msg=what)
         assert np.array_equal(g, a), f"{what}: two runs with the same slices differ"
     assert np.abs(ref[2]).max() > 1e-3, "vacuous: no gradient"
+
+
+def test_two_threads_stepping_two_engines_at_once_get_their_own_results():
+    """The pool serves one caller at a time; a second thread's engine runs its slices in
+    turn on its own thread instead of waiting or mixing tasks: same results as alone."""
+    import threading
+
+    def make(seed):
+        eng, x, y = _engine64(seed)
+        return eng, x, y
+
+    def grads(eng, x, y, out, key):
+        for _ in range(3):
+            eng.zero_grads()
+            loss = eng.forward(x, y)
+            eng.backward(1.0 / eng.N)
+        out[key] = (loss, eng.g.copy())
+
+    alone, both = {}, {}
+    for seed in (0, 1):
+        grads(*make(seed), alone, seed)
+    pairs = [make(seed) for seed in (0, 1)]
+    threads = [threading.Thread(target=grads, args=(*pairs[s], both, s)) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    for s in (0, 1):
+        assert both[s][0] == pytest.approx(alone[s][0], rel=1e-12)
+        np.testing.assert_allclose(both[s][1], alone[s][1], rtol=1e-10, atol=1e-14)

@@ -49,6 +49,7 @@ LN_EPS = 1e-5
 _POOL: tuple | None = None          # (pid, n_threads, workers, BLAS controllers)
 _MAX_THREADS = 64                   # scratch for per-thread partial sums is sized for this many
 _LOCAL = threading.local()          # .inline: this thread is running one range of a parallel call
+_POOL_LOCK = threading.Lock()       # one caller at a time hands work to the pool
 
 
 class _Worker:
@@ -115,11 +116,20 @@ def _ranges(B: int) -> list[tuple[int, int]]:
 def run_parallel(fn, n: int) -> None:
     """Call fn(0), ..., fn(n - 1) at once, fn(i) on pool thread i (the caller takes fn(0)),
     each running its ops inline, with BLAS single-threaded meanwhile. More calls than pool
-    threads (or a call from inside a parallel call) run in turn on this thread."""
-    if n < 2 or getattr(_LOCAL, "inline", False) or n > _pool()[1]:
+    threads, a call from inside a parallel call, or a call while another thread holds the
+    pool run in turn on this thread (same bits: each call's work does not depend on where
+    it runs)."""
+    if n < 2 or getattr(_LOCAL, "inline", False) or n > _pool()[1] or not _POOL_LOCK.acquire(blocking=False):
         for i in range(n):
             fn(i)
         return
+    try:
+        _run_on_pool(fn, n)
+    finally:
+        _POOL_LOCK.release()
+
+
+def _run_on_pool(fn, n: int) -> None:
     _, size, workers, ctl = _pool()
     saved = [c.num_threads for c in ctl]
     for c in ctl:
