@@ -233,6 +233,11 @@ class Trainer:
         self.engine.load_state(w, m, v)
         return state, step
 
+    def _slices(self) -> int:
+        """Batch slices per step (the NumPy engine: one per pool thread; a device engine: 1).
+        The bits of a step depend on it, so the run state records it."""
+        return len(getattr(self.engine, "slices", (None,)))
+
     def restore(self) -> str:
         """Fresh start, resume, or (main) start from the warmup run. Returns what happened."""
         from andrea.curriculum import make_curriculum
@@ -255,6 +260,13 @@ class Trainer:
             self.hist.load(self.paths)
             self.hist.truncate(step)
             self.hist.events.append({"step": step, "kind": "resume", "detail": f"resumed from {self.paths['bin']}"})
+            was = state.get("batch_slices", self._slices())
+            if was != self._slices():
+                note = (f"the run so far split each batch over {was} CPU thread(s), this process over "
+                        f"{self._slices()}: the continuation is sound but not bit-identical to a straight run "
+                        f"(set OPENBLAS_NUM_THREADS={was} for that)")
+                self.console.print(f"note: {note}")
+                self.hist.events.append({"step": step, "kind": "threads", "detail": note})
             return f"resuming {self.phase} at step {step}"
         if self.phase == "main":
             if self._init is None:
@@ -322,6 +334,7 @@ class Trainer:
             "hooks": {h.name: h.state() for h in self.hooks if h.state},
             "bad_steps": dict(self.bad), "halt": self.halt,
             "backend": self.engine.be.name, "precision": self.tcfg["precision"],
+            "batch_slices": self._slices(),
             "saved_because": why, "time": time.time(), "config": self.cfg,
         }
         atomic_write_json(self.paths["state"], state)

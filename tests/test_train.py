@@ -234,3 +234,24 @@ def test_grad_accumulation_in_the_loop(data, tmp_path):
     assert drawn == [s for s in range(6) for _ in range(3)]
     loss = json.loads((tmp_path / "w" / "model.loss.json").read_text())
     assert [r["step"] for r in loss["train"]] == list(range(6))
+
+
+def test_resume_with_another_thread_count_says_the_bits_will_differ(data, tmp_path, monkeypatch):
+    """The state records how many batch slices (CPU threads) the steps used; a resume with
+    another count goes on, and says it is no longer bit-identical to a straight run."""
+    import io
+
+    from andrea.engine.backend import NumpyBackend
+
+    cfg, out = micro_cfg(4, 8), tmp_path / "w"
+    monkeypatch.setattr(NumpyBackend, "row_slots", staticmethod(lambda B: [(0, B)]))
+    assert _trainer(cfg, "warmup", data, out).run() == 0
+    assert json.loads((out / "model.state.json").read_text())["batch_slices"] == 1
+    tok, tokens = data
+    for slots, noted in (([(0, 4)], False), ([(0, 2), (2, 4)], True)):
+        monkeypatch.setattr(NumpyBackend, "row_slots", staticmethod(lambda B, s=slots: list(s)))
+        text = io.StringIO()
+        tr = Trainer(cfg, "warmup", tok, tokens, out, console=Console(file=text, width=400))
+        tr.run()
+        assert ("not bit-identical" in text.getvalue()) == noted, text.getvalue()
+        assert any(e["kind"] == "threads" for e in tr.hist.events) == noted

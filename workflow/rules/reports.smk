@@ -37,6 +37,7 @@ rule eval_model:
         "../envs/andrea.yaml"
     log:
         "logs/eval_model/{variant}.log",
+    threads: workflow.cores
     params:
         cfg=lambda w: section_hash(w.variant, "eval", "model", "train"),
     shell:

@@ -1,5 +1,7 @@
 # Training: curriculum warmup, then the main run from the warmup checkpoint. A run folder left by
 # other params is moved aside (<out>.stale-<hash>) and training starts over; the same params resume.
+# Training takes every core Snakemake was given (--cores): the NumPy engine splits each batch over
+# that many threads (Snakemake passes the count as OPENBLAS_NUM_THREADS / OMP_NUM_THREADS).
 
 
 rule train_warmup:
@@ -12,6 +14,7 @@ rule train_warmup:
         "../envs/andrea.yaml"
     log:
         "logs/train_warmup/{variant}.log",
+    threads: workflow.cores
     params:
         cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "coherence", "seed"),
     shell:
@@ -30,6 +33,7 @@ rule train_main:
         "../envs/andrea.yaml"
     log:
         "logs/train_main/{variant}.log",
+    threads: workflow.cores
     params:
         cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "coherence", "seed"),
     shell:
