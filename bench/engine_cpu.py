@@ -3,7 +3,7 @@ same thread count, same run: tokens/s of full training steps (forward, backward,
 AdamW) and peak RSS, each side in its own child process so RSS is its own.
 
     python bench/engine_cpu.py                      # tiny profile shapes, 2 threads
-    python bench/engine_cpu.py --threads 1 --steps 20 --repeats 3 --profile tiny
+    python bench/engine_cpu.py --threads 1 --steps 20 --repeats 5 --profile tiny
 
 The anchor is andrea.engine.oracle_torch.TorchGPT (F.scaled_dot_product_attention,
 F.layer_norm, autograd, torch.optim.AdamW foreach) in eager mode, float32. The engine
@@ -97,7 +97,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--engine", choices=["numpy", "torch"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.engine:
