@@ -17,6 +17,11 @@ Step (``train_step``): zero_grads -> for each microbatch: forward + backward(dlo
 -> grad_scale(1/n_micro) -> grad_norm -> skip the update if the loss or the norm is not
 finite -> clip to ``grad_clip`` by grad_scale -> AdamW. Nothing is allocated in it beyond
 Python scalars and O(N)-element reduction temporaries (tests/test_engine_alloc.py).
+
+Threads: the forward and the backward run once per batch slice (``backend.row_slots``: one
+per CPU thread on NumPy, one on a device), all slices at once (``backend.run_parallel``);
+every op in a slice sees only its rows. Slices after the first add their parameter
+gradients into their own buffer, summed into ``g`` in slice order after the backward.
 """
 
 from __future__ import annotations
