@@ -293,6 +293,68 @@ __device__ __forceinline__ void load_afrag(const u16* __restrict__ src, long lon
     }
 }
 
+template <int N>
+__device__ __forceinline__ void zero_frags(float (*c)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+}
+
+// c[j] = A (16 rows, KS k16 slices) x X[8j .. 8j+7]^T for the 8 n8 column tiles of a 64-row
+// shared tile X: one row of scores (or of dP) per 64 keys / queries.
+template <bool BF, int D>
+__device__ __forceinline__ void tile_products(float (&c)[8][4], const unsigned (*a)[4], const u16 (*X)[D + ATT_PAD],
+                                              int g, int t4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned b0 = *reinterpret_cast<const unsigned*>(&X[j * 8 + g][kk * 16 + 2 * t4]);
+            const unsigned b1 = *reinterpret_cast<const unsigned*>(&X[j * 8 + g][kk * 16 + 8 + 2 * t4]);
+            mma16816<BF>(c[j], a[kk], b0, b1);
+        }
+    }
+}
+
+// The A fragment of k16 slice kk made of C tiles 2kk and 2kk+1, rounded to the storage type.
+template <bool BF>
+__device__ __forceinline__ void c_to_afrag(const float (&c)[8][4], int kk, unsigned (&a)[4]) {
+    a[0] = pack2<BF>(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = pack2<BF>(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = pack2<BF>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = pack2<BF>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// Two neighbouring outputs (a, b) * scale added to (accumulate) or written over *p.
+template <bool BF>
+__device__ __forceinline__ void store_pair(u16* p, float a, float b, float scale, int accumulate) {
+    unsigned* q = reinterpret_cast<unsigned*>(p);
+    const unsigned old = accumulate ? *q : 0u;
+    *q = pack2<BF>(lo_f<BF>(old) + a * scale, hi_f<BF>(old) + b * scale);
+}
+
+// Start the copy of key/value tile kt (rows kt*64 ..) into buffer kt & 1.
+template <int D>
+__device__ __forceinline__ void issue_kv(const u16* k, const u16* v, long long rb, int kt, int Tn, int ld,
+                                         u16 (*Ks2)[64][D + ATT_PAD], u16 (*Vs2)[64][D + ATT_PAD]) {
+    async_tile<D>(k, rb, kt * 64, Tn, ld, Ks2[kt & 1]);
+    async_tile<D>(v, rb, kt * 64, Tn, ld, Vs2[kt & 1]);
+    cp_async_commit();
+}
+
+// Before tile kt is used: put tile kt+1 in flight (if any) and wait for tile kt.
+template <int D>
+__device__ __forceinline__ void next_kv(const u16* k, const u16* v, long long rb, int kt, int nkt, int Tn, int ld,
+                                        u16 (*Ks2)[64][D + ATT_PAD], u16 (*Vs2)[64][D + ATT_PAD]) {
+    if (kt + 1 < nkt) {
+        issue_kv<D>(k, v, rb, kt + 1, Tn, ld, Ks2, Vs2);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+}
+
 
 template <bool BF, int D>
 __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -305,40 +367,20 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
     const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
-    async_tile<D>(k + h * D, rb, 0, Tn, ld, Ks2[0]);
-    async_tile<D>(v + h * D, rb, 0, Tn, ld, Vs2[0]);
-    cp_async_commit();
+    issue_kv<D>(k + h * D, v + h * D, rb, 0, Tn, ld, Ks2, Vs2);
     unsigned qa[KS][4];
     load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
     float o[ND][4];
-#pragma unroll
-    for (int n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    zero_frags<ND>(o);
     float m0 = -ANDREA_INF, m1 = -ANDREA_INF, l0 = 0.0f, l1 = 0.0f;
     const int last = min(Tn, qt * 64 + 64) - 1;
     const int nkt = last / 64 + 1;
     for (int kt = 0; kt < nkt; ++kt) {
-        if (kt + 1 < nkt) {
-            async_tile<D>(k + h * D, rb, (kt + 1) * 64, Tn, ld, Ks2[(kt + 1) & 1]);
-            async_tile<D>(v + h * D, rb, (kt + 1) * 64, Tn, ld, Vs2[(kt + 1) & 1]);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        next_kv<D>(k + h * D, v + h * D, rb, kt, nkt, Tn, ld, Ks2, Vs2);
         u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
         u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
         float s[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 8 + 2 * t4]);
-                mma16816<BF>(s[j], qa[kk], b0, b1);
-            }
-        }
+        tile_products<BF, D>(s, qa, Ks, g, t4);
         float mx0 = -ANDREA_INF, mx1 = -ANDREA_INF;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -374,10 +416,7 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             unsigned pa[4];
-            pa[0] = pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            c_to_afrag<BF>(s, kk, pa);
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 unsigned b0, b1;
@@ -416,9 +455,7 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
     const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
-    async_tile<D>(k + h * D, rb, 0, Tn, ld, Ks2[0]);
-    async_tile<D>(v + h * D, rb, 0, Tn, ld, Vs2[0]);
-    cp_async_commit();
+    issue_kv<D>(k + h * D, v + h * D, rb, 0, Tn, ld, Ks2, Vs2);
     unsigned qa[KS][4], da[KS][4];
     load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
     load_afrag<D>(dy + h * D, rb, r0, r1, Tn, ldy, t4, da);
@@ -427,36 +464,18 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
     const float E0 = r0 < Tn ? dvec[(long long)bh * Tn + r0] : 0.0f;
     const float E1 = r1 < Tn ? dvec[(long long)bh * Tn + r1] : 0.0f;
     float acc[ND][4];
-#pragma unroll
-    for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    zero_frags<ND>(acc);
     const int last = min(Tn, qt * 64 + 64) - 1;
     const int nkt = last / 64 + 1;
     for (int kt = 0; kt < nkt; ++kt) {
-        if (kt + 1 < nkt) {
-            async_tile<D>(k + h * D, rb, (kt + 1) * 64, Tn, ld, Ks2[(kt + 1) & 1]);
-            async_tile<D>(v + h * D, rb, (kt + 1) * 64, Tn, ld, Vs2[(kt + 1) & 1]);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        next_kv<D>(k + h * D, v + h * D, rb, kt, nkt, Tn, ld, Ks2, Vs2);
         u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
         u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
         float s[8][4], dp[8][4];
+        tile_products<BF, D>(s, qa, Ks, g, t4);
+        tile_products<BF, D>(dp, da, Vs, g, t4);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Ks[j * 8 + g][kk * 16 + 8 + 2 * t4]);
-                mma16816<BF>(s[j], qa[kk], b0, b1);
-                const unsigned c0 = *reinterpret_cast<const unsigned*>(&Vs[j * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned c1 = *reinterpret_cast<const unsigned*>(&Vs[j * 8 + g][kk * 16 + 8 + 2 * t4]);
-                mma16816<BF>(dp[j], da[kk], c0, c1);
-            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = kt * 64 + j * 8 + 2 * t4 + (e & 1);
@@ -468,10 +487,7 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             unsigned pa[4];
-            pa[0] = pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            c_to_afrag<BF>(s, kk, pa);
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 unsigned b0, b1;
@@ -484,16 +500,8 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
 #pragma unroll
     for (int n = 0; n < ND; ++n) {
         const int c = h * D + n * 8 + 2 * t4;
-        if (r0 < Tn) {
-            unsigned* p = reinterpret_cast<unsigned*>(dq + (rb + r0) * ld + c);
-            const unsigned old = accumulate ? *p : 0u;
-            *p = pack2<BF>(lo_f<BF>(old) + acc[n][0] * scale, hi_f<BF>(old) + acc[n][1] * scale);
-        }
-        if (r1 < Tn) {
-            unsigned* p = reinterpret_cast<unsigned*>(dq + (rb + r1) * ld + c);
-            const unsigned old = accumulate ? *p : 0u;
-            *p = pack2<BF>(lo_f<BF>(old) + acc[n][2] * scale, hi_f<BF>(old) + acc[n][3] * scale);
-        }
+        if (r0 < Tn) store_pair<BF>(dq + (rb + r0) * ld + c, acc[n][0], acc[n][1], scale, accumulate);
+        if (r1 < Tn) store_pair<BF>(dq + (rb + r1) * ld + c, acc[n][2], acc[n][3], scale, accumulate);
     }
 }
 
@@ -515,11 +523,8 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     load_afrag<D>(k + h * D, rb, k0, k1, Tn, ld, t4, ka);
     load_afrag<D>(v + h * D, rb, k0, k1, Tn, ld, t4, va);
     float dka[ND][4], dva[ND][4];
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.0f;
-        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
-    }
+    zero_frags<ND>(dka);
+    zero_frags<ND>(dva);
     const int ntiles = (Tn + 63) / 64;
     auto issue = [&](int qt) {
         const int bf = qt & 1;
@@ -546,19 +551,10 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
         const float* Ls = Ls2[qt & 1];
         const float* Es = Es2[qt & 1];
         float s[8][4], dp[8][4];
+        tile_products<BF, D>(s, ka, Qs, g, t4);
+        tile_products<BF, D>(dp, va, Os, g, t4);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(&Qs[j * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(&Qs[j * 8 + g][kk * 16 + 8 + 2 * t4]);
-                mma16816<BF>(s[j], ka[kk], b0, b1);
-                const unsigned c0 = *reinterpret_cast<const unsigned*>(&Os[j * 8 + g][kk * 16 + 2 * t4]);
-                const unsigned c1 = *reinterpret_cast<const unsigned*>(&Os[j * 8 + g][kk * 16 + 8 + 2 * t4]);
-                mma16816<BF>(dp[j], va[kk], c0, c1);
-            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int ql = j * 8 + 2 * t4 + (e & 1);
@@ -572,14 +568,8 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             unsigned pa[4], sa[4];
-            pa[0] = pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            sa[0] = pack2<BF>(dp[2 * kk][0], dp[2 * kk][1]);
-            sa[1] = pack2<BF>(dp[2 * kk][2], dp[2 * kk][3]);
-            sa[2] = pack2<BF>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            sa[3] = pack2<BF>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            c_to_afrag<BF>(s, kk, pa);
+            c_to_afrag<BF>(dp, kk, sa);
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 unsigned b0, b1, c0, c1;
@@ -595,18 +585,12 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     for (int n = 0; n < ND; ++n) {
         const int c = h * D + n * 8 + 2 * t4;
         if (k0 < Tn) {
-            unsigned* pk = reinterpret_cast<unsigned*>(dk + (rb + k0) * ld + c);
-            unsigned* pv = reinterpret_cast<unsigned*>(dv + (rb + k0) * ld + c);
-            const unsigned ok = accumulate ? *pk : 0u, ov = accumulate ? *pv : 0u;
-            *pk = pack2<BF>(lo_f<BF>(ok) + dka[n][0] * scale, hi_f<BF>(ok) + dka[n][1] * scale);
-            *pv = pack2<BF>(lo_f<BF>(ov) + dva[n][0], hi_f<BF>(ov) + dva[n][1]);
+            store_pair<BF>(dk + (rb + k0) * ld + c, dka[n][0], dka[n][1], scale, accumulate);
+            store_pair<BF>(dv + (rb + k0) * ld + c, dva[n][0], dva[n][1], 1.0f, accumulate);
         }
         if (k1 < Tn) {
-            unsigned* pk = reinterpret_cast<unsigned*>(dk + (rb + k1) * ld + c);
-            unsigned* pv = reinterpret_cast<unsigned*>(dv + (rb + k1) * ld + c);
-            const unsigned ok = accumulate ? *pk : 0u, ov = accumulate ? *pv : 0u;
-            *pk = pack2<BF>(lo_f<BF>(ok) + dka[n][2] * scale, hi_f<BF>(ok) + dka[n][3] * scale);
-            *pv = pack2<BF>(lo_f<BF>(ov) + dva[n][2], hi_f<BF>(ov) + dva[n][3]);
+            store_pair<BF>(dk + (rb + k1) * ld + c, dka[n][2], dka[n][3], scale, accumulate);
+            store_pair<BF>(dv + (rb + k1) * ld + c, dva[n][2], dva[n][3], 1.0f, accumulate);
         }
     }
 }
