@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from andrea.cuda.loader import cupy_or_none, kernel
-from andrea.engine.engine import Engine, Hyper, StepResult
+from andrea.engine.engine import Engine, Hyper, StepResult, init_params
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
 
@@ -202,38 +202,33 @@ def _vec8(n: int, *arrays) -> bool:
     return n % 8 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
 
 
-def k_gelu_fwd(prec, y, x, n):
-    if _vec8(n, x, y):
-        kernel("elementwise.cu", f"k_gelu_fwd8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,), (x, y, np.int64(n // 8)))
+def _ew(name: str, prec: str, n: int, *arrays) -> None:
+    """Launch elementwise.cu's k_<name>_<t> over n elements, arrays in kernel order; its 8-wide
+    twin k_<name>8_<t> where n and every buffer allow it."""
+    if _vec8(n, *arrays):
+        kernel("elementwise.cu", f"k_{name}8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,), (*arrays, np.int64(n // 8)))
     else:
-        kernel("elementwise.cu", f"k_gelu_fwd_{_SUFFIX[prec]}")((_blocks(n),), (256,), (x, y, np.int64(n)))
+        kernel("elementwise.cu", f"k_{name}_{_SUFFIX[prec]}")((_blocks(n),), (256,), (*arrays, np.int64(n)))
+
+
+def k_gelu_fwd(prec, y, x, n):
+    _ew("gelu_fwd", prec, n, x, y)
 
 
 def k_gelu_bwd(prec, dx, dy, x, n):
-    if _vec8(n, x, dy, dx):
-        kernel("elementwise.cu", f"k_gelu_bwd8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,),
-                                                                 (x, dy, dx, np.int64(n // 8)))
-    else:
-        kernel("elementwise.cu", f"k_gelu_bwd_{_SUFFIX[prec]}")((_blocks(n),), (256,), (x, dy, dx, np.int64(n)))
+    _ew("gelu_bwd", prec, n, x, dy, dx)
 
 
 def k_residual_add(prec, out, a, b, n):
-    if _vec8(n, out, a, b):
-        kernel("elementwise.cu", f"k_residual_add8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,),
-                                                                     (a, b, out, np.int64(n // 8)))
-    else:
-        kernel("elementwise.cu", f"k_residual_add_{_SUFFIX[prec]}")((_blocks(n),), (256,), (a, b, out, np.int64(n)))
+    _ew("residual_add", prec, n, a, b, out)
+
+
+def k_cast(prec, dst, src, n):
+    _ew("cast", prec, n, src, dst)
 
 
 def k_accumulate(da, dout, n):
     kernel("elementwise.cu", "k_residual_add_bwd")((_blocks(n),), (256,), (dout, da, np.int64(n)))
-
-
-def k_cast(prec, dst, src, n):
-    if _vec8(n, dst, src):
-        kernel("elementwise.cu", f"k_cast8_{_SUFFIX[prec]}")((_blocks(n // 8),), (256,), (src, dst, np.int64(n // 8)))
-    else:
-        kernel("elementwise.cu", f"k_cast_{_SUFFIX[prec]}")((_blocks(n),), (256,), (src, dst, np.int64(n)))
 
 
 def k_scale(g, n, s):
@@ -663,19 +658,8 @@ class GpuEngine:
             k_cast(self.prec, self.a["wlow"], self.a["w"], self.n_params)
 
     def init_weights(self, seed: int) -> None:
-        """The same weights as Engine.init_weights(seed) (drawn on the host in float32)."""
-        rng = np.random.Generator(np.random.PCG64(seed))
-        host = np.zeros(self.n_params, dtype=np.float32)
-        resid_std = 0.02 / math.sqrt(2 * self.mc.n_layer)
-        for t in self.layout.tensors:
-            view = host[t.offset:t.offset + t.size]
-            if t.name.endswith(".g"):
-                view.fill(1.0)
-            elif t.name.endswith(".b"):
-                view.fill(0.0)
-            else:
-                rng.standard_normal(dtype=np.float32, out=view)
-                view *= np.float32(resid_std if t.name.endswith(("w_o", "w_proj")) else 0.02)
+        """The same weights as Engine.init_weights(seed) (``init_params``, drawn on the host)."""
+        host = init_params(self.mc, seed)
         self.load_state(host, np.zeros_like(host), np.zeros_like(host))
 
     def load_state(self, w: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:

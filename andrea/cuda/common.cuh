@@ -42,25 +42,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024); every thread gets
-// the result. `buf` holds 32 floats of shared memory. Fixed order: warps, then warp 0.
-__device__ __forceinline__ float block_sum(float v, float* buf) {
+// Sum (or max) over a block of blockDim.x threads (a multiple of 32, at most 1024); every
+// thread gets the result. `buf` holds 32 floats of shared memory. Fixed order: warps, then warp 0.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* buf) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) buf[wid] = v;
     __syncthreads();
-    float r = (lane < nw) ? buf[lane] : 0.0f;
-    r = warp_sum(r);
-    return r;
+    const float r = (lane < nw) ? buf[lane] : (MAX ? -ANDREA_INF : 0.0f);
+    return MAX ? warp_max(r) : warp_sum(r);
 }
-__device__ __forceinline__ float block_max(float v, float* buf) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) buf[wid] = v;
-    __syncthreads();
-    float r = (lane < nw) ? buf[lane] : -ANDREA_INF;
-    r = warp_max(r);
-    return r;
-}
+__device__ __forceinline__ float block_sum(float v, float* buf) { return block_reduce<false>(v, buf); }
+__device__ __forceinline__ float block_max(float v, float* buf) { return block_reduce<true>(v, buf); }

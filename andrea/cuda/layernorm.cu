@@ -224,23 +224,17 @@ __device__ void layernorm_bwd4(const float* __restrict__ x, const float* __restr
     }
     // partials of this chunk: warps in order, through shared memory (dw first, then db)
 #pragma unroll
-    for (int k = 0; k < V; ++k) store4(&red[warp][4 * (k * 32 + lane)], pw[k]);
-    __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float t = 0.0f;
+    for (int which = 0; which < 2; ++which) {
+        if (which) __syncthreads();                     // every thread has read the dw partials
 #pragma unroll
-        for (int q = 0; q < 8; ++q) t += red[q][c];
-        part[((long long)blockIdx.x * 2) * C + c] = t;
-    }
-    __syncthreads();
+        for (int k = 0; k < V; ++k) store4(&red[warp][4 * (k * 32 + lane)], which ? pb[k] : pw[k]);
+        __syncthreads();
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float t = 0.0f;
 #pragma unroll
-    for (int k = 0; k < V; ++k) store4(&red[warp][4 * (k * 32 + lane)], pb[k]);
-    __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float t = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 8; ++q) t += red[q][c];
-        part[((long long)blockIdx.x * 2 + 1) * C + c] = t;
+            for (int q = 0; q < 8; ++q) t += red[q][c];
+            part[((long long)blockIdx.x * 2 + which) * C + c] = t;
+        }
     }
 }
 
