@@ -115,7 +115,7 @@ def _column_pylist(col: pa.Array, binary_type: pa.DataType) -> list:
     try:
         col = col.cast(binary_type)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        pass
+        pass                    # no binary view of this type (e.g. a nested column): read it as it is
     try:
         return col.to_pylist()
     except (UnicodeDecodeError, pa.ArrowException):

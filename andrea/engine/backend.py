@@ -53,7 +53,7 @@ class NumpyBackend:
 
     @staticmethod
     def row_slots(B: int) -> list[tuple[int, int]]:
-        return ops_numpy._ranges(B)
+        return ops_numpy.row_ranges(B)
 
     @staticmethod
     def run_parallel(fn, n: int) -> None:

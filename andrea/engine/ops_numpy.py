@@ -107,7 +107,7 @@ def n_threads() -> int:
     return 1 if getattr(_LOCAL, "inline", False) else _pool()[1]
 
 
-def _ranges(B: int) -> list[tuple[int, int]]:
+def row_ranges(B: int) -> list[tuple[int, int]]:
     """The fixed contiguous ranges covering [0, B) that ``_split_batch`` hands out."""
     n = max(1, min(n_threads(), B))
     return [(B * i // n, B * (i + 1) // n) for i in range(n)]
@@ -150,9 +150,9 @@ def _run_on_pool(fn, n: int) -> None:
 
 
 def _split_batch(fn, B: int) -> None:
-    """Call fn(b0, b1) on the ranges of ``_ranges(B)``, one per pool thread (the caller takes
+    """Call fn(b0, b1) on the ranges of ``row_ranges(B)``, one per pool thread (the caller takes
     the first); inside a parallel call, fn(0, B) on this thread."""
-    ranges = _ranges(B)
+    ranges = row_ranges(B)
     if len(ranges) == 1:
         fn(0, B)
         return
@@ -263,7 +263,7 @@ def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.
     (row means): dx = rstd * (dxhat - a - xhat * c).
     """
     N, C = x.shape
-    ranges = _ranges(N)
+    ranges = row_ranges(N)
     XHAT, TMP, A, CC, PART = _carve(work, (N, C), (N, C), (N,), (N,), (len(ranges), 2, C))
     ones = _ones(max(N, C), x.dtype)
     slot = {r0: i for i, (r0, _) in enumerate(ranges)}
