@@ -36,6 +36,21 @@ __device__ void attn_dvec(const T* __restrict__ y, const T* __restrict__ dy, int
 
 // ---------------------------------------------------------------------------------------------
 // SIMT versions: a block of TILE threads; thread = one query row (fwd, dq) or one key row (dkv).
+// Rows r0 .. r0+TILE-1 of two (B*T, ld) head views into shared fp32 tiles (rows >= Tn are 0),
+// between two barriers so no thread still reads the previous tiles.
+template <typename T, int D, int TILE>
+__device__ __forceinline__ void simt_tiles(float (*As)[D], const T* __restrict__ a, int lda, float (*Bs)[D],
+                                           const T* __restrict__ b, int ldb, long long base, int r0, int Tn,
+                                           int h) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < TILE * D; idx += TILE) {
+        const int r = idx / D, d = idx % D, row = r0 + r;
+        As[r][d] = row < Tn ? to_f(a[(base + row) * lda + h * D + d]) : 0.0f;
+        Bs[r][d] = row < Tn ? to_f(b[(base + row) * ldb + h * D + d]) : 0.0f;
+    }
+    __syncthreads();
+}
+
 template <typename T, int D, int TILE>
 __device__ void attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, int ld,
                               T* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H, float sl2) {
@@ -54,14 +69,7 @@ __device__ void attn_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, 
     }
     const int last = min(Tn, (int)(blockIdx.x + 1) * TILE) - 1;
     for (int kt = 0; kt * TILE <= last; ++kt) {
-        __syncthreads();
-        for (int idx = tid; idx < TILE * D; idx += TILE) {
-            const int r = idx / D, d = idx % D;
-            const int key = kt * TILE + r;
-            Ks[r][d] = key < Tn ? to_f(k[(base + key) * ld + h * D + d]) : 0.0f;
-            Vs[r][d] = key < Tn ? to_f(v[(base + key) * ld + h * D + d]) : 0.0f;
-        }
-        __syncthreads();
+        simt_tiles<T, D, TILE>(Ks, k, ld, Vs, v, ld, base, kt * TILE, Tn, h);
         if (qi < Tn) {
             const int jmax = min(TILE, qi - kt * TILE + 1);
             for (int j = 0; j < jmax; ++j) {
@@ -112,14 +120,7 @@ __device__ void attn_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ 
     if (qi < Tn) { l2 = lse2[(long long)bh * Tn + qi]; di = dvec[(long long)bh * Tn + qi]; }
     const int last = min(Tn, (int)(blockIdx.x + 1) * TILE) - 1;
     for (int kt = 0; kt * TILE <= last; ++kt) {
-        __syncthreads();
-        for (int idx = tid; idx < TILE * D; idx += TILE) {
-            const int r = idx / D, d = idx % D;
-            const int key = kt * TILE + r;
-            Ks[r][d] = key < Tn ? to_f(k[(base + key) * ld + h * D + d]) : 0.0f;
-            Vs[r][d] = key < Tn ? to_f(v[(base + key) * ld + h * D + d]) : 0.0f;
-        }
-        __syncthreads();
+        simt_tiles<T, D, TILE>(Ks, k, ld, Vs, v, ld, base, kt * TILE, Tn, h);
         if (qi < Tn) {
             const int jmax = min(TILE, qi - kt * TILE + 1);
             for (int j = 0; j < jmax; ++j) {
@@ -166,17 +167,13 @@ __device__ void attn_bwd_dkv_simt(const T* __restrict__ q, const T* __restrict__
     }
     const int ntiles = (Tn + TILE - 1) / TILE;
     for (int qt = blockIdx.x; qt < ntiles; ++qt) {
-        __syncthreads();
-        for (int idx = tid; idx < TILE * D; idx += TILE) {
-            const int r = idx / D, d = idx % D;
-            const int qq = qt * TILE + r;
-            Qs[r][d] = qq < Tn ? to_f(q[(base + qq) * ld + h * D + d]) : 0.0f;
-            Ds[r][d] = qq < Tn ? to_f(dy[(base + qq) * ldy + h * D + d]) : 0.0f;
-        }
         {
             const int qq = qt * TILE + tid;
-            Ls[tid] = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
-            Es[tid] = qq < Tn ? dvec[(long long)bh * Tn + qq] : 0.0f;
+            const float lq = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
+            const float eq = qq < Tn ? dvec[(long long)bh * Tn + qq] : 0.0f;
+            simt_tiles<T, D, TILE>(Qs, q, ld, Ds, dy, ldy, base, qt * TILE, Tn, h);
+            Ls[tid] = lq;
+            Es[tid] = eq;
         }
         __syncthreads();
         if (kj < Tn) {
