@@ -101,10 +101,10 @@ def test_system_prompt_is_decided_by_structure(base_cfg, tmp_path):
 def test_missing_and_unknown_roles(base_cfg, tmp_path):
     rows = [[{"value": "no role"}, T("gpt", "answer")],
             [T("human", "q"), T("bot", "answer")],
-            [T(None, "q"), T("gpt", "answer")]]
+            [T(None, "q"), T("gpt", "answer")], GOOD[1]]       # one good row: zero kept in all is an error
     write_raw(tmp_path / "raw", "a.parquet", rows)
     report, kept = run_prep(chat_cfg(base_cfg), tmp_path / "raw", tmp_path)
-    assert kept == []
+    assert [r["text"] for r in kept] == [render_conversation(GOOD[1])]
     assert report["dropped"] == {"missing_role": 2, "unknown_role": 1}
     assert report["examples"]["missing_role"] == "raw/a.parquet:0"
     assert report["examples"]["unknown_role"] == "raw/a.parquet:1"
@@ -113,10 +113,10 @@ def test_missing_and_unknown_roles(base_cfg, tmp_path):
 def test_empty_turns_no_turns_and_bad_order(base_cfg, tmp_path):
     rows = [[T("human", ""), T("gpt", "answer")], [T("human", "q"), T("gpt", None)], [], None,
             [T("gpt", "answer first"), T("human", "q")], [T("human", "q"), T("gpt", "a"), T("system", "late")],
-            [T("system", "only a system prompt")]]
+            [T("system", "only a system prompt")], GOOD[1]]
     write_raw(tmp_path / "raw", "a.parquet", rows)
     report, kept = run_prep(chat_cfg(base_cfg), tmp_path / "raw", tmp_path)
-    assert kept == []
+    assert [r["text"] for r in kept] == [render_conversation(GOOD[1])]
     assert report["dropped"] == {"empty_turn": 2, "no_turns": 2, "bad_order": 3}
 
 

@@ -23,6 +23,17 @@ that is not a string) are skipped, counted by reason with the first file:line of
 everything that fits the schema is kept for prep-megachat to judge. Conversion streams
 in batches, so memory does not grow with the input. ``hermes3.max_rows`` (0 = all)
 caps the rows taken, in file order.
+
+Hostile input, decided per class: a line is one row, so a bad line is dropped and
+counted (``invalid_utf8``, ``invalid_json``, ``too_deeply_nested`` for JSON nested past
+the parser's depth, ``lone_surrogate`` for a role/value holding a ``\\ud800``-style escape
+that is no Unicode character, plus the shape reasons above); an integer literal of any
+length outside the turns is kept (it is never used) and one in a turn is ``wrong_type``.
+A UTF-8 byte order mark at the start of a file is ignored. A file that cannot be read
+to its end (corrupt or truncated ``.gz``, a JSON array that does not parse) stops the
+stage with an error naming the file and the line reached. Input that yields zero rows in
+all stops the stage with an error listing every file and why it gave none; one file
+of several that gives none is a warning naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
@@ -61,6 +74,7 @@ class _Converter:
         self.rows = 0
         self.skipped: Counter[str] = Counter()
         self.examples: dict[str, str] = {}
+        self.lines = 0                      # lines (or array items) read
 
     @property
     def full(self) -> bool:
@@ -88,6 +102,34 @@ class _Converter:
         self.writer.close()
 
 
+def _json_int(literal: str) -> int | Decimal:
+    """An integer literal; past Python's int-conversion digit limit a Decimal (never a str, so never a value)."""
+    try:
+        return int(literal)
+    except ValueError:
+        return Decimal(literal)
+
+
+_DECODER = json.JSONDecoder(parse_int=_json_int)
+BOM = b"\xef\xbb\xbf"
+
+
+def _loads(text: str):
+    """json.loads that accepts integers of any length; RecursionError when nested past the parser's depth."""
+    return _DECODER.decode(text)
+
+
+def _is_text(x) -> bool:
+    """None or a str that UTF-8 can hold (a lone surrogate from a ``\\ud800`` escape cannot)."""
+    if x is None:
+        return True
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _coerce(obj) -> tuple[dict | None, str | None]:
     """A JSON value as a raw row ``{"conversations": [...]}``, or (None, reason) when it cannot be one."""
     if not isinstance(obj, dict) or "conversations" not in obj:
@@ -104,6 +146,8 @@ def _coerce(obj) -> tuple[dict | None, str | None]:
         role, value = t.get("from"), t.get("value")
         if not (role is None or isinstance(role, str)) or not (value is None or isinstance(value, str)):
             return None, "wrong_type"
+        if not (_is_text(role) and _is_text(value)):
+            return None, "lone_surrogate"
         turns.append({"from": role, "value": value})
     return {"conversations": turns}, None
 
@@ -115,15 +159,23 @@ def _open_text(path: Path):
 def convert_json(src: Path, dst: Path, label: str, budget: int | None) -> _Converter:
     """JSON lines (or one JSON array) in ``src`` -> Parquet ``dst`` in the raw schema."""
     conv = _Converter(dst, budget)
+    lineno = 0
     try:
         with _open_text(src) as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096)
             f.seek(0)
-            if head.startswith(b"["):
+            if head.startswith(BOM):
+                f.read(len(BOM))
+                head = head[len(BOM):]
+            if head.lstrip().startswith(b"["):
                 try:
-                    items = json.loads(f.read().decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    items = _loads(f.read().decode("utf-8"))
+                except (UnicodeDecodeError, ValueError) as e:
                     raise AndreaError(f"{label}: not a valid JSON array: {e}") from None
+                except RecursionError:
+                    raise AndreaError(f"{label}: not a valid JSON array: nested too deeply to parse") from None
+                if not isinstance(items, list):
+                    raise AndreaError(f"{label}: not a valid JSON array: a JSON {type(items).__name__}")
                 lines = ((i, item) for i, item in enumerate(items, 1))
                 parsed = True
             else:
@@ -137,20 +189,27 @@ def convert_json(src: Path, dst: Path, label: str, budget: int | None) -> _Conve
                     if not item.strip():
                         continue
                     try:
-                        item = json.loads(item.decode("utf-8"))
+                        item = _loads(item.decode("utf-8"))
                     except UnicodeDecodeError:
                         conv.skip("invalid_utf8", where)
                         continue
-                    except json.JSONDecodeError:
+                    except ValueError:
                         conv.skip("invalid_json", where)
+                        continue
+                    except RecursionError:
+                        conv.skip("too_deeply_nested", where)
                         continue
                 row, reason = _coerce(item)
                 if row is None:
                     conv.skip(reason, where)
                 else:
                     conv.add(row)
-    except (OSError, EOFError) as e:
-        raise AndreaError(f"{label}: cannot read: {e}") from None
+    except (OSError, EOFError, zlib.error) as e:
+        at = f" after line {lineno}" if lineno else ""
+        why = "corrupt or truncated compressed data" if isinstance(e, (EOFError, zlib.error, gzip.BadGzipFile)) \
+            else "cannot read"
+        raise AndreaError(f"{label}: {why}{at} ({e}); re-download or re-create the file") from None
+    conv.lines = lineno
     conv.close()
     return conv
 
@@ -196,9 +255,13 @@ def data_files(names: list[str]) -> list[str]:
 
 
 def convert_files(files: list[tuple[str, Path]], out: Path, max_rows: int, progress=None) -> dict:
-    """Every (relative name, path) into ``out``: the manifest's ``files``, ``rows`` and ``skipped`` parts."""
+    """Every (relative name, path) into ``out``: the manifest's ``files``, ``rows`` and ``skipped`` parts,
+    and ``warnings`` (one line per file that gave no rows; not part of the manifest).
+
+    Zero rows in all is an AndreaError that says, per file, why it gave none."""
     entries, skipped, examples, total = [], Counter(), {}, 0
     seen: dict[str, str] = {}
+    empty: list[str] = []                        # why each file that gave no rows gave none
     for rel, path in files:
         budget = None if max_rows == 0 else max_rows - total
         if budget is not None and budget <= 0:
@@ -212,17 +275,29 @@ def convert_files(files: list[tuple[str, Path]], out: Path, max_rows: int, progr
         dst = out / name
         if rel.endswith(".parquet"):
             rows = copy_parquet(path, dst, rel, budget)
+            if not rows:
+                empty.append(f"{rel}: a Parquet file of 0 rows")
         else:
             conv = convert_json(path, dst, rel, budget)
             rows = conv.rows
             skipped.update(conv.skipped)
             for k, v in conv.examples.items():
                 examples.setdefault(k, v)
+            if not rows:
+                bad = sum(conv.skipped.values())
+                empty.append(f"{rel}: " + (
+                    f"{bad} line(s), none usable ("
+                    + ", ".join(f"{k} {n}, first at {conv.examples[k]}" for k, n in sorted(conv.skipped.items())) + ")"
+                    if bad else "no JSON rows (empty or only whitespace)"))
         total += rows
         entries.append({"file": name, "sha256": sha256_file(dst), "rows": rows, "bytes": dst.stat().st_size,
                         "origin": rel, "origin_sha256": sha256_file(path)})
+    if total == 0:
+        raise AndreaError(f"no usable rows in {len(entries)} file(s): " + "; ".join(empty)
+                          + ". Fix or replace the input; nothing was written")
     return {"files": entries, "rows": total, "skipped": dict(sorted(skipped.items())),
-            "skipped_examples": dict(sorted(examples.items()))}
+            "skipped_examples": dict(sorted(examples.items())),
+            "warnings": [f"{e}: it gave no rows" for e in empty]}
 
 
 # --------------------------------------------------------------------------- the three sources
@@ -279,7 +354,10 @@ def pull_hub(cfg: dict, out: Path, scratch: Path, progress=None) -> dict:
         raise
     except Exception as e:  # every client failure becomes one clear line naming hermes3.source
         raise _hub_error(cfg, e) from None
-    manifest = convert_files(files, out, h["max_rows"], progress)
+    try:
+        manifest = convert_files(files, out, h["max_rows"], progress)
+    except AndreaError as e:
+        raise AndreaError(f"hermes3.source=hub ({h['repo_id']}@{sha}): {e}") from None
     return {"source": "hub", "repo_id": h["repo_id"], "requested_revision": h["revision"], "revision": sha,
             "endpoint": endpoint, **manifest}
 
@@ -293,7 +371,10 @@ def pull_local(cfg: dict, out: Path, progress=None) -> dict:
     rels = data_files([p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()])
     if not rels:
         raise AndreaError(f"hermes3.source=local: no .jsonl/.json/.parquet files under {root} (hermes3.local_dir)")
-    manifest = convert_files([(r, root / r) for r in rels], out, h["max_rows"], progress)
+    try:
+        manifest = convert_files([(r, root / r) for r in rels], out, h["max_rows"], progress)
+    except AndreaError as e:
+        raise AndreaError(f"hermes3.source=local (hermes3.local_dir={root}): {e}") from None
     return {"source": "local", "repo_id": h["repo_id"], "requested_revision": None,
             "revision": f"local:{root.as_posix()}", **manifest}
 
@@ -315,7 +396,10 @@ def pull_embedded(cfg: dict, embedded: Path, out: Path, progress=None) -> dict:
             raise AndreaError(f"{src}: sha256 {digest[:12]}… differs from PROVENANCE.json ({s['sha256'][:12]}…); "
                               f"rebuild with `andrea build-embedded --out {embedded}`")
         files.append((s["file"], src))
-    manifest = convert_files(files, out, cfg["hermes3"]["max_rows"], progress)
+    try:
+        manifest = convert_files(files, out, cfg["hermes3"]["max_rows"], progress)
+    except AndreaError as e:
+        raise AndreaError(f"hermes3.source=embedded ({embedded}): {e}") from None
     return {"source": "embedded", "repo_id": None, "requested_revision": None,
             "revision": f"embedded:python-{prov['python']['version']}:{prov['python']['stdlib_inputs_sha256'][:16]}",
             **manifest}
@@ -341,8 +425,11 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
             manifest = pull_local(cfg, tmp, step)
         else:
             manifest = pull_embedded(cfg, Path(args.embedded), tmp, step)
+        warnings = manifest.pop("warnings")
         manifest = {"format": MANIFEST_FORMAT, **manifest, "max_rows": cfg["hermes3"]["max_rows"]}
         atomic_write_json(tmp / "MANIFEST.json", manifest)
+    for w in warnings:
+        console.print(f"pull-hermes3: warning: {w}", markup=False, highlight=False, soft_wrap=True)
     skipped = sum(manifest["skipped"].values())
     console.print(f"pull-hermes3: {manifest['rows']} rows in {len(manifest['files'])} files -> {out}"
                   + (f" ({skipped} skipped: {manifest['skipped']})" if skipped else ""))

@@ -27,7 +27,10 @@ document for dedupe). Bad input never ends in a traceback: a row that is unusabl
 ``duplicate``) is dropped and counted by reason with its first file:row in the report; a
 0-byte input file is skipped and listed; a file that is not readable Parquet (truncated,
 corrupt) or lacks the needed column stops the stage with an error naming the file (and
-the row where reading broke).
+the row where reading broke). Zero rows kept in all stops the stage with an error naming
+the inputs and the drop counts (nothing is written); an input (the hermes3 folder or an
+embedded source) that keeps none while others keep some, or an empty split, is a
+warning naming it.
 """
 
 from __future__ import annotations
@@ -387,8 +390,32 @@ def prep(cfg: dict, raw: Path, embedded: Path, out: Path, progress_factory=None)
         finally:
             job.close()
         report = job.report(cfg["hermes3"]["source"], cfg)
+        if not report["kept"]:
+            inputs = ([str(raw)] if chat_paths else []) + [str(p) for _, p in text_inputs]
+            raise AndreaError(f"no usable rows: {report['rows_in']} rows read from {', '.join(inputs) or 'no input'}, "
+                              f"none kept (dropped: {_drops(report['dropped'], report['examples'])}); "
+                              "nothing was written")
         atomic_write_json(tmp / "prep_report.json", report)
     return report
+
+
+def _drops(dropped: dict, examples: dict) -> str:
+    return ", ".join(f"{k} {n}, first at {examples.get(k, '?')}" for k, n in dropped.items()) or "none"
+
+
+def warnings_of(report: dict, raw: Path, embedded: Path) -> list[str]:
+    """One line per input that kept no rows and per empty split, for a stage that still succeeded."""
+    out = []
+    for name, c in report["per_input"].items():
+        if not c["kept"]:
+            where = raw if name == "hermes3" else embedded
+            out.append(f"input {name} ({where}) kept 0 of {c['rows_in']} rows "
+                       f"(dropped: {_drops(c['dropped'], report['examples'])})")
+    for split in SPLITS:
+        if not report[split]:
+            out.append(f"the {split} split is empty ({report['kept']} rows kept, "
+                       f"megachat.val_fraction={report['params']['val_fraction']})")
+    return out
 
 
 class _null_progress:
@@ -426,6 +453,8 @@ def run(args: argparse.Namespace, cfg: dict) -> int:
 
     report = prep(cfg, Path(args.raw), Path(args.embedded), Path(args.out), _rich_progress)
     console = Console(stderr=True)
+    for w in warnings_of(report, Path(args.raw), Path(args.embedded)):
+        console.print(f"prep-megachat: warning: {w}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"prep-megachat: {report['rows_in']} rows in, {report['kept']} kept "
                   f"(train {report['train']}, val {report['val']}), dropped {report['dropped']} -> {args.out}")
     return 0
