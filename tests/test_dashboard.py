@@ -4,7 +4,10 @@
 
 The browser test drives Debian's chromium through selenium + chromedriver (the ``test``
 extra; ``.ci/run`` installs chromium and chromium-driver) and is skipped, saying why, where
-either is missing.
+either is missing, unless ``ANDREA_REQUIRE_BROWSER=1`` (set by ``.ci/run``) makes that a failure.
+
+Bad history files (NaN/Infinity, wrong types, deep nesting, half-written) must give an error
+answer and an error state on the page; clients that hang up must not make the server print.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -21,7 +29,9 @@ from pathlib import Path
 import pytest
 
 from andrea.fsutil import atomic_write_json
-from andrea.reports.dashboard import History, make_server, page_html, since
+from andrea.reports.dashboard import History, make_server, page_html, parse_history, since
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SOURCES = ("chat-single", "py-code", "py-topics")
 
@@ -60,6 +70,79 @@ def test_history_reparses_only_on_change(tmp_path):
     assert len(h.load()[0]["train"]) == 8
     (tmp_path / "model.loss.json").write_text("{broken")
     assert h.load()[0] is None and "unreadable" in h.load()[1]
+
+
+DEEP = '{"train": ' + "[" * 200_000 + "]" * 200_000 + "}"
+BAD_FILES = {                    # name: (text of model.loss.json, words the error must hold)
+    "nan": ('{"train": [{"step": 0, "loss": NaN}]}', "NaN"),
+    "infinity": ('{"train": [{"step": 0, "loss": 1.0}], "val": [{"step": 1, "loss": -Infinity}]}', "-Infinity"),
+    "train_int": ('{"train": 5}', '"train" is a JSON int'),
+    "train_null": ('{"train": null}', '"train" is null'),
+    "record_str": ('{"train": [{"step": 0}, "x"]}', '"train"[1] is a JSON str'),
+    "top_list": ("[1, 2]", "a JSON list"),
+    "deep": (DEEP, "nested too deeply"),
+    "half": ('{"train": [{"step": 0, "loss": 5.1}, {"st', "unreadable"),
+    "not_utf8": (b'{"train": [{"source": "\xff"}]}', "not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_history_is_an_error_answer(server, name):
+    srv, run, url = server
+    text, words = BAD_FILES[name]
+    (run / "model.loss.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    with urllib.request.urlopen(url + "data?train=0", timeout=10) as r:
+        assert r.status == 200
+        d = json.loads(r.read())
+    assert "error" in d and "missing" not in d and "train" not in d, d
+    assert words in d["error"], d["error"]
+    # and the server still answers the next request, the page and a good file
+    assert urllib.request.urlopen(url, timeout=5).status == 200
+    atomic_write_json(run / "model.loss.json", history(3))
+    d = json.loads(urllib.request.urlopen(url + "data?train=0", timeout=5).read())
+    assert len(d["train"]) == 3 and "error" not in d
+
+
+def test_parse_history_accepts_what_training_writes():
+    h = history(7, 2)
+    assert parse_history(json.dumps(h)) == {k: h[k] for k in ("train", "val", "pulls", "events")}
+    assert parse_history('{"format": "andrea.loss/1"}') == {"train": [], "val": [], "pulls": [], "events": []}
+    assert parse_history('{"train": [{"step": 0, "loss": null}]}')["train"] == [{"step": 0, "loss": None}]
+
+
+def _hang_up(port: int, path: str) -> None:
+    """Send a request and reset the connection at once (SO_LINGER 0), before the answer is read."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    s.close()
+
+
+def test_the_server_process_stays_quiet_about_clients_that_hang_up(tmp_path):
+    atomic_write_json(tmp_path / "model.loss.json", history(40_000, 50))      # several MB per /data answer
+    p = subprocess.Popen([sys.executable, "-m", "andrea", "dashboard", str(tmp_path), "--port", "0"],
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        first = p.stderr.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", first).group(1))
+        for i in range(20):
+            _hang_up(port, "/data?train=0" if i % 2 else "/")
+        for name in ("nan", "train_null", "deep"):               # bad files between the hang-ups
+            (tmp_path / "model.loss.json").write_text(BAD_FILES[name][0])
+            d = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/data", timeout=10).read())
+            assert "error" in d
+            _hang_up(port, "/data?train=0")
+        atomic_write_json(tmp_path / "model.loss.json", history(40_000, 50))
+        for _ in range(5):
+            _hang_up(port, "/data?train=0")
+        d = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/data?train=39990&train_last=39989",
+                                              timeout=10).read())
+        assert len(d["train"]) == 10
+    finally:
+        p.send_signal(signal.SIGINT)
+        rest = p.communicate(timeout=20)[1]
+    assert p.returncode == 0
+    assert rest.strip() == "", rest            # not a line after the start line: no BrokenPipeError, no traceback
 
 
 @pytest.fixture
@@ -110,6 +193,15 @@ def _browser():
     return (webdriver, chrome, driver), None
 
 
+def _browser_or_skip():
+    found, why = _browser()
+    if found is None:
+        if os.environ.get("ANDREA_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"ANDREA_REQUIRE_BROWSER=1 but {why}")
+        pytest.skip(why)
+    return found
+
+
 def _wait(cond, timeout=20.0, what="condition"):
     end = time.time() + timeout
     while time.time() < end:
@@ -121,10 +213,7 @@ def _wait(cond, timeout=20.0, what="condition"):
 
 
 def test_dashboard_in_headless_chromium_loads_draws_and_updates(server, tmp_path_factory):
-    found, why = _browser()
-    if found is None:
-        pytest.skip(why)
-    webdriver, chrome, driver_path = found
+    webdriver, chrome, driver_path = _browser_or_skip()
     from selenium.webdriver.chrome.service import Service
 
     srv, run, url = server
@@ -164,6 +253,17 @@ def test_dashboard_in_headless_chromium_loads_draws_and_updates(server, tmp_path
                                                     + [{**r, "step": r["step"] + 1000} for r in history(30)["train"][10:]]})
         _wait(lambda: status().get_attribute("data-records") == "30", what="reset to 30 records")
         assert "start" in drv.find_element("id", "events").text
+        assert status().get_attribute("data-state") == "ok"
+        # a bad file: an error state that says what is wrong, keeping what was drawn
+        for i, name in enumerate(("nan", "train_null", "deep")):
+            held = status().get_attribute("data-records")
+            (run / "model.loss.json").write_text(BAD_FILES[name][0])
+            _wait(lambda: status().get_attribute("data-state") == "error"
+                  and BAD_FILES[name][1] in status().text, what=f"the error state for {name}")
+            assert "error" in status().get_attribute("class") and status().get_attribute("data-records") == held
+            atomic_write_json(run / "model.loss.json", history(31 + i, 1))
+            _wait(lambda: status().get_attribute("data-state") == "ok"
+                  and status().get_attribute("data-records") == str(31 + i), what=f"recovery after {name}")
         severe = [e for e in drv.get_log("browser") if e.get("level") == "SEVERE"]
         assert not severe, severe
     finally:

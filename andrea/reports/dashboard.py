@@ -12,6 +12,10 @@ extends what the page holds (a resume rewrote it, or the run folder was replaced
 answer has ``reset: true`` and the full lists. The training loop replaces the file
 atomically, so a read never sees half a file; the server re-parses it only when its
 mtime or size changes. While the file does not exist yet the page says it is waiting.
+A file that is not the history (not JSON, NaN/Infinity, a list that is not a list of
+objects, nesting too deep to parse) is answered as ``{"error": "..."}`` and the page shows
+an error state, keeping what it drew. Every request gets an answer (a failure while
+answering is a 500 with a JSON error); a client that hangs up early is not reported.
 Stop with Ctrl-C.
 """
 
@@ -28,6 +32,38 @@ from urllib.parse import parse_qs, urlparse
 
 KEYS = ("train", "val", "pulls", "events")
 HOST = "127.0.0.1"
+NOT_YET = "not written yet"
+
+
+def _no_constant(name: str):
+    raise ValueError(f"holds {name}, which is not JSON (the training loop writes null for a non-finite value)")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def parse_history(text: str) -> dict:
+    """The text of model.loss.json as ``{key: [record, ...]}`` for KEYS; ValueError saying what is wrong."""
+    try:
+        d = _DECODER.decode(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON {type(d).__name__}, not an object")
+    out = {}
+    for k in KEYS:
+        recs = d.get(k, [])
+        if not isinstance(recs, list):
+            raise ValueError(f"\"{k}\" is {_kind(recs)}, not a list of records")
+        for i, r in enumerate(recs):
+            if not isinstance(r, dict):
+                raise ValueError(f"\"{k}\"[{i}] is {_kind(r)}, not a record (an object)")
+        out[k] = recs
+    return out
+
+
+def _kind(x) -> str:
+    return "null" if x is None else f"a JSON {type(x).__name__}"
 
 
 def page_html(interval_s: float) -> bytes:
@@ -43,7 +79,7 @@ class History:
         self.path = run / "model.loss.json"
         self._key = None
         self._data: dict | None = None
-        self._why = "not written yet"
+        self._why = NOT_YET
         self._lock = threading.Lock()
 
     def load(self) -> tuple[dict | None, str]:
@@ -51,18 +87,18 @@ class History:
             try:
                 st = self.path.stat()
             except FileNotFoundError:
-                self._key, self._data, self._why = None, None, "not written yet"
+                self._key, self._data, self._why = None, None, NOT_YET
                 return None, self._why
             key = (st.st_mtime_ns, st.st_size, st.st_ino)
             if key != self._key:
                 try:
-                    d = json.loads(self.path.read_text(encoding="utf-8"))
-                    if not isinstance(d, dict):
-                        raise ValueError("not a JSON object")
-                    self._data = {k: [r for r in d.get(k, []) if isinstance(r, dict)] for k in KEYS}
-                    self._why = ""
-                except (ValueError, UnicodeDecodeError, OSError) as e:
-                    self._data, self._why = None, f"unreadable ({type(e).__name__})"
+                    self._data, self._why = parse_history(self.path.read_text(encoding="utf-8")), ""
+                except UnicodeDecodeError:
+                    self._data, self._why = None, "unreadable: not UTF-8"
+                except ValueError as e:
+                    self._data, self._why = None, f"unreadable: {e}"
+                except OSError as e:
+                    self._data, self._why = None, f"unreadable: {e.strerror or e}"
                 self._key = key
             return self._data, self._why
 
@@ -93,6 +129,19 @@ def since(data: dict, query: dict) -> dict:
     return {"reset": False, **{k: data[k][offsets[k]:] for k in KEYS}}
 
 
+class QuietServer(ThreadingHTTPServer):
+    """A client that hangs up early is its own business: no traceback; anything else is one line."""
+
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        e = sys.exc_info()[1]
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return
+        print(f"andrea dashboard: request from {client_address[0]} failed: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+
+
 def make_server(run: Path, port: int, interval_s: float = 2.0) -> ThreadingHTTPServer:
     """An HTTP server on 127.0.0.1:port (0 = any free port) for one run folder."""
     hist = History(run)
@@ -112,24 +161,38 @@ def make_server(run: Path, port: int, interval_s: float = 2.0) -> ThreadingHTTPS
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self):
-            url = urlparse(self.path)
-            if url.path in ("/", "/index.html"):
-                self._send(200, page, "text/html; charset=utf-8")
-            elif url.path == "/data":
-                data, why = hist.load()
-                if data is None:
-                    out = {"run": label, "file": hist.path.name, "missing": why}
-                else:
-                    out = {"run": label, "file": hist.path.name, **since(data, parse_qs(url.query))}
-                self._send(200, json.dumps(out, allow_nan=False, default=str).encode("utf-8"),
-                           "application/json")
-            elif url.path == "/favicon.ico":
-                self._send(204, b"", "image/x-icon")                # no icon, and no console error for it
+        def _data(self, query: str) -> bytes:
+            head = {"run": label, "file": hist.path.name}
+            data, why = hist.load()
+            if data is None:
+                out = {**head, ("missing" if why == NOT_YET else "error"): why}
             else:
-                self._send(404, b"not found\n", "text/plain; charset=utf-8")
+                out = {**head, **since(data, parse_qs(query))}
+            try:
+                return json.dumps(out, allow_nan=False, default=str).encode("utf-8")
+            except (ValueError, TypeError, RecursionError) as e:
+                why = "nested too deeply to serve" if isinstance(e, RecursionError) else f"cannot be served: {e}"
+                return json.dumps({**head, "error": f"unreadable: {why}"}).encode("utf-8")
 
-    return ThreadingHTTPServer((HOST, int(port)), Handler)
+        def do_GET(self):
+            try:
+                url = urlparse(self.path)
+                if url.path in ("/", "/index.html"):
+                    self._send(200, page, "text/html; charset=utf-8")
+                elif url.path == "/data":
+                    self._send(200, self._data(url.query), "application/json")
+                elif url.path == "/favicon.ico":
+                    self._send(204, b"", "image/x-icon")                # no icon, and no console error for it
+                else:
+                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
+            except (ConnectionError, TimeoutError):
+                raise                                                     # the client left: nobody to answer
+            except Exception as e:                                        # answer, and say it in one line
+                print(f"andrea dashboard: {self.path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                self._send(500, json.dumps({"error": f"server error: {type(e).__name__}"}).encode("utf-8"),
+                           "application/json")
+
+    return QuietServer((HOST, int(port)), Handler)
 
 
 def add_arguments(p) -> None:
