@@ -109,10 +109,15 @@ def test_eval_with_judge_on_loopback_server(synth, monkeypatch):
     try:
         out = tmp / "out3"
         assert run_eval(r, out, "-S", f"eval.judge.url={api.url}", "-S", "eval.judge.model=tiny-judge") == 0
-        n_samples = len(json.loads((tmp / "rep" / "audit.json").read_text())["checkpoints"][-1]["samples"])
+        samples = json.loads((tmp / "rep" / "audit.json").read_text())["checkpoints"][-1]["samples"]
+        n_samples = len(samples)
         assert len(api.requests) == n_samples
         m = json.loads((out / "metrics.json").read_text())
-        assert 0 <= m["judge_score"] <= 10 and set(m["judge_by_domain"]) == {"chat", "code", "prose"}
+        implied = [min(10, len(s["text"].split())) for s in samples]      # the fake judge's rule
+        assert m["judge_score"] == round(float(np.mean(implied)), 4)
+        assert m["judge_by_domain"] == {d: round(float(np.mean([v for s, v in zip(samples, implied)
+                                                                if s["domain"] == d])), 4)
+                                        for d in ("chat", "code", "prose")}
         for f in ("eval.html", "eval.md", "metrics.json"):
             assert "sk-secret-xyz" not in (out / f).read_text()
         assert "Judge: ok" in (out / "eval.md").read_text()

@@ -1,10 +1,17 @@
 """The external judge client against a loopback server that speaks the OpenAI chat-completions API.
 
     pytest tests/test_reports_judge.py
+
+The fake server scores a sample by its word count (capped at 10), so every score a test
+sees is known exactly. A hostile pair (a judge that redirects to another loopback origin
+and records what reaches it; a judge that echoes the Authorization header everywhere in its
+answer) checks that the key never leaves the configured origin and never reaches the disk.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import socket
 import threading
@@ -12,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from andrea.reports.evaluate import run_judge
 from andrea.reports.judge import Judge, parse_score
 
 KEY = "sk-test-do-not-leak-1234567890"
@@ -24,15 +32,30 @@ class FakeAPI:
         self.requests: list[dict] = []
         self.fail_next = 0            # answer this many requests with HTTP 503 first
         self.status = 200
+        self.redirect: tuple[int, str] | None = None     # (code, Location) to answer every request with
+        self.echo = False             # put the Authorization header into every field of the answer
         api = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
 
+            def do_GET(self):          # where a redirected POST arrives as urllib turns it into a GET
+                api.requests.append({"method": "GET", "path": self.path, "auth": self.headers.get("Authorization"),
+                                     "body": None})
+                self.send_response(404)
+                self.end_headers()
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                api.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+                auth = self.headers.get("Authorization")
+                api.requests.append({"method": "POST", "path": self.path, "auth": auth, "body": body})
+                if api.redirect:
+                    self.send_response(api.redirect[0])
+                    self.send_header("Location", api.redirect[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if api.fail_next:
                     api.fail_next -= 1
                     self.send_response(503)
@@ -45,9 +68,14 @@ class FakeAPI:
                 user = body["messages"][-1]["content"]
                 sample = user.split("=== MODEL OUTPUT ===\n", 1)[1].split("\n=== END MODEL OUTPUT ===", 1)[0]
                 score = min(10, len(sample.split()))
-                reply = {"id": "x", "object": "chat.completion", "model": body["model"],
+                content = f"SCORE: {score} | {len(sample)} chars"
+                if api.echo:
+                    content += f" (you sent {auth})"
+                reply = {"id": auth if api.echo else "x", "object": "chat.completion", "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "stop",
-                                      "message": {"role": "assistant", "content": f"SCORE: {score} | {len(sample)} chars"}}]}
+                                      "message": {"role": "assistant", "content": content,
+                                                  **({"refusal": auth, "auth": auth} if api.echo else {})}}],
+                         **({"usage": {"key": auth}, "system_fingerprint": auth} if api.echo else {})}
                 data = json.dumps(reply).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -147,3 +175,73 @@ def test_parse_score():
     assert parse_score("I'd give it 3 out of 10") == 3
     assert parse_score("SCORE: 42") is None
     assert parse_score("no number") is None
+
+
+def _key_forms(key: str) -> list[str]:
+    """The key and what is easily derived from it: what must never be on disk."""
+    return [key, key[6:], hashlib.sha256(key.encode()).hexdigest(), base64.b64encode(key.encode()).decode(),
+            base64.b64encode(f"Bearer {key}".encode()).decode()]
+
+
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+def test_a_redirect_to_another_origin_gets_no_credentials(api, tmp_path, monkeypatch, code):
+    other = FakeAPI()                                     # another origin: same host, another port
+    try:
+        monkeypatch.setenv("JUDGE_KEY_T", KEY)
+        api.redirect = (code, other.url.replace("127.0.0.1", "localhost") + "/chat/completions")
+        j = Judge(api.url, "m", "JUDGE_KEY_T", timeout_s=5, retries=2, cache_dir=tmp_path / "cache", backoff_s=0.01)
+        assert j.score("chat", "p", "two words") is None
+        assert api.requests[0]["auth"] == f"Bearer {KEY}"             # the configured origin has it
+        assert other.requests == []                                   # the other origin saw nothing at all
+        assert len(api.requests) == 1                                 # a redirect is not retried
+        assert j.status.startswith(f"unreachable: HTTP {code} from {api.url}/chat/completions (a redirect")
+        assert "localhost" not in j.status                            # the Location is not repeated
+        assert not (tmp_path / "cache").exists()
+    finally:
+        other.close()
+
+
+def test_a_judge_that_echoes_the_key_gets_nothing_of_it_on_disk(api, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY_T", KEY)
+    api.echo = True
+    cache = tmp_path / "cache"
+    j = Judge(api.url, "judge-model", "JUDGE_KEY_T", timeout_s=5, retries=0, cache_dir=cache)
+    r = j.score("prose", "Once upon", "a time there were three bears")
+    assert r["score"] == 6 and KEY not in r["reason"] and r["reason"].startswith("29 chars")
+    files = [f for f in cache.rglob("*") if f.is_file()]
+    assert len(files) == 1
+    entry = json.loads(files[0].read_text())
+    assert entry == {"score": 6, "model": "judge-model", "domain": "prose", "rubric": "andrea-judge-rubric/1"}
+    for f in files:
+        data = f.read_bytes().decode()
+        assert not [k for k in _key_forms(KEY) if k in data], data
+        assert KEY[:12] not in f.name
+    assert j.score("prose", "Once upon", "a time there were three bears") == {"score": 6, "reason": "",
+                                                                            "cached": True}
+
+
+def test_a_cache_entry_with_a_bad_score_is_asked_again(api, tmp_path):
+    j = Judge(api.url, "m", "X", timeout_s=5, retries=0, cache_dir=tmp_path)
+    assert j.score("chat", "p", "one two three")["score"] == 3
+    (entry,) = [f for f in tmp_path.rglob("*.json")]
+    entry.write_text(json.dumps({"score": "9"}))
+    assert j.score("chat", "p", "one two three") == {"score": 3, "reason": "13 chars", "cached": False}
+    assert len(api.requests) == 2
+
+
+def test_run_judge_gives_the_exact_mean_the_fake_server_implies(api, tmp_path):
+    """The score is min(10, words of the sample): the means per domain and overall are known to the digit."""
+    samples = [("chat", "one two"), ("chat", "a b c d e f g"), ("prose", " ".join(["w"] * 14)),
+               ("code", "x = 1"), ("code", "")]
+    audit = {"checkpoints": [{"final": False, "samples": []},
+                             {"final": True, "samples": [{"domain": d, "prompt": f"p{i}", "text": t}
+                                                         for i, (d, t) in enumerate(samples)]}]}
+    cfg = {"eval": {"judge": {"url": api.url, "model": "tiny-judge", "api_key_env": "NO_SUCH_ENV_VAR_X",
+                              "timeout_s": 5, "retries": 0}}}
+    out = run_judge(cfg, audit, str(tmp_path / "cache"))
+    # chat: 2 and 7; prose: 14 -> 10; code: 3 and 0 (an empty sample scores 0)
+    assert out["by_domain"] == {"chat": 4.5, "code": 1.5, "prose": 10.0}
+    assert out["n_scored"] == 5 and out["mean_score"] == round((2 + 7 + 10 + 3 + 0) / 5, 4) == 4.4
+    assert out["status"] == "ok" and out["requests"] == 5
+    again = run_judge(cfg, audit, str(tmp_path / "cache"))
+    assert again["mean_score"] == 4.4 and again["cached_answers"] == 5 and again["requests"] == 0

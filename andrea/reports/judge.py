@@ -16,10 +16,14 @@ Off by default. Configured by ``eval.judge`` in params.yaml:
         r = j.score("chat", prompt, answer)      # {"score": 7, "reason": "...", "cached": False}
     j.status                                      # "ok" | "not configured: ..." | "unreachable: ..."
 
-The key is only ever placed in the ``Authorization`` header of the request: it is not
-logged, not written, and not part of any cache key or error message. Every answer is
-cached by the sha256 of (judge model, rubric version, domain, prompt, sample), one JSON
-file per answer, so a re-run asks nothing twice. Each request has a timeout and at most
+The key is only ever placed in the ``Authorization`` header of the request to the
+configured URL: it is not logged, not written, and not part of any cache key or error
+message. Redirects are not followed (a 3xx is a failure saying so), so the header never
+reaches another origin. Every answer is cached by the sha256 of (judge model, rubric
+version, domain, prompt, sample), one JSON file per answer holding only the score and
+our own labels (model, domain, rubric), never text the server sent, so a re-run asks
+nothing twice and a server that echoes the header gets nothing of it on disk; the reason
+returned in memory has the key blanked out. Each request has a timeout and at most
 ``retries`` retries (with a short exponential back-off) on network errors, 429 and 5xx;
 the first request that still fails marks the judge unreachable and no more are sent, so
 an eval never hangs on a dead endpoint. The eval stage succeeds either way and its
@@ -62,6 +66,16 @@ _INT_RE = re.compile(r"\b(\d{1,2})\b")
 
 class JudgeUnavailable(Exception):
     """The endpoint could not give an answer (after the bounded retries)."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Every 3xx stays an HTTPError: urllib would re-send the Authorization header to the new location."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 def endpoint(url: str) -> str:
@@ -136,10 +150,14 @@ class Judge:
             req = urllib.request.Request(endpoint(self.url), data=data, headers=headers, method="POST")
             self.n_requests += 1
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with _OPENER.open(req, timeout=self.timeout_s) as resp:
                     return json.loads(resp.read().decode("utf-8"))
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code} from {endpoint(self.url)}"
+                if 300 <= e.code < 400:
+                    last += (" (a redirect: not followed, so the key stays with the configured origin; "
+                             "set eval.judge.url to the final endpoint)")
+                    break
                 if e.code != 429 and e.code < 500:
                     break                                   # 4xx other than 429: retrying will not help
             except (urllib.error.URLError, TimeoutError, OSError) as e:
@@ -157,10 +175,11 @@ class Judge:
         path = self.cache_dir / key[:2] / f"{key}.json" if self.cache_dir else None
         if path is not None and path.is_file():
             try:
-                cached = json.loads(path.read_text(encoding="utf-8"))
-                self.n_cached += 1
-                return {"score": cached["score"], "reason": cached.get("reason", ""), "cached": True}
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+                cached = json.loads(path.read_text(encoding="utf-8"))["score"]
+                if type(cached) is int and 0 <= cached <= 10:
+                    self.n_cached += 1
+                    return {"score": cached, "reason": "", "cached": True}
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
                 pass                                         # a damaged cache entry is asked again
         body = {"model": self.model, "temperature": 0, "max_tokens": 120,
                 "messages": [{"role": "system", "content": SYSTEM},
@@ -174,9 +193,12 @@ class Judge:
         except (KeyError, IndexError, TypeError):
             self.status = f"unreachable: {endpoint(self.url)} answered without choices[0].message.content"
             return None
-        score = parse_score(content or "")
-        reason = (content or "").split("|", 1)[1].strip() if "|" in (content or "") else (content or "").strip()
-        result = {"score": score, "reason": reason[:300]}
-        if path is not None and score is not None:
-            atomic_write_json(path, {**result, "model": self.model, "domain": domain, "rubric": RUBRIC_VERSION})
-        return {**result, "cached": False}
+        content = content if isinstance(content, str) else ""
+        score = parse_score(content)
+        reason = content.split("|", 1)[1].strip() if "|" in content else content.strip()
+        secret = os.environ.get(self.api_key_env)
+        if secret:
+            reason = reason.replace(secret, "[key]")          # a server that echoes the header
+        if path is not None and score is not None:           # only what a re-run needs: the score
+            atomic_write_json(path, {"score": score, "model": self.model, "domain": domain, "rubric": RUBRIC_VERSION})
+        return {"score": score, "reason": reason[:300], "cached": False}
