@@ -57,6 +57,7 @@ from andrea.engine.model import ModelConfig
 from andrea.engine.schedule import lr_at
 from andrea.errors import AndreaError
 from andrea.fsutil import atomic_write_json, read_json, sha256_file
+from andrea.preflight import check_data
 from andrea.shards import Shard
 
 STATE_FORMAT = "andrea.state/1"
@@ -182,6 +183,8 @@ class Trainer:
                               f"{', '.join(be.precisions)}")
         self.mc = ModelConfig.from_cfg(cfg, self.tok.vocab_size)
         self.B, self.T, self.accum = int(self.tcfg["batch_size"]), self.mc.context, int(self.tcfg["grad_accum"])
+        for w in check_data(self.shards, self.val_shards, self.B, self.T):
+            self.console.print(f"warning: {w}", markup=False, highlight=False)
         # a backend may bring its own engine with the same surface (the CuPy one: fused, mixed precision)
         make = getattr(be, "make_engine", None)
         self.engine = make(self.mc, self.B, self.tcfg["precision"]) if make else Engine(self.mc, self.B, be)
