@@ -72,6 +72,16 @@ def test_history_reparses_only_on_change(tmp_path):
     assert h.load()[0] is None and "unreadable" in h.load()[1]
 
 
+@pytest.fixture
+def server(tmp_path):
+    srv = make_server(tmp_path, 0, interval_s=0.25)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    yield srv, tmp_path, f"http://127.0.0.1:{srv.server_address[1]}/"
+    srv.shutdown()
+    srv.server_close()
+
+
 DEEP = '{"train": ' + "[" * 200_000 + "]" * 200_000 + "}"
 BAD_FILES = {                    # name: (text of model.loss.json, words the error must hold)
     "nan": ('{"train": [{"step": 0, "loss": NaN}]}', "NaN"),
@@ -118,41 +128,50 @@ def _hang_up(port: int, path: str) -> None:
     s.close()
 
 
+class DashboardProcess:
+    """``andrea dashboard`` as a real process on a free port; ``stop()`` sends Ctrl-C, returns (rc, stderr after start)."""
+
+    def __init__(self, run: Path):
+        self.p = subprocess.Popen([sys.executable, "-m", "andrea", "dashboard", str(run), "--port", "0"],
+                                  stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        first = self.p.stderr.readline()
+        self.port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", first).group(1))
+
+    def get(self, path: str) -> dict:
+        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10).read())
+
+    def stop(self) -> tuple[int, str]:
+        self.p.send_signal(signal.SIGINT)
+        rest = self.p.communicate(timeout=20)[1]
+        return self.p.returncode, rest
+
+
 def test_the_server_process_stays_quiet_about_clients_that_hang_up(tmp_path):
     atomic_write_json(tmp_path / "model.loss.json", history(40_000, 50))      # several MB per /data answer
-    p = subprocess.Popen([sys.executable, "-m", "andrea", "dashboard", str(tmp_path), "--port", "0"],
-                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    srv = DashboardProcess(tmp_path)
     try:
-        first = p.stderr.readline()
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", first).group(1))
         for i in range(20):
-            _hang_up(port, "/data?train=0" if i % 2 else "/")
-        for name in ("nan", "train_null", "deep"):               # bad files between the hang-ups
-            (tmp_path / "model.loss.json").write_text(BAD_FILES[name][0])
-            d = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/data", timeout=10).read())
-            assert "error" in d
-            _hang_up(port, "/data?train=0")
-        atomic_write_json(tmp_path / "model.loss.json", history(40_000, 50))
-        for _ in range(5):
-            _hang_up(port, "/data?train=0")
-        d = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/data?train=39990&train_last=39989",
-                                              timeout=10).read())
-        assert len(d["train"]) == 10
+            _hang_up(srv.port, "/data?train=0" if i % 2 else "/")
+        d = srv.get("/data?train=39990&train_last=39989")
+        assert len(d["train"]) == 10                     # and it still answers
     finally:
-        p.send_signal(signal.SIGINT)
-        rest = p.communicate(timeout=20)[1]
-    assert p.returncode == 0
-    assert rest.strip() == "", rest            # not a line after the start line: no BrokenPipeError, no traceback
+        rc, rest = srv.stop()
+    assert rc == 0
+    assert rest.strip() == "", rest            # not a line after the start line: no ConnectionResetError traceback
 
 
-@pytest.fixture
-def server(tmp_path):
-    srv = make_server(tmp_path, 0, interval_s=0.25)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    t.start()
-    yield srv, tmp_path, f"http://127.0.0.1:{srv.server_address[1]}/"
-    srv.shutdown()
-    srv.server_close()
+def test_the_server_process_answers_bad_files_and_hang_ups_in_between(tmp_path):
+    srv = DashboardProcess(tmp_path)
+    try:
+        for name in ("nan", "train_null", "deep", "half"):
+            (tmp_path / "model.loss.json").write_text(BAD_FILES[name][0])
+            assert BAD_FILES[name][1] in srv.get("/data")["error"]
+            _hang_up(srv.port, "/data?train=0")
+        atomic_write_json(tmp_path / "model.loss.json", history(5))
+        assert len(srv.get("/data?train=0")["train"]) == 5
+    finally:
+        rc, rest = srv.stop()
+    assert rc == 0 and rest.strip() == "", rest
 
 
 def test_server_binds_loopback_and_serves_page_and_data(server):
