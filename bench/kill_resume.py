@@ -6,10 +6,11 @@
 A micro model (numpy backend, one CPU thread) trains ``--steps`` warmup steps with
 ``train.checkpoint_every=1``, so most of its wall time after start-up is spent writing
 checkpoints. First a straight run gives the reference bytes. Then chains: each starts a
-fresh run folder, launches ``andrea train``, sends SIGKILL after a random delay (uniform
-over start-up plus the next ~0.6 s, so kills land in start-up, repair, steps and every part
-of the checkpoint commit), inspects the folder, and launches again, until the chain has
-had its share of kills; its last launch runs to the end. Counts:
+fresh run folder, launches ``andrea train``, sends SIGKILL at a random moment (a quarter
+of them during start-up and repair, the rest a random fraction of a step after one of
+the next few step lines, i.e. somewhere inside that step's checkpoint commit), inspects
+the folder, and launches again, until the chain has had its share of kills; its last
+launch runs to the end. Counts:
 
   kills                   SIGKILLs that hit a live process
   torn                    top-level run files that are not whole (a cut model.bin, bad JSON)
@@ -29,11 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +89,47 @@ def inspect(out: Path) -> tuple[int, bool]:
     return torn, split
 
 
+def _launch_and_kill(cmd: list[str], env: dict, rng: random.Random | None, timing: dict):
+    """Run ``cmd``; with ``rng``, SIGKILL it at a random moment: a quarter of the time during
+    start-up and repair (uniform over the estimated start-up), else a random 0..1.2 steps'
+    time after the line of one of its next few steps, i.e. inside that step's checkpoint."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    lines: list[str] = []
+    step_lines: list[tuple[float, int]] = []
+    seen = threading.Event()
+
+    def reader():
+        for line in p.stderr:
+            lines.append(line)
+            m = re.match(r"warmup step (\d+)/", line)
+            if m:
+                step_lines.append((time.time(), int(m.group(1))))
+                seen.set()
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    if rng is not None:
+        if rng.random() < 0.25:
+            time.sleep(rng.uniform(0, timing["startup"]))
+        else:
+            target = rng.randint(1, 4)
+            while p.poll() is None and len(step_lines) < target:
+                seen.wait(0.01)
+                seen.clear()
+            time.sleep(rng.uniform(0, 1.2 * timing["step"]))
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    rc = p.wait(timeout=600)
+    th.join(timeout=60)
+    if step_lines:
+        timing["startup"] = 0.8 * timing["startup"] + 0.2 * (step_lines[0][0] - t0)
+    if len(step_lines) > 1:
+        per = (step_lines[-1][0] - step_lines[0][0]) / (len(step_lines) - 1)
+        timing["step"] = 0.8 * timing["step"] + 0.2 * per
+    return p, "".join(lines), rc
+
+
 def campaign(root: Path, kills: int = 100, steps: int = 40, seed: int = 0, data=None,
              per_chain: int = 10, log=None) -> dict:
     root = Path(root)
@@ -102,9 +146,7 @@ def campaign(root: Path, kills: int = 100, steps: int = 40, seed: int = 0, data=
     if r.returncode != 0:
         raise SystemExit(f"the straight run failed:\n{r.stderr}")
     ref_bin, ref_hist = (ref_dir / "model.bin").read_bytes(), _history(ref_dir)
-    t0 = time.time()
-    subprocess.run(cmd(ref_dir), env=env, capture_output=True, text=True, timeout=600)   # finished: start-up only
-    startup = time.time() - t0
+    timing = {"startup": 0.7, "step": 0.05}      # running estimates (s): launch -> first step line; one step
 
     c = dict(kills=0, torn=0, split_seen=0, unresumable=0, stray_after_next_start=0, chains=0, chains_identical=0,
              launches=0)
@@ -117,14 +159,8 @@ def campaign(root: Path, kills: int = 100, steps: int = 40, seed: int = 0, data=
         chain_kills = 0
         while True:
             last = chain_kills >= per_chain or c["kills"] >= kills
-            p = subprocess.Popen(cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            p, err, rc = _launch_and_kill(cmd(out), env, None if last else rng, timing)
             c["launches"] += 1
-            if not last:
-                time.sleep(rng.uniform(0.5 * startup, startup + 0.6))
-                if p.poll() is None:
-                    p.send_signal(signal.SIGKILL)
-            err = p.communicate(timeout=600)[1]
-            rc = p.returncode
             started = "train warmup:" in err
             if started:     # it got past its start: what the previous kill left must be gone
                 now = _hidden(out)

@@ -26,6 +26,9 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+from andrea import runs
+from andrea.errors import AndreaError
+
 KEYS = ("train", "val", "pulls", "events")
 HOST = "127.0.0.1"
 
@@ -40,7 +43,7 @@ class History:
     """``model.loss.json`` of a run, parsed again only when the file changes."""
 
     def __init__(self, run: Path):
-        self.path = run / "model.loss.json"
+        self.path = runs.RunFolder(run).loss
         self._key = None
         self._data: dict | None = None
         self._why = "not written yet"
@@ -56,13 +59,9 @@ class History:
             key = (st.st_mtime_ns, st.st_size, st.st_ino)
             if key != self._key:
                 try:
-                    d = json.loads(self.path.read_text(encoding="utf-8"))
-                    if not isinstance(d, dict):
-                        raise ValueError("not a JSON object")
-                    self._data = {k: [r for r in d.get(k, []) if isinstance(r, dict)] for k in KEYS}
-                    self._why = ""
-                except (ValueError, UnicodeDecodeError, OSError) as e:
-                    self._data, self._why = None, f"unreadable ({type(e).__name__})"
+                    self._data, self._why = runs.read_history(self.path), ""
+                except (AndreaError, OSError) as e:
+                    self._data, self._why = None, f"unreadable ({e})"
                 self._key = key
             return self._data, self._why
 
