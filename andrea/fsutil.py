@@ -26,7 +26,8 @@ def ordinary_mode(path: str | Path, mode: int = 0o666) -> None:
     os.chmod(path, mode & ~umask)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (best effort where a folder cannot be fsynced)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -49,7 +50,7 @@ def atomic_open(path: str | Path, mode: str = "wb", **kw) -> Iterator[Any]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -65,8 +66,13 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def json_text(obj: Any, indent: int | None = 1) -> str:
+    """The one JSON spelling of every result file (strict: NaN/inf raise ValueError)."""
+    return json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False) + "\n"
+
+
 def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 1) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False) + "\n")
+    atomic_write_text(path, json_text(obj, indent))
 
 
 @contextlib.contextmanager
@@ -86,7 +92,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

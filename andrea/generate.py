@@ -39,7 +39,6 @@ import numpy as np
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
-from andrea.fsutil import read_json
 
 
 # ------------------------------------------------------------------------- sampling
@@ -306,56 +305,17 @@ class LoadedModel:
     state: dict | None
 
 
-def find_checkpoint(run: str | Path) -> Path:
-    """``run`` may be a checkpoint file or a run folder holding ``model.bin``."""
-    p = Path(run)
-    if p.is_dir():
-        p = p / "model.bin"
-    if not p.is_file():
-        raise AndreaError(f"{p}: checkpoint not found (train the run first, or pass a model.bin)")
-    return p
-
-
-def read_state(ckpt: Path) -> dict | None:
-    """The ``.state.json`` beside a checkpoint (``model.bin`` -> ``model.state.json``), or None."""
-    sp = ckpt.with_name(ckpt.stem + ".state.json")
-    return read_json(sp, "run state") if sp.is_file() else None
-
-
-def check_state(state: dict | None, state_path: Path, cfg: dict, tokenizer) -> None:
-    """Refuse a checkpoint whose ``.state.json`` names another tokenizer or model shape."""
-    if state is None:
-        return
-    sha = state.get("tokenizer_sha256")
-    if sha and sha != tokenizer.sha256:
-        raise AndreaError(f"{state_path}: tokenizer_sha256 {sha[:12]}... does not match the tokenizer given "
-                          f"({tokenizer.sha256[:12]}...): this checkpoint was trained with another tokenizer")
-    recorded = []
-    if isinstance(state.get("model"), dict):
-        recorded.append(state["model"])
-    saved = state.get("config")
-    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
-        recorded.append(saved["model"])
-    for model in recorded:
-        for k, v in model.items():
-            if k == "vocab_size":
-                if v != tokenizer.vocab_size:
-                    raise AndreaError(f"{state_path}: vocab_size {v} in the run, {tokenizer.vocab_size} in the tokenizer given")
-            elif k in cfg["model"] and cfg["model"][k] != v:
-                raise AndreaError(f"{state_path}: model.{k}={v} in the run, but the config says "
-                                  f"model.{k}={cfg['model'][k]} (wrong --profile?)")
-
-
 def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=None) -> LoadedModel:
     """Load a checkpoint, its tokenizer and config for inference, refusing any mismatch clearly."""
+    from andrea import runs
     from andrea.engine import checkpoint as ckio
     from andrea.tokenizer import load as load_tokenizer
 
-    ckpt = find_checkpoint(run)
+    ckpt = runs.find_checkpoint(run)
     tok = load_tokenizer(tokenizer_path)
     mc = ModelConfig.from_cfg(cfg, tok.vocab_size)
-    state = read_state(ckpt)
-    check_state(state, ckpt.with_name(ckpt.stem + ".state.json"), cfg, tok)
+    state = runs.read_state_beside(ckpt)
+    runs.check_for_inference(state, runs.state_path_beside(ckpt), cfg, tok)
     n_params = param_layout(mc).n_params
     step, weights = ckio.read_weights(ckpt, n_params)
     be = backend if backend is not None else NumpyBackend()

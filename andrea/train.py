@@ -13,16 +13,25 @@ runs [curriculum.warmup_steps, train.max_steps) over every source. The LR schedu
 is one run cut in two. One step = ``train.grad_accum`` microbatches of
 ``train.batch_size`` x ``model.context`` tokens.
 
-Run folder (``--out``): ``model.bin`` (the fixed checkpoint, andrea/engine/checkpoint.py),
-``model.state.json``, ``model.loss.json``, ``model.samples.json`` (docs/architecture.md).
-If ``model.bin`` exists the run resumes from it, bit-exactly; it must have the same
+Run folder (``--out``, andrea/runs.py): ``model.bin`` (the fixed checkpoint,
+andrea/engine/checkpoint.py), ``model.state.json``, ``model.loss.json``, ``model.samples.json``;
+a checkpoint and its three JSON files land as one unit, so a kill -9 at any moment leaves the
+previous checkpoint or the new one, and the next start repairs the folder (finishes or drops
+an interrupted commit, removes stale temp files). If ``model.bin`` exists the run resumes
+from it, bit-exactly; it must have the same
 tokenizer (sha256), the same train shards (sizes) and the same trajectory config: the
 ``seed``, ``model``, ``train``, ``curriculum``, ``bandit`` and ``coherence`` sections,
 where only train.log_every / checkpoint_every / eval_every / eval_batches may differ
 (``trajectory_hash``). A finished run is left as it is.
 
 Signals: SIGTERM writes a checkpoint and exits 0; SIGUSR1 writes a checkpoint and goes
-on. Checkpoints are also written every ``train.checkpoint_every`` steps and at the end.
+on. Both are caught from the first lines of the process (before numpy, the config, the data
+and the engine load); one that comes before the first step acts once the run is set up (a
+resumed run's checkpoint is already current and is left as it is). A full disk or another
+I/O error while checkpointing ends the run with one line naming the file and the step that
+survives (exit 2). An engine with ``extra_state()`` / ``load_extra_state(d)`` (the fp16 loss
+scale of the CUDA engine) has that dict saved in ``.state.json`` "engine" and restored on
+resume and from the warmup run. Checkpoints are also written every ``train.checkpoint_every`` steps and at the end.
 A step whose loss or gradient norm is NaN/inf is skipped (the weights, m and v are not
 touched) and counted; ``train.max_bad_steps`` in a row halt the run: the checkpoint
 holds the last good weights and ``.state.json`` the reason (exit 2). Hooks every N steps
@@ -37,32 +46,39 @@ on the very same tokens.
 
 from __future__ import annotations
 
-import argparse
-import copy
-import math
 import signal
 import sys
-import time
+
+# `andrea train` catches SIGTERM/SIGUSR1 from here on, before the slow imports, the config and
+# the data load; Trainer.run takes them over. Only in the CLI process of this stage.
+EARLY_SIGNALS: list[int] = []
+CLI_PROCESS = (sys.argv[1:2] == ["train"] and "andrea.cli" in sys.modules
+               and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+if CLI_PROCESS:
+    for _sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_sig, lambda signum, _frame: EARLY_SIGNALS.append(signum))
+
+import argparse  # noqa: E402  (after the early signal handlers, on purpose)
+import copy  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
+import numpy as np  # noqa: E402
 
-from andrea.config import config_hash
-from andrea.engine import checkpoint as ck
-from andrea.engine.backend import select_backend
-from andrea.engine.engine import Engine, Hyper
-from andrea.engine.model import ModelConfig
-from andrea.engine.schedule import lr_at
-from andrea.errors import AndreaError
-from andrea.fsutil import atomic_write_json, read_json, sha256_file
-from andrea.preflight import check_data
-from andrea.shards import Shard
+from andrea import runs  # noqa: E402
+from andrea.config import config_hash  # noqa: E402
+from andrea.engine.backend import select_backend  # noqa: E402
+from andrea.engine.engine import Engine, Hyper  # noqa: E402
+from andrea.engine.model import ModelConfig  # noqa: E402
+from andrea.engine.schedule import lr_at  # noqa: E402
+from andrea.errors import AndreaError  # noqa: E402
+from andrea.runs import LOSS_FORMAT, SAMPLES_FORMAT, STATE_FORMAT, RunMismatch, SplitPair  # noqa: E402,F401
+from andrea.preflight import check_data  # noqa: E402
+from andrea.shards import Shard  # noqa: E402
 
-STATE_FORMAT = "andrea.state/1"
-LOSS_FORMAT = "andrea.loss/1"
-SAMPLES_FORMAT = "andrea.samples/1"
 # The config sections that decide the trajectory of the weights (the data sections act
 # through the tokenizer and the shards, which are checked by sha256 and fingerprint) ...
 TRAJECTORY_SECTIONS = ("seed", "model", "train", "curriculum", "bandit", "coherence")
@@ -70,10 +86,6 @@ TRAJECTORY_SECTIONS = ("seed", "model", "train", "curriculum", "bandit", "cohere
 TRAJECTORY_FREE = (("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"),
                    ("train", "eval_batches"))
 UNIGRAM_MAX_TOKENS = 10_000_000  # per train shard, for the baseline's token counts
-
-
-class RunMismatch(AndreaError):
-    """The run folder holds a run of another trajectory config, tokenizer, data or model size."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,13 +163,16 @@ class History:
         self.events = [r for r in self.events if r["step"] <= step]
         self.samples = [r for r in self.samples if r["step"] <= step]
 
-    def load(self, paths: dict) -> None:
-        if paths["loss"].is_file():
-            d = read_json(paths["loss"], "loss history")
-            self.train, self.val = list(d.get("train", [])), list(d.get("val", []))
-            self.pulls, self.events = list(d.get("pulls", [])), list(d.get("events", []))
-        if paths["samples"].is_file():
-            self.samples = list(read_json(paths["samples"], "samples").get("samples", []))
+    def load(self, folder: runs.RunFolder) -> None:
+        d = runs.read_history(folder.loss)
+        self.train, self.val, self.pulls, self.events = d["train"], d["val"], d["pulls"], d["events"]
+        self.samples = list(runs.read_samples(folder.samples))
+
+    def loss_doc(self) -> dict:
+        return {"format": LOSS_FORMAT, "train": self.train, "val": self.val, "pulls": self.pulls, "events": self.events}
+
+    def samples_doc(self) -> dict:
+        return {"format": SAMPLES_FORMAT, "samples": self.samples}
 
 
 class Trainer:
@@ -169,7 +184,7 @@ class Trainer:
 
         self.cfg, self.phase, self.tcfg = cfg, phase, cfg["train"]
         self.console = console or Console(stderr=True, soft_wrap=True)
-        self.out, self.paths = Path(out), ck.run_paths(out)
+        self.out, self.folder = Path(out), runs.RunFolder(out)
         self.tok = load_tokenizer(tokenizer)
         self.shards = load_shards(tokens, "train", self.tok.vocab_size)
         self.val_shards = load_shards(tokens, "val", self.tok.vocab_size, required=False)
@@ -205,35 +220,21 @@ class Trainer:
         self._unigram_logp: np.ndarray | None = None
 
     # ------------------------------------------------------------------ state
-    def _check_state(self, state: dict, where: Path, want_phase: str) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise AndreaError(f"{where}: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
-        if state.get("phase") != want_phase:
-            raise AndreaError(f"{where}: a {state.get('phase')!r} run, expected {want_phase!r}")
-        if state.get("tokenizer_sha256") != self.tok.sha256:
-            raise RunMismatch(f"{where}: trained with tokenizer {str(state.get('tokenizer_sha256'))[:12]}..., "
-                              f"but --tokenizer is {self.tok.sha256[:12]}...")
-        if state.get("config_hash") != self.hash:
-            raise RunMismatch(f"{where}: trained with another config (config_hash {str(state.get('config_hash'))[:12]}... "
-                              f"!= {self.hash[:12]}...); only train.log_every/checkpoint_every/eval_every/eval_batches "
-                              "may change on resume: use the same params or a new --out")
-        fp = state.get("train_shards")
-        if fp is not None and fp != shard_fingerprint(self.shards):
-            raise RunMismatch(f"{where}: the train token shards changed since this run was made "
-                              f"({fp} != {shard_fingerprint(self.shards)}): re-run from scratch with a new --out")
-        if state.get("n_params") != self.engine.n_params:
-            raise RunMismatch(f"{where}: n_params {state.get('n_params')} != the model's {self.engine.n_params}")
-
-    def _load_run(self, paths: dict, want_phase: str) -> tuple[dict, int]:
-        state = read_json(paths["state"], "run state")
-        self._check_state(state, paths["state"], want_phase)
-        step, w, m, v = ck.read_checkpoint(paths["bin"], self.engine.n_params)
-        if state.get("step") != step:
-            raise AndreaError(f"{paths['state']}: step {state.get('step')} but {paths['bin']} holds step {step} "
-                              "(a crash between the two writes?)")
-        if state.get("checkpoint_sha256") not in (None, sha256_file(paths["bin"])):
-            raise AndreaError(f"{paths['bin']}: sha256 differs from the one in {paths['state']} (modified or corrupt)")
+    def _load_run(self, folder: runs.RunFolder, want_phase: str) -> tuple[dict, int]:
+        state = folder.read_state()
+        runs.check_resume(state, folder.state, phase=want_phase, tokenizer_sha256=self.tok.sha256,
+                          config_hash=self.hash, train_shards=shard_fingerprint(self.shards),
+                          n_params=self.engine.n_params)
+        step, w, m, v = folder.read_checkpoint(state, self.engine.n_params)
         self.engine.load_state(w, m, v)
+        extra = state.get("engine")
+        if extra is not None:
+            load = getattr(self.engine, "load_extra_state", None)
+            if load is None:
+                raise AndreaError(f"{folder.state}: holds engine state ({', '.join(sorted(extra))}) that the "
+                                  f"{self.engine.be.name} engine cannot restore (made with another train.precision "
+                                  "or backend?)")
+            load(extra)
         return state, step
 
     def _slices(self) -> int:
@@ -246,13 +247,13 @@ class Trainer:
         from andrea.curriculum import make_curriculum
 
         stale = ""
-        if self.paths["bin"].exists() and self.on_mismatch == "restart":
+        if self.folder.exists() and self.on_mismatch == "restart":
             try:
-                self._load_run(self.paths, self.phase)
-            except RunMismatch as e:
+                self._load_run(self.folder, self.phase)
+            except (RunMismatch, SplitPair) as e:
                 stale = self._move_aside(str(e))
-        if self.paths["bin"].exists():
-            state, step = self._load_run(self.paths, self.phase)
+        if self.folder.exists():
+            state, step = self._load_run(self.folder, self.phase)
             self.cur = make_curriculum(self.cfg, self.shards, self.phase, self.seed)
             self.cur.load_state_dict(state["curriculum"])
             self.rng.bit_generator.state = state["rng"]["train"]
@@ -260,9 +261,9 @@ class Trainer:
             for h in self.hooks:
                 if h.load and h.name in state.get("hooks", {}):
                     h.load(state["hooks"][h.name])
-            self.hist.load(self.paths)
+            self.hist.load(self.folder)
             self.hist.truncate(step)
-            self.hist.events.append({"step": step, "kind": "resume", "detail": f"resumed from {self.paths['bin']}"})
+            self.hist.events.append({"step": step, "kind": "resume", "detail": f"resumed from {self.folder.bin}"})
             was = state.get("batch_slices", self._slices())
             if was != self._slices():
                 note = (f"the run so far split each batch over {was} CPU thread(s), this process over "
@@ -274,15 +275,15 @@ class Trainer:
         if self.phase == "main":
             if self._init is None:
                 raise AndreaError("--phase main needs --init <the warmup run folder>")
-            ipaths = ck.run_paths(self._init)
-            if not ipaths["bin"].is_file():
-                raise AndreaError(f"{ipaths['bin']}: warmup checkpoint not found (run --phase warmup first)")
-            state, step = self._load_run(ipaths, "warmup")
+            init = runs.RunFolder(self._init)
+            if not init.bin.is_file():
+                raise AndreaError(f"{init.bin}: warmup checkpoint not found (run --phase warmup first)")
+            state, step = self._load_run(init, "warmup")
             if state.get("halt"):
-                raise AndreaError(f"{ipaths['state']}: the warmup run halted at step {state['halt'].get('step')}: "
+                raise AndreaError(f"{init.state}: the warmup run halted at step {state['halt'].get('step')}: "
                                   f"{state['halt'].get('reason')}")
             if step != self.start:
-                raise AndreaError(f"{ipaths['bin']}: warmup checkpoint at step {step}, expected "
+                raise AndreaError(f"{init.bin}: warmup checkpoint at step {step}, expected "
                                   f"curriculum.warmup_steps={self.start} (warmup unfinished?)")
             self.cur = make_curriculum(self.cfg, self.shards, "main", self.seed)
             self.cur.load_state_dict(state["curriculum"])
@@ -291,10 +292,10 @@ class Trainer:
                 if h.load and h.name in state.get("hooks", {}):
                     h.load(state["hooks"][h.name])
             self.step = step
-            self.hist.load(ipaths)
+            self.hist.load(init)
             self.hist.truncate(step)
-            self.hist.events.append({"step": step, "kind": "phase", "detail": f"main starts from {ipaths['bin']}"})
-            return stale + f"main phase from {ipaths['bin']} at step {step}"
+            self.hist.events.append({"step": step, "kind": "phase", "detail": f"main starts from {init.bin}"})
+            return stale + f"main phase from {init.bin} at step {step}"
         self.engine.init_weights(self.seed)
         self.cur = make_curriculum(self.cfg, self.shards, "warmup", self.seed)
         self.step = 0
@@ -304,30 +305,21 @@ class Trainer:
     def _move_aside(self, why: str) -> str:
         """Move the run files of a mismatched run to a sibling folder (nothing is deleted)."""
         try:
-            old_hash = str(read_json(self.paths["state"], "run state").get("config_hash", "unknown"))[:12]
+            old_hash = str(self.folder.read_state().get("config_hash", "unknown"))[:12]
         except AndreaError:
             old_hash = "unknown"
-        dest = self.out.with_name(f"{self.out.name}.stale-{old_hash}")
-        k = 1
-        while dest.exists():
-            k += 1
-            dest = self.out.with_name(f"{self.out.name}.stale-{old_hash}-{k}")
-        dest.mkdir(parents=True)
-        for p in self.paths.values():
-            if p.exists():
-                p.replace(dest / p.name)
+        dest = self.folder.move_aside(old_hash)
         self.console.print(f"--on-mismatch restart: moved the old run to {dest} ({why})")
         return f"old run moved to {dest}; "
 
     def checkpoint(self, why: str) -> None:
-        """model.bin, then model.state.json, model.loss.json, model.samples.json (each atomic)."""
+        """model.bin, model.state.json, model.loss.json, model.samples.json: one unit (andrea/runs.py)."""
         be = self.engine.be
         host = [np.ascontiguousarray(be.to_host(a), dtype=np.float32) for a in (self.engine.w, self.engine.m, self.engine.v)]
-        ck.write_checkpoint(self.paths["bin"], self.step, *host)
         state = {
             "format": STATE_FORMAT, "step": self.step, "phase": self.phase,
             "config_hash": self.hash, "tokenizer_sha256": self.tok.sha256,
-            "n_params": self.engine.n_params, "checkpoint_sha256": sha256_file(self.paths["bin"]),
+            "n_params": self.engine.n_params, "checkpoint_sha256": None,   # filled in by the commit
             "train_shards": shard_fingerprint(self.shards),
             "model": {"vocab_size": self.mc.vocab_size, "d_model": self.mc.d_model, "n_head": self.mc.n_head,
                       "n_layer": self.mc.n_layer, "context": self.mc.context},
@@ -340,14 +332,14 @@ class Trainer:
             "batch_slices": self._slices(),
             "saved_because": why, "time": time.time(), "config": self.cfg,
         }
-        atomic_write_json(self.paths["state"], state)
-        self.write_history()
+        extra = getattr(self.engine, "extra_state", None)
+        if callable(extra):
+            state["engine"] = extra()
+        self.folder.commit(self.step, *host, state=state, loss=self.hist.loss_doc(), samples=self.hist.samples_doc())
+        self._last_loss_write = time.time()
 
     def write_history(self) -> None:
-        h = self.hist
-        atomic_write_json(self.paths["loss"], {"format": LOSS_FORMAT, "train": h.train, "val": h.val,
-                                               "pulls": h.pulls, "events": h.events})
-        atomic_write_json(self.paths["samples"], {"format": SAMPLES_FORMAT, "samples": h.samples})
+        self.folder.write_history(self.hist.loss_doc(), self.hist.samples_doc())
         self._last_loss_write = time.time()
 
     # ------------------------------------------------------------------ eval
@@ -406,6 +398,21 @@ class Trainer:
         return res, lr, "+".join(sorted(set(srcs))), self.accum * self.B * self.T / max(dt, 1e-9)
 
     def run(self) -> int:
+        """Restore, train to the phase's end (or a signal / halt), checkpoint. The signal handlers
+        are this object's from the first line to the last; the folder is locked meanwhile."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        self._signals += EARLY_SIGNALS
+        EARLY_SIGNALS.clear()
+        try:
+            with self.folder.writing() as repaired:
+                for note in repaired:
+                    self.console.print(f"{self.folder.dir}: {note}")
+                return self._run()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _run(self) -> int:
         what = self.restore()
         c = self.console
         c.print(f"train {self.phase}: {what}; backend {self.backend_reason}")
@@ -413,22 +420,38 @@ class Trainer:
         c.print(f"steps {self.start} -> {self.end} of train.max_steps={self.tcfg['max_steps']} (global); "
                 f"{self.accum}x{self.B}x{self.T} tokens/step; sources: {', '.join(self.cur.eligible)}")
         if self.halt:
-            msg = f"{self.paths['state']}: run halted at step {self.halt.get('step')}: {self.halt.get('reason')}"
+            msg = f"{self.folder.state}: run halted at step {self.halt.get('step')}: {self.halt.get('reason')}"
             if self.halt.get("kind") == "bad_steps":
                 raise AndreaError(msg)
             c.print(msg + " (nothing to do)")
             return 0
         if self.step >= self.end:
-            c.print(f"{self.paths['bin']}: already at step {self.step} >= {self.end}; nothing to do")
-            if not self.paths["bin"].exists():
+            c.print(f"{self.folder.bin}: already at step {self.step} >= {self.end}; nothing to do")
+            if not self.folder.bin.exists():
                 self.checkpoint("phase has no steps")
             return 0
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        try:
-            return self._loop()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+        if self._early_signals():
+            return 0
+        return self._loop()
+
+    def _early_signals(self) -> bool:
+        """Signals that came while the run was set up; True when SIGTERM says stop. A run resumed
+        from this folder has its checkpoint on disk already; a fresh one gets its first."""
+        sigs, self._signals = self._signals, []
+        if not sigs:
+            return False
+        current = self.folder.committed_step == self.step
+        name = "SIGTERM" if signal.SIGTERM in sigs else "SIGUSR1"
+        if current:
+            self.console.print(f"{name} before the first step: {self.folder.bin} (step {self.step}) is current")
+        else:
+            self.hist.events.append({"step": self.step, "kind": "checkpoint", "detail": f"{name} before the first step"})
+            self.checkpoint(f"{name} before the first step")
+            self.console.print(f"{name} before the first step: checkpoint at step {self.step}")
+        if signal.SIGTERM in sigs:
+            self.console.print("SIGTERM: exiting")
+            return True
+        return False
 
     def _loop(self) -> int:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -462,7 +485,7 @@ class Trainer:
                                      "reason": f"{self.bad['consecutive']} consecutive steps with a NaN/inf loss or "
                                                f"gradient (train.max_bad_steps={max_bad}); weights are the last good ones"}
                         self.checkpoint("halt: bad steps")
-                        raise AndreaError(f"{self.paths['state']}: halted at step {self.step}: {self.halt['reason']}")
+                        raise AndreaError(f"{self.folder.state}: halted at step {self.step}: {self.halt['reason']}")
                 if s % log_every == 0 or self.step == self.end or not res.ok:
                     self.hist.train.append({"step": s, "phase": self.phase, "loss": _num(res.loss), "lr": lr,
                                             "grad_norm": _num(res.grad_norm), "tokens_per_s": round(tps, 1),
@@ -543,10 +566,21 @@ def coherence_hook(trainer: Trainer) -> Hook:
 
 
 def run(args: argparse.Namespace, cfg: dict) -> int:
-    tr = Trainer(cfg, args.phase, args.tokenizer, args.tokens, args.out, args.init,
-                 on_mismatch=getattr(args, "on_mismatch", "refuse"))
-    tr.hooks.append(coherence_hook(tr))
-    return tr.run()
+    try:
+        tr = Trainer(cfg, args.phase, args.tokenizer, args.tokens, args.out, args.init,
+                     on_mismatch=getattr(args, "on_mismatch", "refuse"))
+        tr.hooks.append(coherence_hook(tr))
+        return tr.run()
+    finally:
+        if CLI_PROCESS:
+            _ignore_signals_on_exit()
+
+
+def _ignore_signals_on_exit() -> None:
+    # the stage is over (its checkpoint landed, or it failed with its message): a SIGTERM
+    # during the interpreter's exit has nothing left to save and must not turn exit 0 into -15
+    for s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_IGN)
 
 
 if __name__ == "__main__":  # pragma: no cover

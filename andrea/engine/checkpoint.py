@@ -1,9 +1,10 @@
 """Checkpoint I/O: the fixed binary checkpoint and the run files beside it.
 
     from andrea.engine import checkpoint as ck
-    ck.write_checkpoint(path, step, w, m, v)           # atomic (temp file, fsync, rename)
+    sha = ck.write_checkpoint(path, step, w, m, v)     # atomic (temp file, fsync, rename); its sha256
     step, w, m, v = ck.read_checkpoint(path, n_params)  # float32 host arrays; refuses bad files
     step, w = ck.read_weights(path, n_params)           # weights only (inference)
+    step, n = ck.read_header(path)                      # the checked header alone
 
 File layout, little-endian, exactly:
     [int32 step][int32 n_params][n_params x f32 weights][n_params x f32 m][n_params x f32 v]
@@ -11,12 +12,14 @@ so its size is 8 + 12 * n_params bytes. A file of another size (truncated, or ma
 another model), a negative step or an n_params other than the model's is refused with an
 AndreaError naming the file.
 
-Beside ``model.bin``: ``model.state.json`` (everything else a resume needs; see
-andrea/train.py) and ``model.loss.json`` (the history). ``run_paths(out)`` names them.
+This module is the file format only; the run folder around it (the state, the history,
+how a checkpoint and its state land together) is andrea/runs.py.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import struct
 from pathlib import Path
 
@@ -29,27 +32,31 @@ HEAD = struct.Struct("<ii")
 F32 = np.dtype("<f4")
 
 
-def run_paths(out: str | Path) -> dict[str, Path]:
-    out = Path(out)
-    return {"bin": out / "model.bin", "state": out / "model.state.json", "loss": out / "model.loss.json",
-            "samples": out / "model.samples.json"}
-
-
-def write_checkpoint(path: str | Path, step: int, w: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
-    """Write the checkpoint atomically. w, m, v: host float32 arrays of n_params each."""
+def write_checkpoint(path: str | Path, step: int, w: np.ndarray, m: np.ndarray, v: np.ndarray,
+                     atomic: bool = True) -> str:
+    """Write the checkpoint (atomically unless ``atomic=False``: then plainly, fsynced, for a
+    folder that lands as a whole) and return the file's sha256. w, m, v: host float32 arrays
+    of n_params each."""
     n = int(w.size)
     if not 0 <= step < 2 ** 31 or n >= 2 ** 31:
         raise AndreaError(f"{path}: step {step} / n_params {n} do not fit the int32 header")
     for name, a in (("weights", w), ("m", m), ("v", v)):
         if a.dtype != F32 or a.size != n:
             raise AndreaError(f"{path}: {name} must be {n} little-endian float32 values, got {a.dtype} x {a.size}")
-    with atomic_open(path, "wb") as f:
-        f.write(HEAD.pack(int(step), n))
-        for a in (w, m, v):
-            f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+    h = hashlib.sha256()
+    with atomic_open(path, "wb") if atomic else open(path, "wb") as f:
+        for block in [HEAD.pack(int(step), n)] + [memoryview(np.ascontiguousarray(a)).cast("B") for a in (w, m, v)]:
+            f.write(block)
+            h.update(block)
+        if not atomic:
+            f.flush()
+            os.fsync(f.fileno())
+    return h.hexdigest()
 
 
-def _open_checked(path: Path, n_params: int | None) -> tuple[int, int]:
+def read_header(path: str | Path, n_params: int | None = None) -> tuple[int, int]:
+    """``(step, n_params)`` of a checkpoint whose header and size are right; else an AndreaError naming it."""
+    path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -72,7 +79,7 @@ def _open_checked(path: Path, n_params: int | None) -> tuple[int, int]:
 
 def read_checkpoint(path: str | Path, n_params: int | None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     path = Path(path)
-    step, n = _open_checked(path, n_params)
+    step, n = read_header(path, n_params)
     with open(path, "rb") as f:
         f.seek(HEAD.size)
         data = np.fromfile(f, dtype=F32, count=3 * n)
@@ -83,7 +90,7 @@ def read_checkpoint(path: str | Path, n_params: int | None) -> tuple[int, np.nda
 
 def read_weights(path: str | Path, n_params: int | None) -> tuple[int, np.ndarray]:
     path = Path(path)
-    step, n = _open_checked(path, n_params)
+    step, n = read_header(path, n_params)
     with open(path, "rb") as f:
         f.seek(HEAD.size)
         w = np.fromfile(f, dtype=F32, count=n)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea import coherence
+from andrea import coherence, runs
 from andrea.errors import AndreaError
 from andrea.fsutil import atomic_write_json, atomic_write_text, read_json
 
@@ -138,42 +138,6 @@ def summarize(samples: list[dict]) -> dict:
     return out
 
 
-def find_checkpoints(run: Path, extra: list[str] | tuple = ()) -> list[tuple[int, Path, bool]]:
-    """``[(step, path, is_final)]``: archived checkpoints (any other ``*.bin`` in the checkpoint
-    format under the run folder, plus ``extra`` files such as the warmup run's ``model.bin``)
-    ordered by step, then the final ``model.bin``."""
-    from andrea.engine.checkpoint import HEAD
-
-    final = run / "model.bin"
-    if not final.is_file():
-        raise AndreaError(f"{final}: final checkpoint not found (train the run first)")
-    found = []
-    extras = []
-    for e in extra:
-        ep = Path(e)
-        ep = ep / "model.bin" if ep.is_dir() else ep
-        if not ep.is_file():
-            raise AndreaError(f"{ep}: extra checkpoint not found")
-        extras.append(ep)
-    for p in sorted(run.rglob("*.bin")) + extras:
-        if p == final or p.name.startswith("."):
-            continue
-        with open(p, "rb") as f:
-            head = f.read(HEAD.size)
-        if len(head) == HEAD.size:
-            step, n = HEAD.unpack(head)
-            if step >= 0 and n > 0 and p.stat().st_size == HEAD.size + 12 * n:
-                found.append((step, p, False))
-            elif p in extras:
-                raise AndreaError(f"{p}: not a checkpoint of the ANDREA format (bad header or size)")
-    found.sort(key=lambda t: (t[0], str(t[1])))
-    with open(final, "rb") as f:
-        head = f.read(HEAD.size)
-    if len(head) < HEAD.size:
-        raise AndreaError(f"{final}: too short for a checkpoint header (truncated?)")
-    return found + [(HEAD.unpack(head)[0], final, True)]
-
-
 def sample_checkpoint(model, tok, prompts: list[Prompt], cfg: dict, progress=None, task=None) -> list[dict]:
     from andrea.generate import SamplingOptions, generate
 
@@ -199,14 +163,13 @@ def sample_checkpoint(model, tok, prompts: list[Prompt], cfg: dict, progress=Non
 def training_summary(run: Path) -> dict:
     """What the run itself recorded: its coherence checks (.samples.json) and any halt (.state.json)."""
     out: dict = {"coherence_checks": 0, "samples": 0, "last_check_step": None, "halt": None}
-    sp = run / "model.samples.json"
-    if sp.is_file():
-        samples = read_json(sp, "samples").get("samples", [])
+    rf = runs.RunFolder(run)
+    if rf.samples.is_file():
+        samples = runs.read_samples(rf.samples)
         steps = sorted({int(s["step"]) for s in samples if isinstance(s, dict) and "step" in s})
         out.update(coherence_checks=len(steps), samples=len(samples), last_check_step=steps[-1] if steps else None)
-    st = run / "model.state.json"
-    if st.is_file():
-        out["halt"] = read_json(st, "run state").get("halt")
+    if rf.state.is_file():
+        out["halt"] = read_json(rf.state, "run state").get("halt")
     return out
 
 
@@ -281,7 +244,7 @@ def run(args, cfg) -> int:
 
     run_dir, out = Path(args.run), Path(args.out)
     console = Console(stderr=True)
-    ckpts = find_checkpoints(run_dir, args.extra_checkpoint)
+    ckpts = runs.find_checkpoints(run_dir, args.extra_checkpoint)
     if args.final_only:
         ckpts = [c for c in ckpts if c[2]]
     be, why = select_backend(cfg["train"]["backend"])

@@ -30,6 +30,8 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+from andrea import runs
+
 KEYS = ("train", "val", "pulls", "events")
 HOST = "127.0.0.1"
 NOT_YET = "not written yet"
@@ -76,7 +78,7 @@ class History:
     """``model.loss.json`` of a run, parsed again only when the file changes."""
 
     def __init__(self, run: Path):
-        self.path = run / "model.loss.json"
+        self.path = runs.RunFolder(run).loss
         self._key = None
         self._data: dict | None = None
         self._why = NOT_YET

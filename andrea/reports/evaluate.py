@@ -125,18 +125,9 @@ def unigram_baseline(train_shards: dict, val: dict, vocab_size: int, byte_len: n
 
 # ------------------------------------------------------------------ history figures
 def load_history(run: Path) -> dict:
-    from andrea.fsutil import read_json
+    from andrea import runs
 
-    p = run / "model.loss.json"
-    if not p.is_file():
-        return {"train": [], "val": [], "pulls": [], "events": []}
-    d = read_json(p, "loss history")
-    for k in ("train", "val", "pulls", "events"):
-        v = d.get(k, [])
-        if not isinstance(v, list):
-            raise AndreaError(f"{p}: '{k}' must be a list")
-        d[k] = [r for r in v if isinstance(r, dict)]
-    return d
+    return runs.read_history(runs.RunFolder(run).loss)
 
 
 def _num(v) -> float | None:
