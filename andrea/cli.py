@@ -31,20 +31,23 @@ class Command:
     module: str
     help: str
     needs_config: bool = True
+    checks_backend: bool = False  # refuse at once a config this machine cannot train (config.check_backend)
 
 
 COMMANDS: dict[str, Command] = {
     "build-embedded": Command("andrea.data.embedded", "build the embedded corpus from text that ships with CPython", False),
     "pull-hermes3": Command("andrea.data.hermes3", "fetch Hermes-3 (hub | local | embedded) into Parquet + MANIFEST.json"),
     "prep-megachat": Command("andrea.data.megachat", "merge, filter, dedupe and split the sources into megachat"),
-    "tokenizer": Command("andrea.tokenizer.stage", "train the Harris morpheme tokenizer"),
-    "diet-alignment": Command("andrea.diet", "measure the tokenizer against the data diet; write token shards"),
-    "train": Command("andrea.train", "train a model (--phase warmup | main)"),
+    "tokenizer": Command("andrea.tokenizer.stage", "train the Harris morpheme tokenizer", checks_backend=True),
+    "diet-alignment": Command("andrea.diet", "measure the tokenizer against the data diet; write token shards",
+                              checks_backend=True),
+    "train": Command("andrea.train", "train a model (--phase warmup | main)", checks_backend=True),
     "audit": Command("andrea.reports.audit", "sample fixed prompts from a run and score coherence"),
     "eval": Command("andrea.reports.evaluate", "held-out bits per byte, coherence, judge; eval.html + metrics.json"),
     "sample": Command("andrea.generate", "sample text from a checkpoint"),
     "chat": Command("andrea.chat", "chat with a checkpoint in the chat template"),
     "dashboard": Command("andrea.reports.dashboard", "serve a live loss dashboard for a run on 127.0.0.1", False),
+    "stages": Command("andrea.stages", "the pipeline's stage table; --write regenerates dvc.yaml and params.yaml", False),
 }
 
 
@@ -87,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             from andrea.config import load_config
 
             cfg = load_config(args.params, args.profile, args.overrides)
+            if cmd.checks_backend:
+                from andrea.config import check_backend
+
+                if note := check_backend(cfg):
+                    print(f"andrea {name}: {note}", file=sys.stderr)
         return int(module.run(args, cfg) or 0)
     except AndreaError as e:
         print(f"andrea {name}: error: {e}", file=sys.stderr)

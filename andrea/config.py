@@ -1,13 +1,19 @@
-"""Params: load ``params.yaml``, overlay ``params/<profile>.yaml``, apply ``-S`` overrides,
-validate the result against ``workflow/schemas/params.schema.yaml``.
+"""Params: the effective config of a run, composed and validated.
 
     from andrea.config import load_config
-    cfg = load_config("params.yaml", "tiny", ["bandit.coverage_bonus=1.3"])
+    cfg = load_config("params.yaml", "tiny", ["bandit.coverage_bonus=1.3"])  # compose profile tiny
+    cfg = load_config("params.yaml")                                         # params.yaml as it is
 
-Precedence: params.yaml < overlay < overrides. Overlays and overrides may only name
-keys the schema knows; an unknown key, a wrong type or an out-of-range value raises
-ConfigError naming the dotted key. The merged config carries ``profile`` set to the
-overlay actually applied, so ``config_hash(cfg)`` tells two runs apart.
+With a profile, the config is composed from ``params/``: ``params/config.yaml`` (the base
+recipe) < ``params/profile/<profile>.yaml`` < overrides, the same composition DVC's Hydra
+integration performs on ``dvc exp run -S ...`` (``-S profile=P`` picks the profile there; here
+an override ``profile=P`` does the same). Without one, ``params.yaml`` is read as the
+effective config it is: the composed default profile, or what ``dvc exp run`` wrote.
+
+Overlays and overrides may only name keys the schema knows; an unknown key, a wrong type, an
+out-of-range or non-finite number raises ConfigError naming the dotted key. The result
+carries ``profile`` and its top-level keys in schema order, so ``config_hash(cfg)`` and the
+run state's bytes are the same whichever front end composed it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,8 @@ def _read_yaml(path: Path) -> dict:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if data is None:
@@ -85,9 +94,24 @@ def find_schema(params_path: Path) -> Path:
     raise ConfigError(f"schema {SCHEMA_RELPATH} not found beside {params_path}")
 
 
+def _non_finite(node: Any, where: str = ""):
+    """Dotted keys of the NaN/inf floats in ``node`` (JSON schema cannot exclude NaN)."""
+    if isinstance(node, float) and not math.isfinite(node):
+        yield where or "<top>", node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _non_finite(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _non_finite(v, f"{where}.{i}")
+
+
 def validate(cfg: dict, schema_path: Path) -> None:
     import jsonschema
 
+    bad = list(_non_finite(cfg))
+    if bad:
+        raise ConfigError("invalid params: " + "; ".join(f"{k}: {v} is not a finite number" for k, v in bad[:10]))
     schema = yaml.safe_load(schema_path.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(cfg), key=lambda e: list(map(str, e.absolute_path)))
@@ -104,22 +128,52 @@ def validate(cfg: dict, schema_path: Path) -> None:
         raise ConfigError("invalid params: " + "; ".join(lines))
 
 
+def default_profile(params_dir: Path) -> str:
+    """The profile ``params/config.yaml``'s Hydra defaults list selects."""
+    for entry in _read_yaml(params_dir / "config.yaml").get("defaults") or []:
+        if isinstance(entry, dict) and "profile" in entry:
+            return str(entry["profile"])
+    raise ConfigError(f"{params_dir / 'config.yaml'}: its defaults list names no profile")
+
+
+def compose(params_dir: Path, profile: str) -> dict:
+    """``params/config.yaml`` (without its defaults list) overlaid by ``params/profile/<profile>.yaml``."""
+    base = _read_yaml(params_dir / "config.yaml")
+    base.pop("defaults", None)
+    overlay_path = params_dir / "profile" / f"{profile}.yaml"
+    if not overlay_path.is_file():
+        known = sorted(p.stem for p in (params_dir / "profile").glob("*.yaml"))
+        raise ConfigError(f"profile {profile!r}: {overlay_path} not found (known: {', '.join(known) or 'none'})")
+    return deep_merge(base, _read_yaml(overlay_path))
+
+
+def _schema_order(cfg: dict, schema_path: Path) -> dict:
+    order = list(yaml.safe_load(schema_path.read_text(encoding="utf-8")).get("properties", {}))
+    rank = {k: i for i, k in enumerate(order)}
+    return dict(sorted(cfg.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+
 def load_config(params: str | Path = "params.yaml", profile: str | None = None,
                 overrides: list[str] | None = None) -> dict:
     params_path = Path(params)
-    cfg = _read_yaml(params_path)
-    profile = profile or cfg.get("profile")
-    if not profile:
-        raise ConfigError(f"{params_path}: no --profile given and no `profile` key")
-    overlay_path = params_path.parent / "params" / f"{profile}.yaml"
-    if not overlay_path.is_file():
-        known = sorted(p.stem for p in (params_path.parent / "params").glob("*.yaml"))
-        raise ConfigError(f"profile {profile!r}: {overlay_path} not found (known: {', '.join(known) or 'none'})")
-    cfg = deep_merge(cfg, _read_yaml(overlay_path))
-    for item in overrides or []:
+    overrides = list(overrides or [])
+    picks = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "profile" and "=" in o]
+    overrides = [o for o in overrides if o.split("=", 1)[0].strip() != "profile" or "=" not in o]
+    if picks:
+        profile = picks[-1]
+    if profile:
+        cfg = compose(params_path.parent / "params", profile)
+    else:
+        cfg = _read_yaml(params_path)
+        profile = cfg.get("profile")
+        if not profile:
+            raise ConfigError(f"{params_path}: no --profile given and no `profile` key")
+    for item in overrides:
         apply_override(cfg, item)
     cfg["profile"] = profile
-    validate(cfg, find_schema(params_path))
+    schema = find_schema(params_path)
+    cfg = _schema_order(cfg, schema)
+    validate(cfg, schema)
     return cfg
 
 
@@ -134,3 +188,51 @@ def config_hash(cfg: dict) -> str:
     """sha256 of the canonical JSON of a merged config."""
     blob = json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+# --- can this machine train this config? ------------------------------------------------------
+
+GPU_INSTALL = "pip install -e '.[gpu-cuda13]' (CUDA 13) or pip install -e '.[gpu]' (CUDA 12)"
+# Training compute above which `train.backend: auto` refuses to fall back to NumPy: 6 * params *
+# tokens FLOPs. The NumPy engine does ~1e11 FLOP/s on this project's 2-core CI box (the tiny
+# profile, 7e12 FLOPs, trains in ~80 s), so 1e15 is about three hours there; ANDREA-12M is 6e16.
+CPU_FLOPS = 1e11
+NUMPY_MAX_FLOPS = 1e15
+
+
+def train_flops(cfg: dict) -> float:
+    m, t = cfg["model"], cfg["train"]
+    vocab = 256 + cfg["tokenizer"]["n_morphemes"] + 1
+    n_params = 12 * m["n_layer"] * m["d_model"] ** 2 + (vocab + m["context"]) * m["d_model"]
+    tokens = t["max_steps"] * t["batch_size"] * t["grad_accum"] * m["context"]
+    return 6.0 * n_params * tokens
+
+
+def check_backend(cfg: dict) -> str:
+    """Refuse, before any work, a config this machine cannot train (ConfigError naming
+    train.backend / train.precision and the install command). Returns what ``auto`` will pick,
+    or "" for an explicit backend."""
+    import importlib.util
+
+    t = cfg["train"]
+    backend, precision = t["backend"], t["precision"]
+    has_cupy = importlib.util.find_spec("cupy") is not None
+    where = f"profile {cfg['profile']}"
+    if has_cupy:
+        if backend == "auto":
+            return f"{where}: train.backend=auto -> cupy where a CUDA device is usable (CuPy is installed), else numpy"
+        return ""
+    if precision != "fp32":
+        raise ConfigError(f"{where}: train.precision={precision} needs CuPy (the NumPy engine runs fp32 only) and "
+                          f"CuPy is not installed: {GPU_INSTALL}; or set train.precision=fp32 train.backend=numpy")
+    if backend == "cupy":
+        raise ConfigError(f"{where}: train.backend=cupy but CuPy is not installed: {GPU_INSTALL}")
+    if backend == "auto":
+        flops = train_flops(cfg)
+        if flops > NUMPY_MAX_FLOPS:
+            hours = flops / CPU_FLOPS / 3600
+            raise ConfigError(f"{where}: train.backend=auto and CuPy is not installed; on NumPy this run ({flops:.1e} "
+                              f"FLOPs) takes ~{hours:,.0f} h on 2 cores: {GPU_INSTALL}, or set train.backend=numpy "
+                              f"to train it on the CPU anyway")
+        return f"{where}: train.backend=auto -> numpy (CuPy is not installed)"
+    return ""

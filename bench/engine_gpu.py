@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/engine_gpu.py                       # 12m, 120m, 480m at B=8, T=1024
     PYTHONPATH=. python3 bench/engine_gpu.py --variants andrea-12m --steps 30 --json out.json
 
-For each variant (shapes from params/<variant>.yaml; V = 256 + n_morphemes + 1): ms/step,
+For each variant (shapes from params/profile/<variant>.yaml; V = 256 + n_morphemes + 1): ms/step,
 tokens/s, MFU and peak GPU memory of
 - ours: ``GpuEngine`` in bf16 (fp32 master weights, m, v), CUDA graph of forward+backward;
 - torch.compile: the same model in PyTorch (bf16 autocast, F.scaled_dot_product_attention,
@@ -38,7 +38,7 @@ PEAK_BF16 = 989.5e12
 
 def variant_shapes(name: str) -> dict:
     base = yaml.safe_load((ROOT / "params.yaml").read_text())
-    over = yaml.safe_load((ROOT / "params" / f"{name}.yaml").read_text())
+    over = yaml.safe_load((ROOT / "params" / "profile" / f"{name}.yaml").read_text())
     m = {**base["model"], **over.get("model", {})}
     n_morph = over.get("tokenizer", {}).get("n_morphemes", base["tokenizer"]["n_morphemes"])
     return {"C": int(m["d_model"]), "H": int(m["n_head"]), "L": int(m["n_layer"]), "T": int(m["context"]),

@@ -1,5 +1,6 @@
-"""The two front ends run one pipeline: every Snakemake job has a DVC stage with the same
-`andrea` command, and its inputs/outputs lie within that stage's deps/outs.
+"""The two front ends run one pipeline, the stage table in andrea/stages.py: dvc.yaml is generated
+from it (and must not drift), every Snakemake job is a table stage under the same name with the
+same `andrea` command, inputs, outputs and code deps, and --config overrides reach every command.
 
     pytest tests/test_frontends.py
 
@@ -18,31 +19,41 @@ from pathlib import Path
 import pytest
 import yaml
 
+from andrea.config import load_config
+from andrea.stages import BY_NAME, STAGES, TRAJECTORY, drift, stage_code
+
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ["Snakefile", "workflow", "params", "params.yaml", "dvc.yaml"]
+FILES = ["Snakefile", "workflow", "params", "params.yaml", "dvc.yaml", "andrea"]
+CONFIG_FLAGS = re.compile(r"\s(--profile\s+\S+|-S\s+('[^']*'|\S+))")
 
 
 @pytest.fixture()
 def scratch(tmp_path):
     for name in FILES:
         src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+        if src.is_dir():
+            shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, tmp_path / name)
     (tmp_path / "data/embedded").mkdir(parents=True)
     (tmp_path / "data/embedded/PROVENANCE.json").write_text("{}")
     return tmp_path
 
 
-def snakemake_jobs(cwd: Path, target: str) -> list[dict]:
+def snakemake_jobs(cwd: Path, target: str, *extra: str) -> list[dict]:
     exe = Path(sys.executable).with_name("snakemake")
-    out = subprocess.run([str(exe), "-n", "-p", "--forceall", "--cores", "1", target], cwd=cwd,
-                         capture_output=True, text=True, check=True).stdout
+    r = subprocess.run([str(exe), "-n", "-p", "--forceall", "--cores", "1", target, *extra], cwd=cwd,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
     jobs, job = [], None
-    for line in out.splitlines():
+    for line in r.stdout.splitlines():
         if m := re.match(r"rule (\w+):$", line):
-            job = {"rule": m.group(1), "input": [], "output": []}
+            job = {"rule": m.group(1), "input": [], "output": [], "wildcards": {}}
             jobs.append(job)
         elif job and (m := re.match(r"\s+(input|output): (.*)$", line)):
             job[m.group(1)] = [p.strip() for p in m.group(2).split(",")]
+        elif job and (m := re.match(r"\s+wildcards: (.*)$", line)):
+            job["wildcards"] = dict(kv.strip().split("=", 1) for kv in m.group(1).split(","))
         elif job and line.startswith("Shell command: "):
             job["cmd"] = line[len("Shell command: "):]
     return [j for j in jobs if j.get("cmd", "None") != "None"]  # target rules have no command
@@ -51,49 +62,135 @@ def snakemake_jobs(cwd: Path, target: str) -> list[dict]:
 def dvc_stages(cwd: Path, profile: str, source: str) -> list[dict]:
     from dvc.repo import Repo
 
-    params = yaml.safe_load((cwd / "params.yaml").read_text())
-    params["profile"], params["hermes3"]["source"] = profile, source
-    (cwd / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    cfg = load_config(ROOT / "params.yaml", profile, [f"hermes3.source={source}"])
+    (cwd / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     if not (cwd / ".dvc").exists():
         Repo.init(str(cwd), no_scm=True)
     repo = Repo(str(cwd))
     stages = []
     for st in repo.index.stages:
         paths = lambda items: [str(Path(o.def_path)) for o in items if not type(o).__name__.startswith("Params")]
-        stages.append({"name": st.name, "cmd": st.cmd, "deps": paths(st.deps), "outs": paths(st.outs)})
+        params = [k for d in st.deps if type(d).__name__.startswith("Params") for k in d.params]
+        stages.append({"name": st.name, "cmd": st.cmd, "deps": paths(st.deps), "outs": paths(st.outs),
+                       "params": params})
     return stages
 
 
-def norm(cmd: str) -> str:
-    cmd = re.sub(r"\s*>\s*\S+\s+2>&1\s*$", "", cmd)  # Snakemake's log redirect
-    return " ".join(cmd.split())
+def strip_config(cmd: str) -> str:
+    """The command without its config selection (--profile, -S) and Snakemake's log tee."""
+    cmd = re.sub(r"\s*2>&1\s*\|\s*tee\s+\S+\s*$", "", cmd)
+    return " ".join(CONFIG_FLAGS.sub(" ", " " + cmd).split())
+
+
+def fill(text: str, variant: str, corpus: str) -> str:
+    return text.replace("{variant}", variant).replace("{corpus}", corpus)
 
 
 def within(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+def test_generated_files_match_the_table():
+    assert drift() == [], "run `andrea stages --write`"
+
+
 @pytest.mark.parametrize("target,profile,source", [("all", "tiny", "embedded"),
                                                    ("train_12m", "andrea-12m", "hub")])
-def test_same_commands_inputs_outputs(scratch, target, profile, source):
+def test_snakemake_jobs_are_table_stages(scratch, target, profile, source):
     jobs = snakemake_jobs(scratch, target)
-    stages = {norm(s["cmd"]): s for s in dvc_stages(scratch, profile, source)}
     assert jobs, "the Snakemake dry run listed no jobs"
-    matched = set()
+    assert {j["rule"] for j in jobs} == set(BY_NAME), "every stage, and only table stages, in the DAG"
     for job in jobs:
-        cmd = norm(job["cmd"])
-        assert cmd in stages, f"rule {job['rule']}: no dvc.yaml stage runs `{cmd}`"
-        st = stages[cmd]
-        matched.add(st["name"])
-        for p in job["input"]:
-            assert within(p, st["deps"]), f"rule {job['rule']}: input {p} not among stage {st['name']} deps"
+        st = BY_NAME[job["rule"]]
+        want = fill(f"andrea {st.command} {st.args}", profile, source)
+        assert strip_config(job["cmd"]) == " ".join(want.split()), f"rule {st.name}: command differs from the table"
+        code = stage_code(st)
+        data_in = [p for p in job["input"] if p not in code]
+        assert sorted(set(job["input"]) - set(data_in)) == code, f"rule {st.name}: code inputs differ from the table"
+        for p in data_in:
+            assert within(p, [fill(i, profile, source) for i in st.inputs]), f"rule {st.name}: input {p} not in table"
+        outs = [fill(o.path, profile, source) for o in st.outputs]
         for p in job["output"]:
-            assert within(p, st["outs"]), f"rule {job['rule']}: output {p} not among stage {st['name']} outs"
-    if target == "all":
-        assert matched == {s["name"] for s in stages.values()}, "dvc.yaml has stages the Snakemake DAG lacks"
+            assert within(p, outs), f"rule {st.name}: output {p} not in the table"
 
 
-def test_train_120m_dry_run_lists_data_stages(scratch):
-    rules = [j["rule"] for j in snakemake_jobs(scratch, "train_120m")]
-    for rule in ("pull_hermes3", "prep_megachat", "train_tokenizer", "align_diet", "train_warmup", "train_main"):
-        assert rule in rules
+@pytest.mark.parametrize("profile,source", [("tiny", "embedded"), ("andrea-120m", "hub")])
+def test_dvc_stages_are_table_stages(scratch, profile, source):
+    stages = dvc_stages(scratch, profile, source)
+    assert [s["name"] for s in stages] == [s.name for s in STAGES]
+    for got in stages:
+        st = BY_NAME[got["name"]]
+        assert " ".join(got["cmd"].split()) == " ".join(fill(f"andrea {st.command} {st.args}", profile, source).split())
+        assert got["deps"] == [fill(i, profile, source) for i in st.inputs] + stage_code(st)
+        assert got["outs"] == [fill(o.path, profile, source) for o in st.outputs]
+        assert got["params"] == list(st.params)
+
+
+def test_training_depends_on_every_cuda_file():
+    cuda = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "andrea/cuda").iterdir()
+                  if p.suffix in (".py", ".cu", ".cuh"))
+    for name in ("warmup", "train", "audit", "eval"):
+        assert set(cuda) <= set(stage_code(BY_NAME[name])), name
+    assert BY_NAME["warmup"].params == BY_NAME["train"].params == TRAJECTORY
+    assert not any(p.startswith("andrea/cuda") for p in stage_code(BY_NAME["tokenizer"]))
+
+
+def test_train_12m_reaches_the_reports(scratch):
+    rules = [j["rule"] for j in snakemake_jobs(scratch, "train_12m")]
+    assert {"audit", "eval", "train", "warmup"} <= set(rules)
+    assert [j["rule"] for j in snakemake_jobs(scratch, "checkpoint_12m")][-1] == "train"
+
+
+def test_config_overrides_reach_every_command(scratch):
+    jobs = snakemake_jobs(scratch, "train_120m", "--config", "hermes3={source: embedded}",
+                          "model={d_model: 64, n_head: 2}")
+    assert {j["rule"] for j in jobs} == set(BY_NAME)
+    for job in jobs:
+        assert "-S hermes3.source=embedded -S model.d_model=64 -S model.n_head=2" in job["cmd"], job["rule"]
+        assert "hub" not in job["cmd"], f"rule {job['rule']} still reads the hub corpus"
+    train = next(j for j in jobs if j["rule"] == "train")["cmd"]
+    assert train.startswith("andrea train --profile andrea-120m ")
+    # the same command line composes the config Snakemake validated: d_model 64 over the 120m profile
+    cfg = load_config(ROOT / "params.yaml", "andrea-120m", ["hermes3.source=embedded", "model.d_model=64",
+                                                             "model.n_head=2"])
+    assert (cfg["model"]["d_model"], cfg["model"]["n_layer"], cfg["train"]["precision"]) == (64, 12, "bf16")
+
+
+def test_configfile_overrides_keep_their_types(scratch):
+    (scratch / "over.yaml").write_text("train: {lr: 1.0e-3, batch_size: 4}\ndiet: {sweep: [64, 128]}\n")
+    jobs = snakemake_jobs(scratch, "all", "--configfile", "over.yaml")
+    cmd = next(j for j in jobs if j["rule"] == "warmup")["cmd"]
+    assert "-S train.lr=0.001 -S train.batch_size=4 -S 'diet.sweep=[64, 128]'" in cmd
+
+
+def test_bad_override_stops_before_any_job(scratch):
+    exe = Path(sys.executable).with_name("snakemake")
+    for bad, msg in ((["train={lr: .nan}"], "train.lr: nan is not a finite number"),
+                     (["model={d_model: big}"], "model.d_model:"),
+                     (["profile=tiny"], "the target picks the variant")):
+        r = subprocess.run([str(exe), "-n", "--cores", "1", "--config", *bad], cwd=scratch,
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and msg in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "rule " not in r.stdout
+
+
+def test_snakemake_refuses_a_gpu_profile_first(scratch):
+    """No CuPy here: train_120m (bf16) and the fp32 12M recipe on `auto` stop at parse time with
+    the install hint; `train.backend=numpy` lets the 12M recipe through (it is the user's call)."""
+    pytest.importorskip("snakemake")
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed: nothing to refuse")
+    except ImportError:
+        pass
+    exe = Path(sys.executable).with_name("snakemake")
+    r = subprocess.run([str(exe), "--cores", "1", "train_120m"], cwd=scratch, capture_output=True, text=True)
+    assert r.returncode == 3
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "train.precision=bf16" in lines[0] and "pip install -e '.[gpu-cuda13]'" in lines[0]
+    r = subprocess.run([str(exe), "--cores", "1", "checkpoint_12m"], cwd=scratch, capture_output=True, text=True)
+    assert r.returncode == 3 and "train.backend=auto" in r.stderr and "train.backend=numpy" in r.stderr
+    assert not (scratch / "data/raw").exists() and not (scratch / "logs").exists(), "a job ran"
+    r = subprocess.run([str(exe), "-n", "--cores", "1", "checkpoint_12m", "--config", "train={backend: numpy}"],
+                       cwd=scratch, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

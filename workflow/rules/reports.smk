@@ -1,32 +1,35 @@
 # Reading a run: the sample audit, then the eval report with DVC-style metrics.
 
 
-rule audit_samples:
+rule audit:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         model="runs/{variant}/main/model.bin",
         warmup="runs/{variant}/warmup/model.bin",
+        code=code("audit"),
     output:
         json="reports/{variant}/audit.json",
         md="reports/{variant}/audit.md",
     conda:
         "../envs/andrea.yaml"
     log:
-        "logs/audit_samples/{variant}.log",
+        "logs/audit/{variant}.log",
     params:
-        cfg=lambda w: section_hash(w.variant, "audit", "coherence", "seed", "model", "train"),
+        cfg=params_hash("audit"),
+        set=SET,
     shell:
-        "andrea audit --profile {wildcards.variant} --run runs/{wildcards.variant}/main"
+        "andrea audit --profile {wildcards.variant} {params.set} --run runs/{wildcards.variant}/main"
         " --extra-checkpoint runs/{wildcards.variant}/warmup --tokenizer {input.tokenizer}"
-        " --out reports/{wildcards.variant} > {log} 2>&1"
+        " --out reports/{wildcards.variant} 2>&1 | tee {log}"
 
 
-rule eval_model:
+rule eval:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         tokens="data/tokens/{variant}",
         model="runs/{variant}/main/model.bin",
         audit="reports/{variant}/audit.json",
+        code=code("eval"),
     output:
         html="reports/{variant}/eval.html",
         md="reports/{variant}/eval.md",
@@ -36,10 +39,12 @@ rule eval_model:
     conda:
         "../envs/andrea.yaml"
     log:
-        "logs/eval_model/{variant}.log",
+        "logs/eval/{variant}.log",
     threads: workflow.cores
     params:
-        cfg=lambda w: section_hash(w.variant, "eval", "model", "train"),
+        cfg=params_hash("eval"),
+        set=SET,
     shell:
-        "andrea eval --profile {wildcards.variant} --run runs/{wildcards.variant}/main --tokenizer {input.tokenizer}"
-        " --tokens {input.tokens} --audit {input.audit} --out reports/{wildcards.variant} > {log} 2>&1"
+        "andrea eval --profile {wildcards.variant} {params.set} --run runs/{wildcards.variant}/main"
+        " --tokenizer {input.tokenizer} --tokens {input.tokens} --audit {input.audit}"
+        " --out reports/{wildcards.variant} 2>&1 | tee {log}"

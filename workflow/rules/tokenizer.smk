@@ -1,28 +1,31 @@
 # Tokenizer and diet alignment, per variant (profile).
 
 
-rule train_tokenizer:
+rule tokenizer:
     input:
         train=lambda w: f"{megachat_dir(w)}/train.parquet",
+        code=code("tokenizer"),
     output:
         "data/tokenizer/{variant}/tokenizer.json",
         "data/tokenizer/{variant}/tokenizer.json.sha256",
     conda:
         "../envs/andrea.yaml"
     log:
-        "logs/train_tokenizer/{variant}.log",
+        "logs/tokenizer/{variant}.log",
     params:
-        cfg=lambda w: section_hash(w.variant, "tokenizer"),
+        cfg=params_hash("tokenizer"),
+        set=SET,
     shell:
-        "andrea tokenizer --profile {wildcards.variant} --train {input.train}"
-        " --out data/tokenizer/{wildcards.variant} > {log} 2>&1"
+        "andrea tokenizer --profile {wildcards.variant} {params.set} --train {input.train}"
+        " --out data/tokenizer/{wildcards.variant} 2>&1 | tee {log}"
 
 
-rule align_diet:
+rule diet_alignment:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         train=lambda w: f"{megachat_dir(w)}/train.parquet",
         val=lambda w: f"{megachat_dir(w)}/val.parquet",
+        code=code("diet_alignment"),
     output:
         tokens=directory("data/tokens/{variant}"),
         json="reports/{variant}/diet.json",
@@ -30,10 +33,11 @@ rule align_diet:
     conda:
         "../envs/andrea.yaml"
     log:
-        "logs/align_diet/{variant}.log",
+        "logs/diet_alignment/{variant}.log",
     params:
-        cfg=lambda w: section_hash(w.variant, "diet", "tokenizer"),
+        cfg=params_hash("diet_alignment"),
+        set=SET,
         megachat=megachat_dir,
     shell:
-        "andrea diet-alignment --profile {wildcards.variant} --tokenizer {input.tokenizer}"
-        " --megachat {params.megachat} --tokens {output.tokens} --report reports/{wildcards.variant} > {log} 2>&1"
+        "andrea diet-alignment --profile {wildcards.variant} {params.set} --tokenizer {input.tokenizer}"
+        " --megachat {params.megachat} --tokens {output.tokens} --report reports/{wildcards.variant} 2>&1 | tee {log}"

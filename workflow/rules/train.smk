@@ -1,42 +1,48 @@
 # Training: curriculum warmup, then the main run from the warmup checkpoint. A run folder left by
-# other params is moved aside (<out>.stale-<hash>) and training starts over; the same params resume.
+# other params is moved aside (<out>.stale-<hash>) and training starts over; the same params resume
+# (so a folder DVC trained with the same params is picked up, not redone).
 # Training takes every core Snakemake was given (--cores): the NumPy engine splits each batch over
 # that many threads (Snakemake passes the count as OPENBLAS_NUM_THREADS / OMP_NUM_THREADS).
+# Progress (a line per train.log_every steps: step, loss, tok/s, ETA) goes to the terminal and the log.
 
 
-rule train_warmup:
+rule warmup:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         tokens="data/tokens/{variant}",
+        code=code("warmup"),
     output:
         "runs/{variant}/warmup/model.bin",
     conda:
         "../envs/andrea.yaml"
     log:
-        "logs/train_warmup/{variant}.log",
+        "logs/warmup/{variant}.log",
     threads: workflow.cores
     params:
-        cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "coherence", "seed"),
+        cfg=params_hash("warmup"),
+        set=SET,
     shell:
-        "andrea train --phase warmup --profile {wildcards.variant} --tokenizer {input.tokenizer}"
-        " --tokens {input.tokens} --out runs/{wildcards.variant}/warmup --on-mismatch restart > {log} 2>&1"
+        "andrea train --profile {wildcards.variant} {params.set} --phase warmup --tokenizer {input.tokenizer}"
+        " --tokens {input.tokens} --out runs/{wildcards.variant}/warmup --on-mismatch restart 2>&1 | tee {log}"
 
 
-rule train_main:
+rule train:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         tokens="data/tokens/{variant}",
         warmup="runs/{variant}/warmup/model.bin",
+        code=code("train"),
     output:
         "runs/{variant}/main/model.bin",
     conda:
         "../envs/andrea.yaml"
     log:
-        "logs/train_main/{variant}.log",
+        "logs/train/{variant}.log",
     threads: workflow.cores
     params:
-        cfg=lambda w: section_hash(w.variant, "model", "train", "curriculum", "bandit", "coherence", "seed"),
+        cfg=params_hash("train"),
+        set=SET,
     shell:
-        "andrea train --phase main --profile {wildcards.variant} --tokenizer {input.tokenizer}"
+        "andrea train --profile {wildcards.variant} {params.set} --phase main --tokenizer {input.tokenizer}"
         " --tokens {input.tokens} --init runs/{wildcards.variant}/warmup --out runs/{wildcards.variant}/main"
-        " --on-mismatch restart > {log} 2>&1"
+        " --on-mismatch restart 2>&1 | tee {log}"
