@@ -5,6 +5,7 @@
 #
 #   bash bench/gpu_hashes.sh [TREE] [OUT]      # TREE: the source tree to run (default .)
 #                                              # OUT: where runs and hashes go (default $OUT/gpu_hashes)
+# (a PYTHONPATH already set is kept after TREE: e.g. a folder with jsonschema for a bare device)
 #
 # The data (tokenizer + token shards, 12M shapes: V = 4353) is built by the andrea CLI of TREE
 # from data/embedded with small -S overrides so it takes seconds; it is CPU work and the same
@@ -16,7 +17,7 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 W=$(mktemp -d)
 cd "$TREE"
-export PYTHONPATH=$TREE PYTHONUNBUFFERED=1
+export PYTHONPATH=$TREE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 A="python3 -m andrea.cli"
 $A pull-hermes3 -S hermes3.source=embedded --embedded data/embedded --out "$W/raw" > "$DEST/data.log" 2>&1
 $A prep-megachat -S hermes3.source=embedded --raw "$W/raw" --embedded data/embedded --out "$W/megachat" >> "$DEST/data.log" 2>&1
