@@ -49,7 +49,7 @@ class MirrorOps:
         k_embed_fwd(out, idx, wte, wpe, B * T, T, C, V)
 
     def embed_backward(self, dwte, dwpe, dout, idx):
-        cp = cp()
+        xp = cp()
         B, T = idx.shape
         C = dwte.shape[1]
         N = B * T
@@ -57,9 +57,9 @@ class MirrorOps:
             need("embed_backward", nm, a, np.float32)
         bufs = self._seg_cache.get(N)
         if bufs is None:  # allocated once per shape, reused every step
-            bufs = (cp.zeros(N, np.int32), cp.zeros(N + 1, np.int32), cp.zeros(N, np.int32), cp.zeros(1, np.int32))
+            bufs = (xp.zeros(N, np.int32), xp.zeros(N + 1, np.int32), xp.zeros(N, np.int32), xp.zeros(1, np.int32))
             self._seg_cache[N] = bufs
-        for dst, src in zip(bufs, embed_segments(cp.asnumpy(idx))):
+        for dst, src in zip(bufs, embed_segments(xp.asnumpy(idx))):
             dst.set(src)
         k_embed_bwd(dwte, dwpe, dout, bufs, B, T, C)
 
@@ -207,11 +207,11 @@ class MirrorOps:
         k_scale(grads, grads.size, scale)
 
     def adamw(self, w, g, m, v, n_decay, t, lr, beta1, beta2, eps, weight_decay):
-        cp = cp()
+        xp = cp()
         for nm, a in (("w", w), ("g", g), ("m", m), ("v", v)):
             need("adamw", nm, a, np.float32, size=w.size)
-        hp = cp.asarray(adam_hyper(t, lr, beta1, beta2, eps, weight_decay))
-        gstate = cp.asarray(np.array([0.0, 1.0, 1.0, 0.0], dtype=np.float32))
+        hp = xp.asarray(adam_hyper(t, lr, beta1, beta2, eps, weight_decay))
+        gstate = xp.asarray(np.array([0.0, 1.0, 1.0, 0.0], dtype=np.float32))
         k_adamw("fp32", w, g, m, v, np.uint64(0), w.size, hp, gstate, n_decay if weight_decay else 0, 0)
 
 
