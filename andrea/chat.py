@@ -49,7 +49,7 @@ def run(args, cfg) -> int:
     from dataclasses import replace
 
     from andrea.data.template import render_prompt
-    from andrea.engine.backend import select_backend
+    from andrea.backends import select_backend
 
     be, _ = select_backend(args.backend or cfg["train"]["backend"])
     lm = load_model(args.run, args.tokenizer, cfg, be)

@@ -15,9 +15,9 @@ In code (the curriculum's coherence check calls this on the training weights):
 embeddings, learned positions, GELU-tanh MLP) on top of the flat fp32 parameter buffer
 the engine trains, one view per tensor (no copy: new weights are seen at once). It keeps
 a key/value cache per layer, so the prompt costs one forward over its tokens and each
-new token costs one position. Embedding, LayerNorm, the QKV/output projections, the MLP,
-the residual adds and the tied output projection are the backend's own op functions
-(``backend.ops``); only attention is done here, against the cache. It runs on whatever
+new token costs one position. It runs the model of ``andrea/engine/recipe.py`` (the same
+``block_forward`` and ``head_forward`` as training) with the backend's own op functions
+(``backend.ops``); only the attention op is its own, against the cache. It runs on whatever
 array module the backend has (NumPy, or CuPy on the GPU); sampling runs on the host in
 float64 with a seeded ``numpy.random.Generator``, so the same seed gives the same text.
 
@@ -32,10 +32,12 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import numpy as np
 
+from andrea.engine import recipe
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
@@ -108,6 +110,16 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
 
 
 # ---------------------------------------------------------------- KV-cache forward
+class _CachedAttention:
+    """The backend's op set with ``attn_forward`` replaced by the KV-cache attention."""
+
+    def __init__(self, ops, attn_forward):
+        self._ops, self.attn_forward = ops, attn_forward
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+
 class InferenceModel:
     """The engine's model for inference, one position at a time, with a key/value cache.
 
@@ -122,6 +134,7 @@ class InferenceModel:
         self.be = backend if backend is not None else NumpyBackend()
         xp, ops = self.be.xp, self.be.ops
         self.xp, self.ops = xp, ops
+        self.cached_ops = _CachedAttention(ops, self.attn_forward)   # the recipe's ops, attention on the cache
         layout = param_layout(mc)
         if params.ndim != 1 or params.shape[0] != layout.n_params:
             raise AndreaError(f"model weights: expected a flat buffer of {layout.n_params} parameters for "
@@ -170,18 +183,21 @@ class InferenceModel:
         """Forget the cache: the next ``forward`` starts at position 0."""
         self.pos = 0
 
-    def _attend(self, l: int, n: int) -> None:
-        """Causal attention of the n new rows (positions pos..pos+n-1) over the cache of layer l."""
+    def attn_forward(self, out, att, qkv, mask, n_head: int, work) -> None:
+        """The attention op of the recipe, against the cache: ``att`` is layer l's (k, v) cache
+        (H, T, D) each; the n new rows (positions pos..pos+n-1) are appended, then attend to it."""
         xp = self.xp
-        H, D = self.mc.n_head, self.mc.head_dim
+        k_cache, v_cache = att
+        H, D = n_head, self.mc.head_dim
+        n = qkv.shape[1]
         p, S = self.pos, self.pos + n
-        qkv = self.qkv[:n].reshape(n, 3, H, D)
-        self.k_cache[l, :, p:S] = qkv[:, 1].transpose(1, 0, 2)
-        self.v_cache[l, :, p:S] = qkv[:, 2].transpose(1, 0, 2)
+        qkv = qkv.reshape(n, 3, H, D)
+        k_cache[:, p:S] = qkv[:, 1].transpose(1, 0, 2)
+        v_cache[:, p:S] = qkv[:, 2].transpose(1, 0, 2)
         q = qkv[:, 0].transpose(1, 0, 2)                                  # (H, n, D) view
         att = self.att[:H * n * S].reshape(H, n, S)
         stat = self.att_stat[:H * n].reshape(H, n, 1)
-        xp.matmul(q, self.k_cache[l, :, :S].swapaxes(-1, -2), out=att)     # (H, n, S)
+        xp.matmul(q, k_cache[:, :S].swapaxes(-1, -2), out=att)             # (H, n, S)
         att *= self.dtype.type(1.0 / math.sqrt(D))
         if n > 1:
             att += self.mask[p:S, :S]
@@ -190,8 +206,30 @@ class InferenceModel:
         xp.exp(att, out=att)
         xp.sum(att, axis=-1, keepdims=True, out=stat)
         att /= stat
-        y = self.y[:n].reshape(n, H, D).transpose(1, 0, 2)                # (H, n, D) view into y
-        y[...] = xp.matmul(att, self.v_cache[l, :, :S])
+        y = out.reshape(n, H, D).transpose(1, 0, 2)                       # (H, n, D) view into out
+        y[...] = xp.matmul(att, v_cache[:, :S])
+
+    def _views(self, n: int, rows: slice) -> SimpleNamespace:
+        """The recipe's views of the n new rows: the residual stream x is updated in place
+        (x_in = x_mid = x_out), the block scratch is shared by the layers, and each layer's
+        saved attention state is its (k, v) cache; the head sees only ``rows``."""
+        w, C = self.w, self.mc.d_model
+        x, h, mean, rstd = self.x[:n], self.h[:n], self.mean[:n], self.rstd[:n]
+        m = rows.stop - rows.start
+        z = SimpleNamespace(idx=self.idx[:n].reshape(1, n), emb3=x.reshape(1, n, C), wte=w["wte"],
+                            wpe=w["wpe"][self.pos:], branch=self.branch[:n], mask=None, work=self.work,
+                            res_last=x[rows], lnf=h[rows], lnf_mean=mean[rows], lnf_rstd=rstd[rows],
+                            lnf_g=w["lnf.g"], lnf_b=w["lnf.b"], wte_head=w["wte"], logits=self.logits[:m],
+                            probs=self.probs[:m], losses=self.losses[:m], targets=None, layers=[])
+        qkv, y = self.qkv[:n], self.y[:n]
+        for l in range(self.mc.n_layer):
+            p = f"h.{l}."
+            z.layers.append(SimpleNamespace(
+                x_in=x, x_mid=x, x_out=x, ln1=h, ln1_mean=mean, ln1_rstd=rstd, ln2=h, ln2_mean=mean, ln2_rstd=rstd,
+                qkv=qkv, qkv3=qkv.reshape(1, n, 3 * C), att=(self.k_cache[l], self.v_cache[l]),
+                atty=y, atty3=y.reshape(1, n, C), h_pre=self.h_pre[:n], h_act=self.h_act[:n],
+                **{k.replace(".", "_"): w[p + k] for k in recipe.BLOCK_WEIGHTS}))
+        return z
 
     def forward(self, ids, all_logits: bool = False):
         """Feed ``ids`` (n,) at positions pos..pos+n-1; return logits (n, V) or, by default,
@@ -204,27 +242,14 @@ class InferenceModel:
             raise AndreaError(f"forward: {self.pos} cached + {n} new tokens exceed the context of {self.mc.context}")
         if ids.min() < 0 or ids.max() >= self.mc.vocab_size:
             raise AndreaError(f"forward: token id outside [0, {self.mc.vocab_size})")
-        ops, w, C = self.ops, self.w, self.mc.d_model
         self.be.copy_from_host(self.idx[:n], ids)
-        x = self.x[:n]
-        ops.embed_forward(x.reshape(1, n, C), self.idx[:n].reshape(1, n), w["wte"], w["wpe"][self.pos:])
-        h, mean, rstd, branch = self.h[:n], self.mean[:n], self.rstd[:n], self.branch[:n]
-        for l in range(self.mc.n_layer):
-            pre = f"h.{l}."
-            ops.layernorm_forward(h, mean, rstd, x, w[pre + "ln1.g"], w[pre + "ln1.b"])
-            ops.attn_qkv_forward(self.qkv[:n], h, w[pre + "attn.w_qkv"])
-            self._attend(l, n)
-            ops.attn_out_forward(branch, self.y[:n], w[pre + "attn.w_o"])
-            ops.residual_add_forward(x, x, branch)
-            ops.layernorm_forward(h, mean, rstd, x, w[pre + "ln2.g"], w[pre + "ln2.b"])
-            ops.mlp_forward(branch, self.h_pre[:n], self.h_act[:n], h, w[pre + "mlp.w_fc"], w[pre + "mlp.w_proj"])
-            ops.residual_add_forward(x, x, branch)
+        z = self._views(n, slice(0, n) if all_logits else slice(n - 1, n))
+        self.ops.embed_forward(z.emb3, z.idx, z.wte, z.wpe)
+        for s in z.layers:
+            recipe.block_forward(self.cached_ops, s, z.branch, None, self.mc.n_head, self.work)
         self.pos += n
-        rows = slice(0, n) if all_logits else slice(n - 1, n)
-        m = rows.stop - rows.start
-        ops.layernorm_forward(h[rows], mean[rows], rstd[rows], x[rows], w["lnf.g"], w["lnf.b"])
-        ops.loss_forward(self.losses[:m], self.logits[:m], self.probs[:m], h[rows], w["wte"], None, self.work)
-        return self.logits[:m]
+        recipe.head_forward(self.ops, z, with_targets=False)
+        return z.logits
 
 
 # ----------------------------------------------------------------------- generation
@@ -358,7 +383,7 @@ def add_arguments(p) -> None:
 
 
 def run(args, cfg) -> int:
-    from andrea.engine.backend import select_backend
+    from andrea.backends import select_backend
 
     be, _ = select_backend(args.backend or cfg["train"]["backend"])
     lm = load_model(args.run, args.tokenizer, cfg, be)

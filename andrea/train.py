@@ -70,7 +70,7 @@ import numpy as np  # noqa: E402
 
 from andrea import runs  # noqa: E402
 from andrea.config import config_hash  # noqa: E402
-from andrea.engine.backend import select_backend  # noqa: E402
+from andrea.backends import select_backend  # noqa: E402
 from andrea.engine.engine import Engine, Hyper  # noqa: E402
 from andrea.engine.model import ModelConfig  # noqa: E402
 from andrea.engine.schedule import lr_at  # noqa: E402
@@ -379,20 +379,22 @@ class Trainer:
         self._signals.append(signum)
 
     def _one_step(self) -> tuple:
-        eng, cur = self.engine, self.cur
+        eng, cur, srcs = self.engine, self.cur, []
         t0 = time.perf_counter()
-        eng.zero_grads()
-        loss, srcs = 0.0, []
-        for _ in range(self.accum):
-            src, x, y = cur.next_batch(self.B, self.T)
-            li = eng.micro_step(x, y)
-            pull = cur.observe(self.step, src, li)
+
+        def draws():                                   # lazily: the curriculum sees each loss first
+            for _ in range(self.accum):
+                src, x, y = cur.next_batch(self.B, self.T)
+                srcs.append(src)
+                yield x, y
+
+        def observe(li: float) -> None:
+            pull = cur.observe(self.step, srcs[-1], li)
             if pull:
                 self.hist.pulls.append(pull)
-            loss += li / self.accum
-            srcs.append(src)
+
         lr = lr_at(self.step, self.tcfg)
-        res = eng.apply_update(self.accum, loss, lr, self.step + 1, self.hp)
+        res = eng.train_step(draws(), lr, self.step + 1, self.hp, n_micro=self.accum, on_loss=observe)
         eng.be.synchronize()
         dt = time.perf_counter() - t0
         return res, lr, "+".join(sorted(set(srcs))), self.accum * self.B * self.T / max(dt, 1e-9)

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea.config import load_config
-from andrea.engine.backend import select_backend
+from andrea.backends import select_backend
 from andrea.engine.checkpoint import read_weights
 from andrea.engine.engine import Engine
 from andrea.engine.model import ModelConfig

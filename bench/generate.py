@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from andrea.engine.backend import select_backend
+from andrea.backends import select_backend
 from andrea.engine.engine import Engine
 from andrea.engine.model import ModelConfig
 from andrea.generate import InferenceModel, SamplingOptions, draw, generate, next_token_probs

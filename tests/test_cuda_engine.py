@@ -25,6 +25,7 @@ from andrea.cuda.loader import cupy_or_none
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.engine import Engine, Hyper
 from andrea.engine.model import ModelConfig
+from andrea.errors import AndreaError
 
 cp = cupy_or_none()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="CuPy cannot be imported or finds no CUDA device")]
@@ -143,6 +144,41 @@ def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec):
     eager = _run(prec, 6, graph=False)        # the CUDA graph replays exactly the eager launches
     for x, y in zip(a[1:], eager[1:]):
         assert x.tobytes() == y.tobytes()
+
+
+def test_fp16_resume_with_extra_state_is_bit_exact():
+    """fp16's dynamic loss scale is engine state: N steps, save w, m, v and extra_state, restore
+    into a fresh engine, M more steps == N + M straight steps, bit for bit. The run starts at a
+    loss scale that overflows, so the scale moves (skipped steps halve it) and the test would
+    fail if the scale were not carried over."""
+    from andrea.cuda.backend import make_backend
+
+    def fresh():
+        eng = make_backend().make_engine(MC, B, precision="fp16")
+        eng.init_weights(0)
+        eng.load_extra_state({"loss_scale": 2.0 ** 24, "good_steps": 0})
+        return eng
+
+    def steps(eng, t0, t1):
+        return [eng.train_step([batch(500 + t)], 3e-3, t, HP).ok for t in range(t0, t1)]
+
+    straight = fresh()
+    oks = steps(straight, 1, 21)
+    assert not all(oks) and any(oks), oks                  # the scale overflowed, then recovered
+    first = fresh()
+    steps(first, 1, 11)
+    saved, extra = first.state_host(), first.extra_state()
+    assert extra != {"loss_scale": 2.0 ** 24, "good_steps": 0} and extra["loss_scale"] < 2.0 ** 24
+    resumed = make_backend().make_engine(MC, B, precision="fp16")
+    resumed.load_state(*saved)
+    resumed.load_extra_state(extra)
+    steps(resumed, 11, 21)
+    assert resumed.extra_state() == straight.extra_state()
+    for x, y in zip(straight.state_host(), resumed.state_host()):
+        assert x.tobytes() == y.tobytes()
+    with pytest.raises(AndreaError, match="expected keys"):
+        resumed.load_extra_state({"loss_scale": 1.0})
+    assert make_backend().make_engine(MC, B, precision="bf16").extra_state() == {}
 
 
 def test_grad_accumulation_and_fp16_loss_scaling_run():

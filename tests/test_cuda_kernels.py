@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from andrea.cuda.loader import cupy_or_none
+from andrea.cuda.mirror import MirrorOps
 from andrea.engine import ops_numpy as ops
 
 cp = cupy_or_none()
@@ -67,9 +68,9 @@ def empty(shape, prec):
 
 @pytest.fixture()
 def be():
-    from andrea.cuda import backend
+    from andrea.cuda import kernels
 
-    return backend
+    return kernels
 
 
 @pytest.mark.parametrize("prec,C", [("fp32", 96), ("bf16", 96), ("fp16", 96), ("fp32", 98), ("bf16", 98),
@@ -141,7 +142,7 @@ def _attn_case(be, prec, B, T, H, D, seed):
     dvec = cp.full(B * H * T, np.nan, np.float32)
     be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False)
     rd = np.zeros((B, T, 3 * C))
-    ops.attn_backward(rd, dout64.reshape(B, T, C), qkv64.reshape(B, T, 3 * C), att, H, work)
+    ops.attn_backward(rd, dout64.reshape(B, T, C), qkv64.reshape(B, T, 3 * C), att, ry, H, work)
     got = from_dev(dqkv, prec)
     ref = rd.reshape(N, 3 * C)
     scale = float(np.abs(ref).max())
@@ -209,7 +210,7 @@ def test_embed_pair_matches_and_is_order_independent(be):
     idx = rng.integers(0, V, (B, T)).astype(np.int32)
     wte = rng.normal(0, 1, (V, C)).astype(np.float32)
     wpe = rng.normal(0, 1, (T, C)).astype(np.float32)
-    o = be._Ops()
+    o = MirrorOps()
     out = cp.full((B, T, C), np.nan, np.float32)
     o.embed_forward(out, cp.asarray(idx), cp.asarray(wte), cp.asarray(wpe))
     ref = np.zeros((B, T, C), np.float32)
@@ -232,7 +233,7 @@ def test_clipping_and_adamw_match_numpy(be):
     rng = np.random.default_rng(6)
     n, n_decay = 100_003, 60_000
     g = rng.normal(0, 1e-2, n).astype(np.float32)
-    o = be._Ops()
+    o = MirrorOps()
     part = cp.zeros(64, np.float64)
     o.grad_norm_partial(part, cp.asarray(g))
     rpart = np.zeros(64)
@@ -271,7 +272,7 @@ def test_clipping_and_adamw_match_numpy(be):
     kernel("optim.cu", "k_grad_norm_partial")((512,), (256,), (gbad, np.int64(n), pp))
     kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (pp, np.int32(512), np.float32(1.0), np.float32(1.0), gs))
     w0 = cp.asarray(w)
-    hp = cp.asarray(be._adam_hyper(1, 1e-3, 0.9, 0.95, 1e-8, 0.1))
+    hp = cp.asarray(be.adam_hyper(1, 1e-3, 0.9, 0.95, 1e-8, 0.1))
     kernel("optim.cu", "k_adamw_f32")((math.ceil(n / 256),), (256,), (w0, gbad, cp.zeros(n, np.float32),
                                                                      cp.zeros(n, np.float32), np.uint64(0),
                                                                      np.int64(n), hp, gs, np.int64(n_decay),
@@ -286,7 +287,7 @@ def test_cublas_gemm_matches_and_is_bitwise_repeatable(be, prec):
     A, A64 = to_dev(rng.normal(0, 1, (M, K)), prec)
     Bm, B64 = to_dev(rng.normal(0, 1, (K, N)), prec)
     blas = be.Blas()
-    lt = be._LOWTYPE[prec]
+    lt = be.LOWTYPE[prec]
     outs = []
     for _ in range(2):
         Cm = cp.zeros((M, N), np.float32)

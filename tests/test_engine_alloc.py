@@ -7,6 +7,7 @@ data allocations), nor move any buffer.
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import numpy as np
@@ -80,3 +81,28 @@ def test_the_step_loop_allocates_nothing_big_and_moves_no_buffer():
         assert p < TRANSIENT < smallest_big, f"{what}: peak +{p} bytes during the step (an (N, C) buffer is {smallest_big})"
     assert after - base < 16 << 10, f"the step loop leaks {after - base} bytes"
     assert {k: (a.ctypes.data, a.nbytes) for k, a in eng.buffers().items()} == addrs
+
+
+def test_the_step_draws_and_reports_every_microbatch_even_after_a_nan_one(monkeypatch):
+    """THE microbatch loop (Engine.train_step, which the trainer calls): a NaN/inf microbatch
+    adds no gradient, but the later ones are still drawn and their losses reported, so the data
+    stream and the curriculum do not depend on a bad step; the update is skipped."""
+    mc = ModelConfig(vocab_size=11, d_model=8, n_head=2, n_layer=1, context=4)
+    eng = Engine(mc, 2, NumpyBackend())
+    eng.init_weights(0)
+    w0 = eng.w.copy()
+    real = eng.micro_step
+    losses = iter([float("nan"), None, None])
+    monkeypatch.setattr(eng, "micro_step", lambda x, y: next(losses) or real(x, y))
+    drawn, seen = [], []
+
+    def batches():
+        for i in range(3):
+            drawn.append(i)
+            yield np.full((2, 4), i, np.int32), np.full((2, 4), i + 1, np.int32)
+
+    res = eng.train_step(batches(), 1e-2, 1, Hyper(), n_micro=3, on_loss=seen.append)
+    assert drawn == [0, 1, 2] and len(seen) == 3
+    assert math.isnan(seen[0]) and all(math.isfinite(v) for v in seen[1:])
+    assert not res.ok and math.isnan(res.loss)
+    assert np.array_equal(eng.w, w0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from andrea.engine import ops_numpy
-from andrea.engine.backend import NumpyBackend, select_backend
+from andrea.backends import NumpyBackend, select_backend
 from andrea.engine.schedule import lr_at
 from andrea.errors import AndreaError
 
@@ -65,3 +65,27 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(110, t) == pytest.approx(0.1)
     assert lr_at(500, t) == pytest.approx(0.1)
     assert all(lr_at(s, t) >= lr_at(s + 1, t) for s in range(10, 120))
+
+
+def test_every_op_the_recipe_calls_exists_on_every_op_set():
+    """The model is written once (andrea/engine/recipe.py): each op set it runs on (NumPy, the fp32
+    CuPy mirror, the GPU engine's FastOps) has every op it calls. Checked without a GPU."""
+    import ast
+    import inspect
+
+    from andrea.cuda.engine import FastOps
+    from andrea.cuda.mirror import MirrorOps
+    from andrea.engine import recipe
+
+    tree = ast.parse(inspect.getsource(recipe))
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and isinstance(n.func.value, ast.Name) and n.func.value.id == "ops"}
+    assert {"embed_forward", "attn_backward", "loss_backward", "gelu_forward"} <= called
+    for opset in (NumpyBackend.ops, MirrorOps, FastOps):
+        missing = sorted(n for n in called if not callable(getattr(opset, n, None)))
+        assert not missing, f"{opset.__name__}: no {missing}"
+        if opset is not NumpyBackend.ops:     # same argument names as the NumPy reference
+            for n in called:
+                want = list(inspect.signature(getattr(NumpyBackend.ops, n)).parameters)
+                got = list(inspect.signature(getattr(opset, n)).parameters)[1:]
+                assert got == want, f"{opset.__name__}.{n}{tuple(got)} != ops_numpy.{n}{tuple(want)}"

@@ -1,5 +1,5 @@
 """Engine gradients against float64 central finite differences, for every parameter tensor,
-and the += contract of every backward op.
+and the +=/= contract of every backward op.
 
     pytest tests/test_engine_grad.py
 """
@@ -75,7 +75,10 @@ def _rand(rng, *shape):
     return rng.normal(size=shape)
 
 
-def test_every_backward_op_adds_into_its_gradients():
+def test_every_backward_op_adds_into_parameter_and_stream_gradients_and_writes_the_rest():
+    """The op contract: parameter gradients and layernorm_backward's dx (the residual stream)
+    are added into (+=); every other input gradient is written (=): prefilled with NaN, it
+    comes back the same as from zeros."""
     rng = np.random.default_rng(3)
     Bb, T, C, H, V = 2, 4, 8, 2, 7
     N = Bb * T
@@ -87,44 +90,52 @@ def test_every_backward_op_adds_into_its_gradients():
     qkv = _rand(rng, Bb, T, 3 * C)
     att = np.zeros(ops.att_shape(Bb, H, T))
     mask = np.triu(np.full((T, T), -np.inf), 1)
-    ops.attn_forward(np.zeros((Bb, T, C)), att, qkv, mask, H, work)
+    y = np.zeros((Bb, T, C))
+    ops.attn_forward(y, att, qkv, mask, H, work)
     w_fc, w_proj = _rand(rng, C, 4 * C), _rand(rng, 4 * C, C)
     h_pre, h_act = np.zeros((N, 4 * C)), np.zeros((N, 4 * C))
     ops.mlp_forward(np.zeros((N, C)), h_pre, h_act, x, w_fc, w_proj)
     wte = _rand(rng, V, C)
     targets = rng.integers(0, V, N).astype(np.int32)
     idx = targets.reshape(Bb, T)
-    probs = np.zeros((N, V))
+    logits, probs = np.zeros((N, V)), np.zeros((N, V))
 
     def fresh_probs():
-        ops.loss_forward(np.zeros(N), np.zeros((N, V)), probs, x, wte, targets, work)
+        ops.loss_forward(np.zeros(N), logits, probs, x, wte, targets, work)
         return probs
 
-    cases = {
+    dres = _rand(rng, N, C)
+    A, W_ = "add", "write"
+    cases = {   # name: (run, [(shape, add | write) per gradient argument])
         "embed": (lambda gs: ops.embed_backward(*gs, _rand(np.random.default_rng(0), Bb, T, C), idx),
-                  [(V, C), (T, C)]),
+                  [((V, C), A), ((T, C), A)]),
         "layernorm": (lambda gs: ops.layernorm_backward(*gs, np.ones((N, C)), x, mean, rstd, g, work),
-                      [(N, C), (C,), (C,)]),
+                      [((N, C), A), ((C,), A), ((C,), A)]),
         "attn_qkv": (lambda gs: ops.attn_qkv_backward(*gs, np.ones((N, 3 * C)), x, np.ones((C, 3 * C)), work),
-                     [(N, C), (C, 3 * C)]),
-        "attn": (lambda gs: ops.attn_backward(*gs, np.ones((Bb, T, C)), qkv, att, H, work), [(Bb, T, 3 * C)]),
+                     [((N, C), W_), ((C, 3 * C), A)]),
+        "attn": (lambda gs: ops.attn_backward(*gs, np.ones((Bb, T, C)), qkv, att, y, H, work), [((Bb, T, 3 * C), W_)]),
         "attn_out": (lambda gs: ops.attn_out_backward(*gs, np.ones((N, C)), x, np.ones((C, C)), work),
-                     [(N, C), (C, C)]),
+                     [((N, C), W_), ((C, C), A)]),
         "mlp": (lambda gs: ops.mlp_backward(*gs, np.ones((N, C)), x, h_pre, h_act, w_fc, w_proj, work),
-                [(N, C), (C, 4 * C), (4 * C, C)]),
-        "residual_add": (lambda gs: ops.residual_add_backward(*gs, np.ones((N, C))), [(N, C), (N, C)]),
-        "loss": (lambda gs: ops.loss_backward(*gs, fresh_probs(), x, wte, targets, 1.0 / N, work),
-                 [(N, C), (V, C)]),
+                [((N, C), W_), ((C, 4 * C), A), ((4 * C, C), A)]),
+        "residual_add": (lambda gs: ops.residual_add_backward(*gs, dres), [((N, C), W_)]),
+        "loss": (lambda gs: ops.loss_backward(gs[0], gs[1], logits, fresh_probs(), x, wte, targets, 1.0 / N, work),
+                 [((N, C), W_), ((V, C), A)]),
     }
-    for name, (run, shapes) in cases.items():
-        zeros = [np.zeros(s) for s in shapes]
+    for name, (run, spec) in cases.items():
+        zeros = [np.zeros(s_) for s_, _ in spec]
         run(zeros)
         assert all(np.abs(z).max() > 0 for z in zeros), f"{name}: a gradient stayed zero"
-        base = [_rand(rng, *s) for s in shapes]
+        base = [_rand(rng, *s_) if how == A else np.full(s_, np.nan) for s_, how in spec]
         acc = [b_.copy() for b_ in base]
         run(acc)
-        for k, (z, b_, a) in enumerate(zip(zeros, base, acc)):
-            np.testing.assert_allclose(a, b_ + z, rtol=1e-12, atol=1e-12, err_msg=f"{name} grad {k}")
+        for k, (z, b_, a, (_, how)) in enumerate(zip(zeros, base, acc, spec)):
+            want = b_ + z if how == A else z
+            np.testing.assert_allclose(a, want, rtol=1e-12, atol=1e-12, err_msg=f"{name} grad {k} ({how})")
+    same = np.zeros((N, C))
+    ops.residual_add_backward(dres, dres)                  # the branch gradient may be dres itself: no-op
+    ops.residual_add_backward(same, dres)
+    assert np.array_equal(same, dres)
 
 
 def test_grad_norm_scale_and_adamw_ops():

@@ -1,11 +1,11 @@
-"""The backend switch: which array library and which op pairs run the engine.
+"""The backend contract, and ``NumpyBackend``, its reference: which array library and which op
+pairs run the engine. Which backend a run gets is decided in one place, ``andrea.backends``.
 
-    from andrea.engine.backend import select_backend
-    be, why = select_backend("auto")       # -> (Backend, "numpy: train.backend=auto and no usable CUDA device")
+    from andrea.engine.backend import NumpyBackend
+    eng = Engine(mc, batch_size=16, backend=NumpyBackend())
 
-A backend is any object with these attributes (``NumpyBackend`` below is the reference;
-the CuPy backend lives in ``andrea.cuda.backend`` and exposes ``make_backend() -> Backend``
-plus ``probe() -> str | None`` (None when a device is usable, else the reason)):
+A backend is any object with these attributes (the CuPy one is ``andrea.cuda.backend.CupyBackend``,
+which also has ``make_engine(mc, B, precision)``: its own fused engine with the same surface):
 
     name: str                          "numpy" | "cupy"
     xp                                 the array module (numpy or cupy)
@@ -20,21 +20,15 @@ plus ``probe() -> str | None`` (None when a device is usable, else the reason)):
     copy_from_host(dst, src)           dst (device) <- src (host numpy), same shape
     synchronize()                      wait for queued work (no-op on numpy)
 
-``train.backend`` is the one visible switch: ``numpy`` and ``cupy`` mean exactly that
-(``cupy`` fails with a clear error where no device is usable; it never falls back), and
-``auto`` picks cupy where a device is usable, else numpy. The choice and its reason are
-printed at start by the train stage.
 """
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import numpy as np
 
 from andrea.engine import ops_numpy
-from andrea.errors import AndreaError
 
 
 class NumpyBackend:
@@ -70,30 +64,3 @@ class NumpyBackend:
     @staticmethod
     def synchronize() -> None:
         return None
-
-
-def _cupy_module():
-    """Import the CuPy backend module, or return the reason it is not usable."""
-    try:
-        mod = importlib.import_module("andrea.cuda.backend")
-    except ImportError as e:
-        return None, f"andrea.cuda.backend cannot be imported ({e})"
-    reason = mod.probe()
-    return (mod, None) if reason is None else (None, reason)
-
-
-def select_backend(name: str):
-    """Return ``(backend, reason)`` for ``train.backend`` = auto | numpy | cupy."""
-    if name == "numpy":
-        return NumpyBackend(), "numpy: train.backend=numpy"
-    if name == "cupy":
-        mod, reason = _cupy_module()
-        if mod is None:
-            raise AndreaError(f"train.backend=cupy: no usable CUDA backend: {reason}")
-        return mod.make_backend(), "cupy: train.backend=cupy"
-    if name == "auto":
-        mod, reason = _cupy_module()
-        if mod is None:
-            return NumpyBackend(), f"numpy: train.backend=auto and cupy is not usable ({reason})"
-        return mod.make_backend(), "cupy: train.backend=auto found a usable CUDA device"
-    raise AndreaError(f"train.backend: unknown backend {name!r} (auto | numpy | cupy)")

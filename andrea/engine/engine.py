@@ -1,5 +1,6 @@
-"""The engine: every buffer allocated once, and the training step written once against
-``backend.xp`` / ``backend.ops`` (NumPy here, CuPy in andrea/cuda).
+"""The engine: every buffer allocated once, the model of ``andrea/engine/recipe.py`` run on
+``backend.xp`` / ``backend.ops`` (NumPy here, the fp32 CuPy mirror in andrea/cuda), and THE
+training step (``train_step``: the one microbatch loop; the GPU engine borrows it).
 
     from andrea.engine.engine import Engine, Hyper
     from andrea.engine.backend import NumpyBackend
@@ -14,9 +15,11 @@ N = B * T. Saved activations and activation gradients are (N, C)-row buffers fro
 in ``andrea/engine/model.py``; the attention ops see the same memory as (B, T, C).
 
 Step (``train_step``): zero_grads -> for each microbatch: forward + backward(dloss = 1/N)
--> grad_scale(1/n_micro) -> grad_norm -> skip the update if the loss or the norm is not
-finite -> clip to ``grad_clip`` by grad_scale -> AdamW. Nothing is allocated in it beyond
-Python scalars and O(N)-element reduction temporaries (tests/test_engine_alloc.py).
+(a microbatch whose loss is NaN/inf adds no gradient, and every microbatch is still drawn
+and reported, so the data stream does not depend on a bad step) -> grad_scale(1/n_micro) ->
+grad_norm -> skip the update if the mean loss or the norm is not finite -> clip to
+``grad_clip`` by grad_scale -> AdamW. Nothing is allocated in it beyond Python scalars and
+O(N)-element reduction temporaries (tests/test_engine_alloc.py).
 
 Threads: the forward and the backward run once per batch slice (``backend.row_slots``: one
 per CPU thread on NumPy, one on a device), all slices at once (``backend.run_parallel``);
@@ -28,11 +31,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
-
 import numpy as np
 
-from andrea.engine.model import ModelConfig, activation_plan, param_layout
+from andrea.engine import recipe
+from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
 
 
 @dataclass(frozen=True)
@@ -88,13 +90,20 @@ class Engine:
         self.dtype = np.dtype(dtype)
         self.layout = param_layout(mc)
         self.n_params = self.layout.n_params
-        C, H, V = mc.d_model, mc.n_head, mc.vocab_size
+        C, H, V, T = mc.d_model, mc.n_head, mc.vocab_size, self.T
         # Batch slices that run at once, one per thread of the backend (NumPy: its pool; a
         # device backend: one slice). Each slice has its own scratch and, after the first,
         # its own gradient buffer; activations are rows of the shared buffers.
         self.slots = backend.row_slots(self.B)
-        self.plan = activation_plan(mc, self.B, [backend.work_elems(b1 - b0, self.T, C, H, V) for b0, b1 in self.slots],
-                                    backend.att_shape(self.B, H, self.T), n_partials)
+        S = len(self.slots)
+        scratch = [Buffer(f"work.{i}", (backend.work_elems(b1 - b0, T, C, H, V),), "work")
+                   for i, (b0, b1) in enumerate(self.slots)]
+        scratch += [Buffer("mask", (T, T), "const"), Buffer("partials", (n_partials,), "stat", "float64")]
+        if S > 1:
+            scratch.append(Buffer("slot_grads", (S - 1, self.n_params), "slot_grads", "acc"))
+        self.policy = PlanPolicy(att_shape=tuple(backend.att_shape(self.B, H, T)), loss_saved=(self.N, V),
+                                 scratch=tuple(scratch))
+        self.plan = activation_plan(mc, self.B, self.policy)
 
         # --- parameters, gradients, Adam moments: four flat buffers
         n = self.n_params
@@ -125,7 +134,13 @@ class Engine:
         mask = np.triu(np.full((self.T, self.T), -np.inf, dtype=self.dtype), k=1)
         backend.copy_from_host(self.a["mask"], mask)
         self._pad = (np.zeros((self.B, self.T), np.int32), np.zeros((self.B, self.T), np.int32))  # eval_batch
-        self._views()
+        self.slices = []
+        for i, rows in enumerate(self.slots):
+            g = self.g if i == 0 else self.a["slot_grads"][i - 1]
+            G = {t.name: g[t.offset:t.offset + t.size].reshape(t.shape) for t in self.layout.tensors}
+            z = recipe.views(self.a, self.W, self.W, G, mc, rows, work=self.a[f"work.{i}"], mask=self.a["mask"])
+            z.g = g
+            self.slices.append(z)
 
     # ------------------------------------------------------------------ bookkeeping
     def buffers(self) -> dict:
@@ -135,11 +150,12 @@ class Engine:
         out.update({f"flat.{k}": v for k, v in self._flat.items()})
         return out
 
+    def _nbytes(self, b: Buffer) -> int:
+        return b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else self.dtype.itemsize)
+
     @property
     def planned_bytes(self) -> int:
-        return 4 * self.n_params * self.dtype.itemsize + sum(
-            b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else self.dtype.itemsize)
-            for b in self.plan)
+        return 4 * self.n_params * self.dtype.itemsize + sum(self._nbytes(b) for b in self.plan)
 
     @property
     def allocated_bytes(self) -> int:
@@ -149,47 +165,13 @@ class Engine:
         mc = self.mc
         by_kind: dict[str, int] = {}
         for b in self.plan:
-            size = b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else self.dtype.itemsize)
-            by_kind[b.kind] = by_kind.get(b.kind, 0) + size
+            by_kind[b.kind] = by_kind.get(b.kind, 0) + self._nbytes(b)
         mib = 1 << 20
         kinds = ", ".join(f"{k} {v / mib:.1f}" for k, v in by_kind.items())
         return (f"model: {self.n_params:,} parameters (V={mc.vocab_size} C={mc.d_model} H={mc.n_head} "
                 f"L={mc.n_layer} T={mc.context}); batch {self.B}x{self.T}; backend {self.be.name} {self.dtype.name}\n"
                 f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB) = weights+grads+m+v "
                 f"{4 * self.n_params * self.dtype.itemsize / mib:.1f} MiB; {kinds} MiB")
-
-    def _views(self) -> None:
-        """Per-slice, per-layer views, built once so the step only indexes Python lists."""
-        a, W, mc, T, C = self.a, self.W, self.mc, self.T, self.mc.d_model
-        names = ("ln1.g", "ln1.b", "attn.w_qkv", "attn.w_o", "ln2.g", "ln2.b", "mlp.w_fc", "mlp.w_proj")
-        self.slices = []
-        for i, (b0, b1) in enumerate(self.slots):
-            r0, r1, n = b0 * T, b1 * T, b1 - b0
-            g = self.g if i == 0 else a["slot_grads"][i - 1]
-            G = {t.name: g[t.offset:t.offset + t.size].reshape(t.shape) for t in self.layout.tensors}
-            rows = {k: a[k][r0:r1] for k in ("branch", "lnf", "lnf_mean", "lnf_rstd", "logits", "probs", "losses",
-                                              "dbranch", "dln", "dqkv", "datty")}
-            z = SimpleNamespace(g=g, G=G, work=a[f"work.{i}"], idx=a["idx"][b0:b1],
-                                targets=a["targets"][b0:b1].reshape(n * T),
-                                emb3=a["res"][0][r0:r1].reshape(n, T, C), res_last=a["res"][-1][r0:r1],
-                                dres=[a["dres"][0][r0:r1], a["dres"][1][r0:r1]],
-                                dqkv3=rows["dqkv"].reshape(n, T, 3 * C), datty3=rows["datty"].reshape(n, T, C),
-                                layers=[], **rows)
-            z.dres3 = [d.reshape(n, T, C) for d in z.dres]
-            for l in range(mc.n_layer):
-                p = f"h.{l}."
-                qkv, atty = a["qkv"][l][r0:r1], a["atty"][l][r0:r1]
-                z.layers.append(SimpleNamespace(
-                    x_in=a["res"][2 * l][r0:r1], x_mid=a["res"][2 * l + 1][r0:r1], x_out=a["res"][2 * l + 2][r0:r1],
-                    ln1=a["ln1"][l][r0:r1], ln1_mean=a["ln1_mean"][l][r0:r1], ln1_rstd=a["ln1_rstd"][l][r0:r1],
-                    qkv=qkv, qkv3=qkv.reshape(n, T, 3 * C), att=a["att"][l][b0:b1],
-                    atty=atty, atty3=atty.reshape(n, T, C),
-                    ln2=a["ln2"][l][r0:r1], ln2_mean=a["ln2_mean"][l][r0:r1], ln2_rstd=a["ln2_rstd"][l][r0:r1],
-                    h_pre=a["h_pre"][l][r0:r1], h_act=a["h_act"][l][r0:r1],
-                    **{k.replace(".", "_"): W[p + k] for k in names},
-                    **{"d_" + k.replace(".", "_"): G[p + k] for k in names},
-                ))
-            self.slices.append(z)
 
     # --------------------------------------------------------------------- weights
     def init_weights(self, seed: int) -> None:
@@ -203,45 +185,45 @@ class Engine:
         for dst, src in ((self.w, w), (self.m, m), (self.v, v)):
             self.be.copy_from_host(dst, src)
 
+    def extra_state(self) -> dict:
+        """Optimizer state beyond w, m, v that later steps depend on (none here; the fp16 GPU
+        engine has its loss scale). JSON-able; ``load_extra_state`` takes it back."""
+        return {}
+
+    def load_extra_state(self, d: dict) -> None:
+        if d:
+            raise ValueError(f"the {self.be.name} engine keeps no extra state, got keys {sorted(d)}")
+
     # ------------------------------------------------------------- forward/backward
     def forward(self, x=None, y=None) -> float | None:
         """Run the model on (B, T) int32 ids ``x`` (host; None = the ids already loaded).
         With targets ``y`` return the mean loss as a float; without, leave logits (N, V) in
         ``self.a['logits']`` and return None."""
-        a, be = self.a, self.be
+        a, be, H = self.a, self.be, self.mc.n_head
         if x is not None:
             be.copy_from_host(a["idx"], x)
         if y is not None:
             be.copy_from_host(a["targets"], y)
-        be.run_parallel(lambda i: self._forward_slice(self.slices[i], y is not None), len(self.slices))
+        be.run_parallel(lambda i: recipe.forward(self.ops, self.slices[i], H, y is not None), len(self.slices))
         if y is None:
             return None
         return float(a["losses"].sum(dtype=np.float64)) / self.N
 
-    def _forward_slice(self, z: SimpleNamespace, with_targets: bool) -> None:
-        """The forward of one batch slice: every op is row- (or batch-) independent."""
-        ops, H, W = self.ops, self.mc.n_head, self.W
-        ops.embed_forward(z.emb3, z.idx, W["wte"], W["wpe"])
-        for s in z.layers:
-            ops.layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, s.x_in, s.ln1_g, s.ln1_b)
-            ops.attn_qkv_forward(s.qkv, s.ln1, s.attn_w_qkv)
-            ops.attn_forward(s.atty3, s.att, s.qkv3, self.a["mask"], H, z.work)
-            ops.attn_out_forward(z.branch, s.atty, s.attn_w_o)
-            ops.residual_add_forward(s.x_mid, s.x_in, z.branch)
-            ops.layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, s.ln2_g, s.ln2_b)
-            ops.mlp_forward(z.branch, s.h_pre, s.h_act, s.ln2, s.mlp_w_fc, s.mlp_w_proj)
-            ops.residual_add_forward(s.x_out, s.x_mid, z.branch)
-        ops.layernorm_forward(z.lnf, z.lnf_mean, z.lnf_rstd, z.res_last, W["lnf.g"], W["lnf.b"])
-        ops.loss_forward(z.losses, z.logits, z.probs, z.lnf, W["wte"], z.targets if with_targets else None, z.work)
-
     def backward(self, dloss: float) -> None:
         """Accumulate (+=) dL/dparams into ``self.g`` for the last forward with targets, where
         L = dloss * sum(losses) (dloss = 1/N gives the gradient of the mean loss).
-        Consumes ``probs``; activation gradients are scratch (zeroed here). Slice 0 adds into
-        ``self.g`` directly, the others into their own zeroed buffers, summed into it after in
-        slice order (so the bits depend on the number of slices, never on timing)."""
-        be, S = self.be, len(self.slices)
-        be.run_parallel(lambda i: self._backward_slice(self.slices[i], dloss), S)
+        Consumes ``probs``; activation gradients are scratch. Slice 0 adds into ``self.g``
+        directly, the others into their own zeroed buffers, summed into it after in slice
+        order (so the bits depend on the number of slices, never on timing)."""
+        be, S, H = self.be, len(self.slices), self.mc.n_head
+
+        def run(i: int) -> None:
+            z = self.slices[i]
+            if z.g is not self.g:
+                z.g.fill(0)
+            recipe.backward(self.ops, z, H, dloss)
+
+        be.run_parallel(run, S)
         if S > 1:
             n, g, extra = self.n_params, self.g, self.a["slot_grads"]
 
@@ -251,43 +233,6 @@ class Engine:
                     g[p0:p1] += extra[j, p0:p1]
 
             be.run_parallel(add, S)
-
-    def _backward_slice(self, z: SimpleNamespace, dloss: float) -> None:
-        ops, G, H, W, work = self.ops, z.G, self.mc.n_head, self.W, z.work
-        if z.g is not self.g:
-            z.g.fill(0)
-        for d in (*z.dres, z.dln):                    # the rest are zeroed before each use below
-            d.fill(0)
-        cur, nxt = 0, 1
-        dres, dbranch, dln = z.dres, z.dbranch, z.dln
-        ops.loss_backward(dln, G["wte"], z.probs, z.lnf, W["wte"], z.targets, dloss, work)
-        ops.layernorm_backward(dres[cur], G["lnf.g"], G["lnf.b"], dln, z.res_last, z.lnf_mean, z.lnf_rstd,
-                               W["lnf.g"], work)
-        for s in reversed(z.layers):
-            # x_out = x_mid + mlp(ln2(x_mid))
-            dbranch.fill(0)
-            dln.fill(0)
-            ops.residual_add_backward(dres[nxt], dbranch, dres[cur])
-            ops.mlp_backward(dln, s.d_mlp_w_fc, s.d_mlp_w_proj, dbranch, s.ln2, s.h_pre, s.h_act,
-                             s.mlp_w_fc, s.mlp_w_proj, work)
-            ops.layernorm_backward(dres[nxt], s.d_ln2_g, s.d_ln2_b, dln, s.x_mid, s.ln2_mean, s.ln2_rstd,
-                                   s.ln2_g, work)
-            cur, nxt = nxt, cur
-            dres[nxt].fill(0)
-            # x_mid = x_in + attn_out(attn(attn_qkv(ln1(x_in))))
-            dbranch.fill(0)
-            dln.fill(0)
-            z.datty.fill(0)
-            z.dqkv.fill(0)
-            ops.residual_add_backward(dres[nxt], dbranch, dres[cur])
-            ops.attn_out_backward(z.datty, s.d_attn_w_o, dbranch, s.atty, s.attn_w_o, work)
-            ops.attn_backward(z.dqkv3, z.datty3, s.qkv3, s.att, H, work)
-            ops.attn_qkv_backward(dln, s.d_attn_w_qkv, z.dqkv, s.ln1, s.attn_w_qkv, work)
-            ops.layernorm_backward(dres[nxt], s.d_ln1_g, s.d_ln1_b, dln, s.x_in, s.ln1_mean, s.ln1_rstd,
-                                   s.ln1_g, work)
-            cur, nxt = nxt, cur
-            dres[nxt].fill(0)
-        ops.embed_backward(G["wte"], G["wpe"], z.dres3[cur], z.idx)
 
     # -------------------------------------------------------------------- optimizer
     def zero_grads(self) -> None:
@@ -321,17 +266,22 @@ class Engine:
                        hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
         return StepResult(loss, norm, True)
 
-    def train_step(self, batches, lr: float, t: int, hp: Hyper) -> StepResult:
-        """One optimizer step over ``batches`` = [(x, y), ...] microbatches of int32 (B, T).
-        ``t`` is the 1-based AdamW step count (global step + 1)."""
+    def train_step(self, batches, lr: float, t: int, hp: Hyper, n_micro: int | None = None,
+                   on_loss=None) -> StepResult:
+        """THE step: one optimizer step over ``batches``, an iterable of (x, y) int32 (B, T)
+        microbatches (drawn lazily, one after the other's loss is known), ``n_micro`` of them
+        (default ``len(batches)``). ``t`` is the 1-based AdamW step count (global step + 1).
+        ``on_loss(loss)`` is called after each microbatch (the curriculum observes it). Every
+        microbatch runs even after a NaN/inf loss; the step's loss is the mean of theirs."""
+        n = len(batches) if n_micro is None else int(n_micro)
         self.zero_grads()
         loss = 0.0
         for x, y in batches:
             li = self.micro_step(x, y)
-            loss += li / len(batches)
-            if not math.isfinite(li):
-                break
-        return self.apply_update(len(batches), loss, lr, t, hp)
+            if on_loss is not None:
+                on_loss(li)
+            loss += li / n
+        return self.apply_update(n, loss, lr, t, hp)
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """Summed loss and token count of b <= B rows (b < B is padded with row 0 and the

@@ -111,69 +111,81 @@ def param_layout(mc: ModelConfig) -> ParamLayout:
 
 @dataclass(frozen=True)
 class Buffer:
-    """One planned buffer: ``kind`` is saved (forward activations kept for the backward),
-    dgrad (activation gradients, zeroed every backward), work (op scratch), slot_grads (the
-    parameter gradients of the batch slices after the first), index (int32 token ids), const
-    (built once), stat (float64 reduction partials)."""
+    """One planned buffer. ``kind``: saved (forward activations kept for the backward), dgrad
+    (activation gradients), work (op scratch), slot_grads (the parameter gradients of the batch
+    slices after the first), index (int32 token ids), const (built once), stat (float64
+    reduction partials). ``dtype``: act (the compute dtype: the engine's float on NumPy; fp32,
+    bf16 or fp16 on the fast GPU engine), acc (the accumulation dtype: the engine's float on
+    NumPy, fp32 on the GPU), int32 or float64."""
 
     name: str
     shape: tuple[int, ...]
     kind: str
-    dtype: str = "float"
+    dtype: str = "act"
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
 
-def activation_plan(mc: ModelConfig, batch_size: int, work_elems: int | list[int],
-                    att_shape: tuple[int, ...] | None = None, n_partials: int = 64) -> list[Buffer]:
-    """Every non-parameter buffer one training step needs, for microbatch (B, T=context).
+@dataclass(frozen=True)
+class PlanPolicy:
+    """What a backend decides about the activation plan (the model's buffers are the same):
 
-    ``att_shape`` is what attn_forward saves per layer for its backward: the softmax
-    probabilities, key-major (B, T, H, T), on the NumPy backend; a fused backend saves less (e.g. the
-    row log-sum-exp (B, H, T)) and passes its own shape. ``work_elems`` comes from the
-    backend's ops (``ops.work_elems``): one scratch size, or one per batch slice when the
-    step runs its slices on S threads at once (``Engine``); then each slice after the first
-    also gets its own flat gradient buffer (``slot_grads`` (S - 1, n_params)), summed into
-    the main one after the backward.
+    att_shape    what attn_forward saves per layer: the probabilities (B, T, H, T) on NumPy,
+                 the row log-sum-exp (B, H, T) where the kernel is fused
+    loss_saved   what loss_forward saves for loss_backward: the softmax (N, V) on NumPy, the row
+                 log-sum-exp (N,) where the backward rebuilds dlogits in place in the logits
+    recompute    saved activations kept in ONE buffer for all layers and refilled by the backward
+                 (the recipe re-runs their forward op): "ln" (ln1, ln2), "gelu" (h_act)
+    cast_branch  the branch gradient dbranch is its own compute-dtype buffer, cast from dres
+                 (else dbranch IS dres: no copy)
+    scratch      the ops' own buffers (work, constants), declared by the backend
     """
+
+    att_shape: tuple[int, ...]
+    loss_saved: tuple[int, ...]
+    recompute: frozenset = frozenset()
+    cast_branch: bool = False
+    scratch: tuple[Buffer, ...] = ()
+
+
+def activation_plan(mc: ModelConfig, batch_size: int, policy: PlanPolicy) -> list[Buffer]:
+    """Every non-parameter buffer one training step needs, for microbatch (B, T=context): the
+    model's saved tensors and activation gradients, declared once for every engine, then the
+    backend's scratch (``policy.scratch``)."""
     B, T, C, H, V, L = batch_size, mc.context, mc.d_model, mc.n_head, mc.vocab_size, mc.n_layer
     N = B * T
-    att_shape = tuple(att_shape) if att_shape is not None else (B, T, H, T)
-    works = [int(work_elems)] if isinstance(work_elems, int) else [int(n) for n in work_elems]
+    Lln = 1 if "ln" in policy.recompute else L         # recomputed: one buffer, refilled per layer
+    Lgelu = 1 if "gelu" in policy.recompute else L
     return [
         Buffer("idx", (B, T), "index", "int32"),
         Buffer("targets", (B, T), "index", "int32"),
-        Buffer("mask", (T, T), "const"),
         # saved activations
-        Buffer("res", (2 * L + 1, N, C), "saved"),       # residual stream: embed, then after each sublayer
-        Buffer("ln1", (L, N, C), "saved"),
-        Buffer("ln1_mean", (L, N), "saved"),
-        Buffer("ln1_rstd", (L, N), "saved"),
+        Buffer("res", (2 * L + 1, N, C), "saved", "acc"),  # residual stream: embed, then after each sublayer
+        Buffer("ln1", (Lln, N, C), "saved"),
+        Buffer("ln1_mean", (L, N), "saved", "acc"),
+        Buffer("ln1_rstd", (L, N), "saved", "acc"),
         Buffer("qkv", (L, N, 3 * C), "saved"),
-        Buffer("att", (L, *att_shape), "saved"),
+        Buffer("att", (L, *policy.att_shape), "saved", "acc"),
         Buffer("atty", (L, N, C), "saved"),              # attention heads concatenated, before w_o
-        Buffer("ln2", (L, N, C), "saved"),
-        Buffer("ln2_mean", (L, N), "saved"),
-        Buffer("ln2_rstd", (L, N), "saved"),
+        Buffer("ln2", (Lln, N, C), "saved"),
+        Buffer("ln2_mean", (L, N), "saved", "acc"),
+        Buffer("ln2_rstd", (L, N), "saved", "acc"),
         Buffer("h_pre", (L, N, 4 * C), "saved"),
-        Buffer("h_act", (L, N, 4 * C), "saved"),
+        Buffer("h_act", (Lgelu, N, 4 * C), "saved"),
         Buffer("branch", (N, C), "saved"),               # sublayer output before its residual add
         Buffer("lnf", (N, C), "saved"),
-        Buffer("lnf_mean", (N,), "saved"),
-        Buffer("lnf_rstd", (N,), "saved"),
+        Buffer("lnf_mean", (N,), "saved", "acc"),
+        Buffer("lnf_rstd", (N,), "saved", "acc"),
         Buffer("logits", (N, V), "saved"),
-        Buffer("probs", (N, V), "saved"),
-        Buffer("losses", (N,), "saved"),
-        # activation gradients (one flat buffer, reused layer after layer)
-        Buffer("dres", (2, N, C), "dgrad"),              # ping-pong: grad of the residual stream
-        Buffer("dbranch", (N, C), "dgrad"),
+        Buffer("probs", policy.loss_saved, "saved", "acc" if len(policy.loss_saved) == 1 else "act"),
+        Buffer("losses", (N,), "saved", "acc"),
+        # activation gradients (reused layer after layer)
+        Buffer("dres", (N, C), "dgrad", "acc"),          # grad of the residual stream, accumulated in place
+        *([Buffer("dbranch", (N, C), "dgrad")] if policy.cast_branch else []),
         Buffer("dln", (N, C), "dgrad"),
         Buffer("dqkv", (N, 3 * C), "dgrad"),
         Buffer("datty", (N, C), "dgrad"),
-        # scratch, per batch slice
-        *[Buffer(f"work.{i}", (n,), "work") for i, n in enumerate(works)],
-        *([Buffer("slot_grads", (len(works) - 1, param_layout(mc).n_params), "slot_grads")] if len(works) > 1 else []),
-        Buffer("partials", (n_partials,), "stat", "float64"),
+        *policy.scratch,
     ]

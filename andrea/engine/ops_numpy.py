@@ -4,9 +4,9 @@
     ops.layernorm_forward(out, mean, rstd, x, g, b)        # writes out, mean, rstd
     ops.layernorm_backward(dx, dg, db, dout, x, mean, rstd, g, work)   # dx += ..., dg += ..., db += ...
 
-This module is the contract the CuPy backend (``andrea/cuda``) mirrors name for name and
-argument for argument; the engine (``andrea/engine/engine.py``) calls only these functions,
-so the training step is written once and the backend supplies the ops.
+This module is the contract the CuPy backends (``andrea/cuda``) mirror name for name and
+argument for argument; the model (``andrea/engine/recipe.py``) calls only these functions,
+so the model is written once and each backend supplies the ops.
 
 Conventions (every op):
 - Shapes: B batch, T context, C d_model, H heads, D = C // H head size, V vocab,
@@ -14,149 +14,32 @@ Conventions (every op):
   Weight matrices are stored ``(C_in, C_out)`` so a linear layer is ``y = x @ W``.
 - Forward functions write (``=``) into preallocated outputs; they never allocate
   anything the size of an activation.
-- Backward functions ADD (``+=``) into every gradient they produce, parameter gradients
-  and input gradients alike; the caller zeroes gradient buffers (``Engine.zero_grads``).
+- Backward functions ADD (``+=``) into parameter gradients (the caller zeroes them,
+  ``Engine.zero_grads``) and into the residual stream's gradient (``layernorm_backward``'s
+  ``dx``); every other input gradient they WRITE (``=``), so no activation-gradient buffer
+  needs zeroing (``residual_add_backward`` copies the stream's gradient to the branch).
 - ``work`` is a flat scratch buffer of the activations' dtype owned by the caller, at
   least ``work_elems(B, T, C, H, V)`` long; ops carve views from it and leave garbage in
   it. ``adamw`` takes no work buffer: it consumes its ``g`` as scratch.
 - Every op is dtype-generic (float32 in training, float64 in the gradient checks).
 - Determinism: no op depends on anything but its arguments (same inputs, same thread
   count -> same bits).
+
+(Over 500 lines on purpose: the op pairs are one contract, read and mirrored as a whole; the
+thread pool they split rows on is ``andrea/engine/pool.py``.)
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
 
 import numpy as np
+
+from andrea.engine.pool import MAX_THREADS, n_threads, row_ranges, run_parallel, split_batch  # noqa: F401
 
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 LN_EPS = 1e-5
-
-
-# ------------------------------------------------------------------- thread pool
-# Row ranges run on one persistent pool, with BLAS single-threaded meanwhile. A multi-threaded
-# BLAS splits each GEMM across its threads and pays a thread handshake per call (the attention
-# alone is B*H small GEMMs; with a busy second core it ran ~100x slower at 2 BLAS threads than
-# at 1), so the ops split rows instead: fixed contiguous ranges, one per pool thread. Rows are
-# independent and each GEMM is the same single-threaded call whatever the split, so the bits
-# depend only on the thread count. ``run_parallel`` hands a whole function (the engine runs
-# its forward + backward per batch slice this way) to the pool; inside it every op runs inline
-# on its thread, so a step pays a handful of handoffs instead of one per op.
-_POOL: tuple | None = None          # (pid, n_threads, workers, BLAS controllers)
-_MAX_THREADS = 64                   # scratch for per-thread partial sums is sized for this many
-_LOCAL = threading.local()          # .inline: this thread is running one range of a parallel call
-_POOL_LOCK = threading.Lock()       # one caller at a time hands work to the pool
-
-
-class _Worker:
-    """One pool thread. The handoff is a pair of locks (a release wakes the waiter with one
-    futex call): on a 2-vCPU VM a round trip costs ~60 us this way, ~130 us through
-    concurrent.futures."""
-
-    def __init__(self, name: str):
-        self.go, self.done = threading.Lock(), threading.Lock()
-        self.go.acquire()
-        self.done.acquire()
-        self.task: tuple | None = None
-        self.error: BaseException | None = None
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def _loop(self) -> None:
-        _LOCAL.inline = True
-        while True:
-            self.go.acquire()
-            fn, args = self.task
-            try:
-                fn(*args)
-            except BaseException as e:                  # handed back to the caller by wait()
-                self.error = e
-            self.task = None
-            self.done.release()
-
-    def start(self, fn, args: tuple) -> None:
-        self.task = (fn, args)
-        self.go.release()
-
-    def wait(self) -> None:
-        self.done.acquire()
-        if self.error is not None:
-            e, self.error = self.error, None
-            raise e
-
-
-def _pool() -> tuple:
-    """The process's worker pool, created once (again after a fork): as many threads as BLAS
-    was given (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else the core count), at most 64."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        from threadpoolctl import ThreadpoolController
-
-        ctl = ThreadpoolController().select(user_api="blas").lib_controllers
-        n = min(max([int(c.num_threads) for c in ctl] or [1]), _MAX_THREADS)
-        workers = [_Worker(f"andrea-ops-{i}") for i in range(1, n)]
-        _POOL = (os.getpid(), n, workers, ctl)
-    return _POOL
-
-
-def n_threads() -> int:
-    """How many ranges a parallel call splits into here (1 inside a parallel call)."""
-    return 1 if getattr(_LOCAL, "inline", False) else _pool()[1]
-
-
-def row_ranges(B: int) -> list[tuple[int, int]]:
-    """The fixed contiguous ranges covering [0, B) that ``_split_batch`` hands out."""
-    n = max(1, min(n_threads(), B))
-    return [(B * i // n, B * (i + 1) // n) for i in range(n)]
-
-
-def run_parallel(fn, n: int) -> None:
-    """Call fn(0), ..., fn(n - 1) at once, fn(i) on pool thread i (the caller takes fn(0)),
-    each running its ops inline, with BLAS single-threaded meanwhile. More calls than pool
-    threads, a call from inside a parallel call, or a call while another thread holds the
-    pool run in turn on this thread (same bits: each call's work does not depend on where
-    it runs)."""
-    if n < 2 or getattr(_LOCAL, "inline", False) or n > _pool()[1] or not _POOL_LOCK.acquire(blocking=False):
-        for i in range(n):
-            fn(i)
-        return
-    try:
-        _run_on_pool(fn, n)
-    finally:
-        _POOL_LOCK.release()
-
-
-def _run_on_pool(fn, n: int) -> None:
-    _, size, workers, ctl = _pool()
-    saved = [c.num_threads for c in ctl]
-    for c in ctl:
-        c.set_num_threads(1)
-    try:
-        for i in range(1, n):
-            workers[i - 1].start(fn, (i,))
-        _LOCAL.inline = True
-        try:
-            fn(0)
-        finally:
-            _LOCAL.inline = False
-            for w in workers[:n - 1]:
-                w.wait()
-    finally:
-        for c, k in zip(ctl, saved):
-            c.set_num_threads(k)
-
-
-def _split_batch(fn, B: int) -> None:
-    """Call fn(b0, b1) on the ranges of ``row_ranges(B)``, one per pool thread (the caller takes
-    the first); inside a parallel call, fn(0, B) on this thread."""
-    ranges = row_ranges(B)
-    if len(ranges) == 1:
-        fn(0, B)
-        return
-    run_parallel(lambda i: fn(*ranges[i]), len(ranges))
 
 
 def _carve(work: np.ndarray, *shapes: tuple[int, ...]) -> list[np.ndarray]:
@@ -175,7 +58,7 @@ def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
     """Scratch elements the largest op needs (the engine allocates ``work`` once with this size)."""
     N = B * T
     return max(
-        2 * N * C + 2 * N + 2 * _MAX_THREADS * C,  # layernorm_backward: xhat, dxhat, two row stats, partials
+        2 * N * C + 2 * N + 2 * MAX_THREADS * C,  # layernorm_backward: xhat, dxhat, two row stats, partials
         N * 4 * C + 4 * C * C,                 # linear backward (attn_qkv: 3C, mlp in/out: 4C)
         4 * N * C + B * H * T + H * T * T,     # attn_forward: q, k, v, y (B, H, T, D), stat (B, H*T), mask (T, H*T)
         5 * N * C + B * H * T * T + B * H * T,  # attn_backward: q, k, v, dy, tmp, datt, row dot
@@ -251,7 +134,7 @@ def layernorm_forward(out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
         o *= g
         o += b
 
-    _split_batch(part, x.shape[0])
+    split_batch(part, x.shape[0])
 
 
 def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.ndarray,
@@ -289,7 +172,7 @@ def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.
         tmp -= a[:, None]
         dx[r0:r1] += tmp
 
-    _split_batch(part, N)
+    split_batch(part, N)
     for i in range(len(ranges)):                       # fixed order: same bits every run
         dg += PART[i, 0]
         db += PART[i, 1]
@@ -298,11 +181,11 @@ def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.
 # -------------------------------------------------------------------------- linear
 def _linear_backward(dx: np.ndarray, dw: np.ndarray, dout: np.ndarray, x: np.ndarray,
                      w: np.ndarray, work: np.ndarray) -> None:
-    """y = x @ w with x (N, Cin), w (Cin, Cout): dx += dout @ w.T; dw += x.T @ dout."""
+    """y = x @ w with x (N, Cin), w (Cin, Cout): dx = dout @ w.T; dw += x.T @ dout."""
     N, Cin = x.shape
     Cout = w.shape[1]
-    tx, tw = _carve(work, (N, Cin), (Cin, Cout))
-    _mm_acc(dx, dout, w.T, tx)
+    _, tw = _carve(work, (N, Cin), (Cin, Cout))
+    _mm(dx, dout, w.T)
     _mm_acc(dw, x.T, dout, tw)
 
 
@@ -314,7 +197,7 @@ def attn_qkv_forward(qkv: np.ndarray, x: np.ndarray, w_qkv: np.ndarray) -> None:
 
 def attn_qkv_backward(dx: np.ndarray, dw_qkv: np.ndarray, dqkv: np.ndarray, x: np.ndarray,
                       w_qkv: np.ndarray, work: np.ndarray) -> None:
-    """dx (N, C) += dqkv @ w_qkv.T; dw_qkv (C, 3C) += x.T @ dqkv."""
+    """dx (N, C) = dqkv @ w_qkv.T; dw_qkv (C, 3C) += x.T @ dqkv."""
     _linear_backward(dx, dw_qkv, dqkv, x, w_qkv, work)
 
 
@@ -339,7 +222,7 @@ def _heads_contig(work_views, qkv: np.ndarray, B: int, T: int, H: int, scale: fl
 def _mm(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """out (M, K) = a (M, J) @ b (J, K), split over fixed row ranges of a and out (a may be a
     transposed view: its row ranges are column ranges of the stored array, no copy)."""
-    _split_batch(lambda r0, r1: np.matmul(a[r0:r1], b, out=out[r0:r1]), a.shape[0])
+    split_batch(lambda r0, r1: np.matmul(a[r0:r1], b, out=out[r0:r1]), a.shape[0])
 
 
 def _mm_acc(acc: np.ndarray, a: np.ndarray, b: np.ndarray, tmp: np.ndarray) -> None:
@@ -348,7 +231,7 @@ def _mm_acc(acc: np.ndarray, a: np.ndarray, b: np.ndarray, tmp: np.ndarray) -> N
         np.matmul(a[r0:r1], b, out=tmp[r0:r1])
         acc[r0:r1] += tmp[r0:r1]
 
-    _split_batch(part, a.shape[0])
+    split_batch(part, a.shape[0])
 
 
 def att_shape(B: int, H: int, T: int) -> tuple[int, int, int, int]:
@@ -394,12 +277,13 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
         np.matmul(a4.transpose(0, 2, 3, 1), vh, out=y)  # y = P v per (b, h)
         np.copyto(out[b0:b1].reshape(n, T, H, D), y.transpose(0, 2, 1, 3))
 
-    _split_batch(part, B)
+    split_batch(part, B)
 
 
-def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray,
+def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray, y: np.ndarray,
                   n_head: int, work: np.ndarray) -> None:
-    """dqkv (B, T, 3C) += d/dqkv of attn_forward, given dout (B, T, C) and the saved att (``att_shape``)."""
+    """dqkv (B, T, 3C) = d/dqkv of attn_forward, given dout (B, T, C), the saved att (``att_shape``)
+    and the forward's output y (B, T, C) (unused here: a fused backend that saved less needs it)."""
     B, T = dout.shape[0], dout.shape[1]
     H = n_head
     C = dout.shape[-1]
@@ -427,11 +311,11 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         dy *= scale
         np.matmul(d4.transpose(0, 2, 1, 3), qh, out=tmp)                 # tmp = dk = ds^T (q * scale)
         dq, dk, dv = _heads(dqkv[b0:b1], n, T, H)
-        dq += dy
-        dk += tmp
-        dv += vh
+        np.copyto(dq, dy)
+        np.copyto(dk, tmp)
+        np.copyto(dv, vh)
 
-    _split_batch(part, B)
+    split_batch(part, B)
 
 
 # ------------------------------------------------------------------------ attn_out
@@ -442,7 +326,7 @@ def attn_out_forward(out: np.ndarray, y: np.ndarray, w_o: np.ndarray) -> None:
 
 def attn_out_backward(dy: np.ndarray, dw_o: np.ndarray, dout: np.ndarray, y: np.ndarray,
                       w_o: np.ndarray, work: np.ndarray) -> None:
-    """dy (N, C) += dout @ w_o.T; dw_o (C, C) += y.T @ dout."""
+    """dy (N, C) = dout @ w_o.T; dw_o (C, C) += y.T @ dout."""
     _linear_backward(dy, dw_o, dout, y, w_o, work)
 
 
@@ -460,6 +344,19 @@ def _neg2u_exp(out: np.ndarray, x: np.ndarray) -> None:
     np.exp(out, out=out)
 
 
+def _gelu(out: np.ndarray, x: np.ndarray) -> None:
+    with np.errstate(over="ignore"):                   # thread-local: set in every worker
+        _neg2u_exp(out, x)
+    out += 1.0
+    np.divide(x, out, out=out)
+
+
+def gelu_forward(out: np.ndarray, x: np.ndarray) -> None:
+    """out (N, 4C) = gelu(x), the activation of ``mlp_forward`` alone (a backend that does not
+    keep h_act per layer re-runs it in the backward)."""
+    split_batch(lambda r0, r1: _gelu(out[r0:r1], x[r0:r1]), x.shape[0])
+
+
 def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.ndarray,
                 w_fc: np.ndarray, w_proj: np.ndarray) -> None:
     """out (N, C) = gelu(x @ w_fc) @ w_proj; w_fc (C, 4C), w_proj (4C, C).
@@ -471,19 +368,16 @@ def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.nda
     def part(r0: int, r1: int) -> None:                # rows are independent
         hp, ha = h_pre[r0:r1], h_act[r0:r1]
         np.matmul(x[r0:r1], w_fc, out=hp)
-        with np.errstate(over="ignore"):               # thread-local: set in every worker
-            _neg2u_exp(ha, hp)
-        ha += 1.0
-        np.divide(hp, ha, out=ha)
+        _gelu(ha, hp)
         np.matmul(ha, w_proj, out=out[r0:r1])
 
-    _split_batch(part, x.shape[0])
+    split_batch(part, x.shape[0])
 
 
 def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: np.ndarray,
                  x: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray,
                  w_fc: np.ndarray, w_proj: np.ndarray, work: np.ndarray) -> None:
-    """dx (N, C) += ...; dw_fc (C, 4C) += ...; dw_proj (4C, C) += ... for mlp_forward.
+    """dx (N, C) = ...; dw_fc (C, 4C) += ...; dw_proj (4C, C) += ... for mlp_forward.
 
     The forward saved h_act = u s with s = sigmoid(2v), v = k (u + a u^3), so the backward
     reads s = h_act / h_pre back (one divide instead of a second exp; where |u| is zero or
@@ -514,11 +408,9 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
         np.subtract(1.0, s, out=s)                     # s again (to within 2^-24 absolute)
         r *= s                                         # gelu'(u)
         dh *= r                                        # dh = dL/dh_pre
-        tx = r.reshape(-1)[:(r1 - r0) * C].reshape(r1 - r0, C)
-        np.matmul(dh, w_fc.T, out=tx)
-        dx[r0:r1] += tx
+        np.matmul(dh, w_fc.T, out=dx[r0:r1])
 
-    _split_batch(rows, N)
+    split_batch(rows, N)
     (_, TW) = _carve(work, (N, F), (F, C))             # weight-grad tmp: over s and r, not dh
     _mm_acc(dw_proj, h_act.T, dout, TW)
     _mm_acc(dw_fc, x.T, DH, TW.reshape(C, F))
@@ -530,10 +422,11 @@ def residual_add_forward(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     np.add(a, b, out=out)
 
 
-def residual_add_backward(da: np.ndarray, db: np.ndarray, dout: np.ndarray) -> None:
-    """da (N, C) += dout; db (N, C) += dout."""
-    da += dout
-    db += dout
+def residual_add_backward(db: np.ndarray, dout: np.ndarray) -> None:
+    """db (N, C) = dout: the branch's gradient. The stream's own gradient passes through the add
+    unchanged (the recipe keeps it in one buffer, in place); db may be dout itself (no copy)."""
+    if db is not dout:
+        np.copyto(db, dout)
 
 
 # ---------------------------------------------------------------------------- loss
@@ -566,19 +459,20 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
         ls -= rowsum                                   # logsumexp = max + log(sum) = max - log(1/sum)
         ls -= np.take_along_axis(lg, targets[r0:r1].reshape(r1 - r0, 1), axis=1)[:, 0]
 
-    _split_batch(part, N)
+    split_batch(part, N)
 
 
-def loss_backward(dx: np.ndarray, dwte: np.ndarray, probs: np.ndarray, x: np.ndarray,
+def loss_backward(dx: np.ndarray, dwte: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: np.ndarray,
                   wte: np.ndarray, targets: np.ndarray, dloss: float, work: np.ndarray) -> None:
-    """dx (N, C) += dlogits @ wte; dwte (V, C) += dlogits.T @ x, with
+    """dx (N, C) = dlogits @ wte; dwte (V, C) += dlogits.T @ x, with
     dlogits = (probs - onehot(targets)) * dloss, where dloss is dL/dlosses[n] (1/N for a mean).
 
-    probs is consumed: it holds dlogits on return.
+    probs is consumed: it holds dlogits on return. (logits is unused here: a backend that saves
+    only the row log-sum-exp rebuilds dlogits in place in it.)
     """
     N, V = probs.shape
     C = x.shape[1]
-    tx, tw, flat = _carve(work, (N, C), (V, C), (N,))
+    _, tw, flat = _carve(work, (N, C), (V, C), (N,))
     flat_i = flat.view(np.int32) if flat.dtype == np.float32 else flat.view(np.int64)
     np.multiply(np.arange(N, dtype=flat_i.dtype), V, out=flat_i)   # row starts
     flat_i += targets.reshape(N)
@@ -586,10 +480,9 @@ def loss_backward(dx: np.ndarray, dwte: np.ndarray, probs: np.ndarray, x: np.nda
     p[flat_i] -= 1.0
     def rows(r0: int, r1: int) -> None:
         probs[r0:r1] *= dloss
-        np.matmul(probs[r0:r1], wte, out=tx[r0:r1])
-        dx[r0:r1] += tx[r0:r1]
+        np.matmul(probs[r0:r1], wte, out=dx[r0:r1])
 
-    _split_batch(rows, N)
+    split_batch(rows, N)
     _mm_acc(dwte, probs.T, x, tw)
 
 
@@ -649,4 +542,4 @@ def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: i
         gp *= dt(lr / bc1)
         wp -= gp
 
-    _split_batch(part, w.shape[0])
+    split_batch(part, w.shape[0])

@@ -239,7 +239,7 @@ def run(args, cfg) -> int:
     from rich.progress import Progress
 
     from andrea.engine import checkpoint as ckio
-    from andrea.engine.backend import select_backend
+    from andrea.backends import select_backend
     from andrea.generate import load_model
 
     run_dir, out = Path(args.run), Path(args.out)

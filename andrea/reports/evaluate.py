@@ -353,7 +353,7 @@ def run(args, cfg) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from andrea.engine.backend import select_backend
+    from andrea.backends import select_backend
     from andrea.engine.checkpoint import read_weights
     from andrea.fsutil import read_json
     from andrea.engine.engine import Engine

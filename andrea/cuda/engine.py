@@ -1,0 +1,388 @@
+"""The GPU training engine: the model of ``andrea/engine/recipe.py`` in fp32 | bf16 | fp16 with
+fp32 master weights, m and v, one preallocated arena, and a CUDA graph of forward + backward.
+
+    from andrea.cuda.backend import make_backend
+    eng = make_backend().make_engine(mc, batch_size=8, precision="bf16")   # a GpuEngine
+    eng.init_weights(1337); res = eng.train_step([(x, y)], lr=3e-4, t=1, hp=Hyper())
+
+Same public surface as ``andrea.engine.engine.Engine`` (n_params, layout, w, m, v, init_weights,
+load_state, extra_state, forward, train_step, describe, planned_bytes, allocated_bytes), so
+checkpoints (fp32 w, m, v in the flat layout) are interchangeable with the NumPy engine's. The
+step is the NumPy engine's loop (``Engine.train_step``) over this engine's micro_step/apply_update.
+
+What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being the recipe's:
+- dtypes: activations in the compute dtype (uint16 payloads for bf16/fp16), the residual stream,
+  its gradient, LayerNorm statistics and the loss in fp32; the matmuls read a 16-bit copy of the
+  weights (``WC``) refreshed by the AdamW kernel;
+- what it saves: the attention's row log-sum-exp (B, H, T), the loss's row log-sum-exp (N,);
+- what it recomputes: the LayerNorm outputs and the GELU activations, one buffer for all layers;
+- clipping, the NaN/inf skip and AdamW on the device; the fp16 dynamic loss scale on the host,
+  saved and restored with ``extra_state``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, SUFFIX, adam_hyper, attn_impl, cp,
+                                 embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
+                                 k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd,
+                                 k_loss_fwd, k_loss_mean, k_residual_add)
+from andrea.engine import recipe
+from andrea.engine.engine import Engine, Hyper, StepResult, init_params
+from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
+from andrea.errors import AndreaError
+
+FP16_SCALE0, FP16_GROWTH_EVERY, FP16_SCALE_MAX = 2.0 ** 12, 1000, 2.0 ** 24
+
+
+class FastOps:
+    """The recipe's op set in one precision over this engine's arena: the ops_numpy names and
+    arguments (``work`` unused: the scratch is the engine's ``ln_part``, ``dvec``, ``dh``); the
+    shapes come from the arrays. Backward outputs follow the op contract (+= into parameter
+    gradients and dres, = elsewhere)."""
+
+    def __init__(self, prec: str, blas, a: dict):
+        self.p, self.lt, self.blas, self.a = prec, LOWTYPE[prec], blas, a
+
+    def _mm(self, C, A, B, ta=False, tb=False, beta=0.0):
+        self.blas.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lt)
+
+    def embed_forward(self, out, idx, wte, wpe):
+        B, T = idx.shape
+        V, C = wte.shape
+        k_embed_fwd(out, idx, wte, wpe, B * T, T, C, V)
+
+    def embed_backward(self, dwte, dwpe, dout, idx):
+        a = self.a                                     # segments loaded with the batch (GpuEngine._load_batch)
+        B, T, C = dout.shape
+        k_embed_bwd(dwte, dwpe, dout, (a["seg_order"], a["seg_start"], a["seg_tok"], a["seg_n"]), B, T, C)
+
+    def layernorm_forward(self, out, mean, rstd, x, g, b):
+        N, C = x.shape
+        k_layernorm_fwd(self.p, out, mean, rstd, x, g, b, N, C)
+
+    def layernorm_backward(self, dx, dg, db, dout, x, mean, rstd, g, work):
+        N, C = x.shape
+        k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C)
+
+    def attn_qkv_forward(self, qkv, x, w_qkv):
+        self._mm(qkv, x, w_qkv)
+
+    def attn_qkv_backward(self, dx, dw_qkv, dqkv, x, w_qkv, work):
+        self._mm(dw_qkv, x, dqkv, ta=True, beta=1.0)
+        self._mm(dx, dqkv, w_qkv, tb=True)
+
+    def attn_forward(self, out, att, qkv, mask, n_head, work):
+        B, T, C = out.shape
+        k_attn_fwd(self.p, out, att, qkv, B, T, C, n_head)
+
+    def attn_backward(self, dqkv, dout, qkv, att, y, n_head, work):
+        B, T, C = dout.shape
+        k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False)
+
+    def attn_out_forward(self, out, y, w_o):
+        self._mm(out, y, w_o)
+
+    def attn_out_backward(self, dy, dw_o, dout, y, w_o, work):
+        self._mm(dy, dout, w_o, tb=True)
+        self._mm(dw_o, y, dout, ta=True, beta=1.0)
+
+    def gelu_forward(self, out, x):
+        k_gelu_fwd(self.p, out, x, x.size)
+
+    def mlp_forward(self, out, h_pre, h_act, x, w_fc, w_proj):
+        self._mm(h_pre, x, w_fc)
+        k_gelu_fwd(self.p, h_act, h_pre, h_pre.size)
+        self._mm(out, h_act, w_proj)
+
+    def mlp_backward(self, dx, dw_fc, dw_proj, dout, x, h_pre, h_act, w_fc, w_proj, work):
+        dh = self.a["dh"]
+        self._mm(dh, dout, w_proj, tb=True)                     # dL/dh_act
+        self._mm(dw_proj, h_act, dout, ta=True, beta=1.0)
+        k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)           # dL/dh_pre, in place
+        self._mm(dw_fc, x, dh, ta=True, beta=1.0)
+        self._mm(dx, dh, w_fc, tb=True)
+
+    def residual_add_forward(self, out, a, b):
+        k_residual_add(self.p, out, a, b, out.size)
+
+    def residual_add_backward(self, db, dout):
+        if db.data.ptr != dout.data.ptr:                        # fp32: the branch gradient IS dres
+            k_cast(self.p, db, dout, dout.size)
+
+    def loss_forward(self, losses, logits, probs, x, wte, targets, work):
+        """probs is the row log-sum-exp (N,); the mean loss lands in the engine's loss_out[0]."""
+        N, V = logits.shape
+        self._mm(logits, x, wte, tb=True)
+        if targets is not None:
+            k_loss_fwd(self.p, probs, losses, logits, targets, N, V)
+            k_loss_mean(losses, self.a["loss_out"], N)
+
+    def loss_backward(self, dx, dwte, logits, probs, x, wte, targets, dloss, work):
+        """dlogits is rebuilt in place in logits from the saved log-sum-exp ``probs``."""
+        N, V = logits.shape
+        k_loss_bwd(self.p, logits, logits, targets, probs, dloss, N, V)
+        self._mm(dx, logits, wte)                               # dx = dlogits @ wte
+        self._mm(dwte, logits, x, ta=True, beta=1.0)            # dwte += dlogits.T @ x
+
+
+def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
+    """The GPU engine's plan choices, and its ops' own scratch and optimizer buffers."""
+    T, C, H = mc.context, mc.d_model, mc.n_head
+    N = B * T
+    n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
+    scratch = (
+        Buffer("dh", (N, 4 * C), "work"), Buffer("dvec", (B * H * T,), "work", "acc"),
+        Buffer("ln_part", (n_chunks * 2 * C,), "work", "acc"), Buffer("loss_out", (8,), "stat", "acc"),
+        Buffer("norm_part", (NORM_BLOCKS,), "stat", "acc"), Buffer("gstate", (4,), "stat", "acc"),
+        Buffer("hp", (8,), "stat", "acc"),
+        Buffer("seg_order", (N,), "index", "int32"), Buffer("seg_start", (N + 1,), "index", "int32"),
+        Buffer("seg_tok", (N,), "index", "int32"), Buffer("seg_n", (1,), "index", "int32"),
+    )
+    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=frozenset({"ln", "gelu"}),
+                      cast_branch=precision != "fp32", scratch=scratch)
+
+
+class GpuEngine:
+    """The training step on the GPU in fp32 | bf16 | fp16 with fp32 master weights, m and v.
+    Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
+
+    def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True):
+        """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses."""
+        if precision not in SUFFIX:
+            raise AndreaError(f"train.precision: {precision!r} is not supported by the cupy engine "
+                              f"(fp32 | bf16 | fp16; fp8 is not implemented)")
+        xp = cp()
+        self.cp, self.mc, self.B, self.prec = xp, mc, int(batch_size), precision
+        self.be = backend
+        self.blas = self.be.ops.blas
+        self.layout = param_layout(mc)
+        self.n_params = self.layout.n_params
+        self.T, self.N = mc.context, self.B * mc.context
+        attn_impl(precision, mc.d_model // mc.n_head, 3 * mc.d_model)  # refuse an unsupported head size now
+        low = np.float32 if precision == "fp32" else np.uint16
+        self.lowtype = LOWTYPE[precision]
+        self.loss_scale = FP16_SCALE0 if precision == "fp16" else 1.0
+        self.good_steps = 0
+        n = self.n_params
+        self.policy = gpu_policy(mc, self.B, precision)
+        self.plan = activation_plan(mc, self.B, self.policy)
+        dtypes = {"act": low, "acc": np.float32, "int32": np.int32, "float64": np.float64}
+        spec = [("w", (n,), np.float32), ("g", (n,), np.float32), ("m", (n,), np.float32), ("v", (n,), np.float32)]
+        spec += [(b.name, b.shape, dtypes[b.dtype]) for b in self.plan]
+        if precision != "fp32":
+            spec.append(("wlow", (n,), low))
+        offs, off = {}, 0
+        for name, shape, dt in spec:
+            offs[name] = off
+            off += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
+        self.planned_bytes = -(-off // 512) * 512
+        pool = xp.get_default_memory_pool()
+        before = pool.used_bytes()
+        self.arena = xp.empty(self.planned_bytes, dtype=np.uint8)
+        self.arena_used = pool.used_bytes() - before
+        self.a = {}
+        for name, shape, dt in spec:
+            nb = math.prod(shape) * np.dtype(dt).itemsize
+            self.a[name] = self.arena[offs[name]:offs[name] + nb].view(dt).reshape(shape)
+        a = self.a
+        self.w, self.g, self.m, self.v = a["w"], a["g"], a["m"], a["v"]
+        if precision == "fp32":
+            a["wlow"] = a["w"]
+        views = lambda flat: {t.name: flat[t.offset:t.offset + t.size].reshape(t.shape) for t in self.layout.tensors}
+        self.W, self.WL, self.G = views(a["w"]), views(a["wlow"]), views(a["g"])
+        self.arena.fill(0)
+        a["gstate"].set(np.array([0.0, 1.0, 1.0, 0.0], dtype=np.float32))
+        self.ops = FastOps(precision, self.blas, a)
+        self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
+        self.stream = xp.cuda.Stream(non_blocking=True)
+        self.use_graph = bool(cuda_graph) and precision != "fp16"
+        self.graph = None
+        self.graph_scale = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def allocated_bytes(self) -> int:
+        return int(self.arena.nbytes)
+
+    def describe(self) -> str:
+        mc, mib = self.mc, 1 << 20
+        return (f"model: {self.n_params:,} parameters (V={mc.vocab_size} C={mc.d_model} H={mc.n_head} "
+                f"L={mc.n_layer} T={mc.context}); batch {self.B}x{self.T}; backend cupy {self.prec}"
+                f"{' + CUDA graph' if self.use_graph else ''}\n"
+                f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
+                f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes")
+
+    def _low_refresh(self) -> None:
+        if self.prec != "fp32":
+            k_cast(self.prec, self.a["wlow"], self.a["w"], self.n_params)
+
+    def init_weights(self, seed: int) -> None:
+        """The same weights as Engine.init_weights(seed) (``init_params``, drawn on the host)."""
+        host = init_params(self.mc, seed)
+        self.load_state(host, np.zeros_like(host), np.zeros_like(host))
+
+    def load_state(self, w: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+        for dst, src in ((self.w, w), (self.m, m), (self.v, v)):
+            dst.set(np.ascontiguousarray(src, dtype=np.float32).reshape(-1))
+        self.g.fill(0)
+        self._low_refresh()
+        self.cp.cuda.Device().synchronize()
+
+    def extra_state(self) -> dict:
+        """What later steps depend on beyond w, m, v: the fp16 dynamic loss scale and its count of
+        good steps ({} in fp32/bf16). The CUDA graph is rebuilt from it (it bakes the scale in)."""
+        if self.prec != "fp16":
+            return {}
+        return {"loss_scale": float(self.loss_scale), "good_steps": int(self.good_steps)}
+
+    def load_extra_state(self, d: dict) -> None:
+        want = set(self.extra_state())
+        if set(d) != want:
+            raise AndreaError(f"cupy {self.prec} engine state: expected keys {sorted(want)}, got {sorted(d)}")
+        if want:
+            self.loss_scale, self.good_steps = float(d["loss_scale"]), int(d["good_steps"])
+            self.graph, self.graph_scale = None, None          # recaptured with this scale if graphs are on
+
+    # ------------------------------------------------------------------ the step
+    def _load_batch(self, x, y) -> None:
+        a = self.a
+        a["idx"].set(np.ascontiguousarray(x, dtype=np.int32).reshape(self.B, self.T))
+        if y is not None:
+            a["targets"].set(np.ascontiguousarray(y, dtype=np.int32).reshape(self.B, self.T))
+        for name, arr in zip(("seg_order", "seg_start", "seg_tok", "seg_n"), embed_segments(x)):
+            a[name].set(arr)
+
+    def _forward(self, with_loss: bool) -> None:
+        recipe.forward(self.ops, self.z, self.mc.n_head, with_loss)
+
+    def _backward(self, dscale: float) -> None:
+        recipe.backward(self.ops, self.z, self.mc.n_head, dscale, self.policy.recompute)
+
+    def _capture(self) -> None:
+        """Capture forward + backward of one microbatch as a CUDA graph (the arena's pointers never
+        change, so replaying it after loading a new batch runs the new batch). One eager run first
+        loads every module and lets cuBLAS set up its workspace outside the capture."""
+        with self.stream:
+            self._forward(True)
+            self._backward(self.loss_scale / self.N)
+            self.stream.synchronize()
+            try:
+                self.stream.begin_capture()
+                self._forward(True)
+                self._backward(self.loss_scale / self.N)
+                self.graph = self.stream.end_capture()
+                self.graph_scale = self.loss_scale
+            except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
+                try:
+                    self.stream.end_capture()
+                except Exception:  # noqa: BLE001
+                    pass
+                self.use_graph, self.graph = False, None
+                print(f"cupy engine: CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly",
+                      file=sys.stderr)
+            self.g.fill(0)
+        self.stream.synchronize()
+
+    def zero_grads(self) -> None:
+        with self.stream:
+            self.g.fill(0)
+
+    def micro_step(self, x, y) -> float:
+        """Forward + backward of one microbatch, accumulating (+=) its mean-loss gradient into g
+        (fp32; times the fp16 loss scale). Returns the microbatch's mean loss."""
+        with self.stream:
+            self._load_batch(x, y)
+            if self.use_graph and self.graph is None:
+                self._capture()
+            if self.graph is not None and self.graph_scale == self.loss_scale:
+                self.graph.launch(stream=self.stream)
+            else:
+                self._forward(True)
+                self._backward(self.loss_scale / self.N)
+            out = self.a["loss_out"][:1].get(stream=self.stream)
+        return float(out[0])
+
+    def apply_update(self, n_micro: int, loss: float, lr: float, t: int, hp: Hyper) -> StepResult:
+        """Global norm of the accumulated gradients / n_micro (/ loss scale), clip, AdamW, all on
+        the device; a non-finite loss or norm leaves w, m and v untouched (the kernel checks)."""
+        if not math.isfinite(loss):
+            self._scaler(False)
+            return StepResult(loss, float("nan"), False)
+        a, n = self.a, self.n_params
+        inv = 1.0 / (self.loss_scale * n_micro)
+        with self.stream:
+            a["hp"].set(adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay), stream=self.stream)
+            k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
+            wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
+            k_adamw(self.prec, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1)
+            out = a["gstate"][:3].get(stream=self.stream)
+        ok = bool(out[2] != 0.0)
+        self._scaler(ok)
+        return StepResult(loss, float(out[0]) if ok else float("nan"), ok)
+
+    def _scaler(self, ok: bool) -> None:
+        """Dynamic loss scale (fp16 only): halve on a bad step, double after 1000 good ones."""
+        if self.prec != "fp16":
+            return
+        if not ok:
+            self.loss_scale, self.good_steps = max(1.0, self.loss_scale / 2), 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % FP16_GROWTH_EVERY == 0:
+                self.loss_scale = min(FP16_SCALE_MAX, self.loss_scale * 2)
+
+    # The microbatch loop is the NumPy engine's, over this engine's zero_grads/micro_step/apply_update.
+    train_step = Engine.train_step
+
+    def eval_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+        """Summed loss and token count of b <= B rows (b < B is padded with row 0, not counted).
+        Touches activations only, never weights or gradients."""
+        b = x.shape[0]
+        if b < self.B:
+            px = np.concatenate([x, np.repeat(x[:1], self.B - b, axis=0)])
+            py = np.concatenate([y, np.repeat(y[:1], self.B - b, axis=0)])
+        else:
+            px, py = x, y
+        self.forward(px, py)
+        losses = self.cp.asnumpy(self.a["losses"])
+        return float(np.asarray(losses[:b * self.T], dtype=np.float64).sum()), b * self.T
+
+    def compute_grads(self, x, y) -> float:
+        """Zero the grads, forward + backward of the mean loss on one batch, no optimizer step.
+        Returns the loss; the fp32 gradients (times the fp16 loss scale) stay in ``self.g``."""
+        self.zero_grads()
+        loss = self.micro_step(x, y)
+        self.stream.synchronize()
+        return loss
+
+    def forward(self, x=None, y=None) -> float | None:
+        """Evaluation: run the model on (B, T) ids; with targets return the mean loss (float)."""
+        with self.stream:
+            if x is not None:
+                self._load_batch(x, y)
+            elif y is not None:
+                self.a["targets"].set(np.ascontiguousarray(y, dtype=np.int32).reshape(self.B, self.T))
+            self._forward(y is not None)
+            out = self.a["loss_out"][:1].get(stream=self.stream) if y is not None else None
+        self.stream.synchronize()
+        return None if out is None else float(out[0])
+
+    def logits_host(self) -> np.ndarray:
+        """The last forward's logits (N, V) as float32 on the host."""
+        bits = self.cp.asnumpy(self.a["logits"])
+        if self.prec == "fp32":
+            return bits
+        if self.prec == "bf16":
+            return (bits.astype(np.uint32) << 16).view(np.float32)
+        return bits.view(np.float16).astype(np.float32)
+
+    def grads_host(self) -> np.ndarray:
+        return self.cp.asnumpy(self.g)
+
+    def state_host(self):
+        return tuple(self.cp.asnumpy(x) for x in (self.w, self.m, self.v))

@@ -1,0 +1,327 @@
+"""Launch geometry, argument checks and cuBLAS for ANDREA's CUDA kernels: one Python launcher per
+kernel of ``andrea/cuda/*.cu`` (grid, block, argument order), the dtype/shape/contiguity checks
+made before a launch (``need``), and the row-major GEMM over cuBLAS (``Blas``). The op sets that
+call these are ``andrea/cuda/mirror.py`` (fp32, ops_numpy's contract) and ``andrea/cuda/engine.py``
+(the mixed-precision engine).
+
+    from andrea.cuda.kernels import Blas, k_layernorm_fwd
+    k_layernorm_fwd("bf16", y, mean, rstd, x, g, b, N, C)      # y (N, C) uint16 bf16 payload
+
+Storage types: prec is fp32 | bf16 | fp16; 16-bit arrays are uint16 payloads. Large matmuls go to
+cuBLAS (``cublasGemmEx``, fp32 accumulation, no TF32; deterministic for fixed shapes). The kernels
+are compiled through ``andrea.cuda.loader``; importing this module needs neither CuPy nor a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from andrea.cuda.loader import kernel
+from andrea.errors import AndreaError
+
+# cudaDataType / cublas enums (cublas_api.h, library_types.h)
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+LN_EPS = 1e-5
+LN_ROWS_PER_CHUNK = 32
+NORM_BLOCKS = 512
+
+SUFFIX = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+LOWTYPE = {"fp32": CUDA_R_32F, "bf16": CUDA_R_16BF, "fp16": CUDA_R_16F}
+
+
+def cp():
+    import cupy  # noqa: PLC0415
+
+    return cupy
+
+
+# ----------------------------------------------------------------------------- launch helpers
+def need(op: str, name: str, a, dtype=None, shape=None, size=None) -> None:
+    """Refuse an argument the kernel would misread: wrong dtype, shape, size or a strided view."""
+    if a is None:
+        raise AndreaError(f"cuda op {op}: argument {name} is None")
+    if not a.flags.c_contiguous:
+        raise AndreaError(f"cuda op {op}: argument {name} must be C-contiguous (shape {a.shape}, strides {a.strides})")
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise AndreaError(f"cuda op {op}: argument {name} has dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise AndreaError(f"cuda op {op}: argument {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    if size is not None and a.size != size:
+        raise AndreaError(f"cuda op {op}: argument {name} has {a.size} elements, expected {size}")
+
+
+def ptr(a, offset_elems: int = 0) -> np.uint64:
+    return np.uint64(a.data.ptr + offset_elems * a.dtype.itemsize)
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def f32(v) -> np.float32:
+    return np.float32(v)
+
+
+def blocks(n: int, t: int = 256) -> int:
+    return (int(n) + t - 1) // t
+
+
+class Blas:
+    """Row-major GEMM over cuBLAS: C (M, N) = alpha op(A) op(B) + beta C, fp32 accumulation."""
+
+    def __init__(self):
+        from cupy.cuda import cublas  # noqa: PLC0415
+
+        self.cublas = cublas
+        self.cp = cp()
+        self._one = np.ones(1, dtype=np.float32)
+        self._zero = np.zeros(1, dtype=np.float32)
+        # CuPy's cuBLAS wrapper refuses calls while a stream is being captured; the C entry points
+        # of the very library CuPy loaded (already in the process) take the same arguments and are
+        # legal inside a capture, so the GEMMs go through ctypes.
+        self._lib = None
+        import ctypes  # noqa: PLC0415
+
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+                f = lib.cublasGemmEx
+                P, I = ctypes.c_void_p, ctypes.c_int
+                f.argtypes = [P, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I, I, I]
+                f.restype = I
+                g = lib.cublasSetStream_v2
+                g.argtypes = [P, P]
+                g.restype = I
+                self._lib = lib
+                break
+            except (OSError, AttributeError):
+                continue
+
+    def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_32F) -> None:
+        def tcode(a):
+            if a.dtype == np.float32:
+                return CUDA_R_32F
+            if a.dtype == np.uint16:
+                return lowtype
+            raise AndreaError(f"cuda gemm: unsupported dtype {a.dtype}")
+
+        for nm, a in (("A", A), ("B", B), ("C", C)):
+            if a.ndim != 2 or not a.flags.c_contiguous:
+                raise AndreaError(f"cuda gemm: {nm} must be a C-contiguous matrix (shape {a.shape})")
+        M, K = (A.shape[1], A.shape[0]) if ta else A.shape
+        Kb, N = (B.shape[1], B.shape[0]) if tb else B.shape
+        if K != Kb or C.shape != (M, N):
+            raise AndreaError(f"cuda gemm: shapes do not chain: op(A) {M}x{K}, op(B) {Kb}x{N}, C {C.shape}")
+        h = self.cp.cuda.device.get_cublas_handle()
+        alpha = self._one
+        b = self._one if beta == 1.0 else self._zero
+        if beta not in (0.0, 1.0):
+            raise AndreaError("cuda gemm: beta must be 0 or 1")
+        if self._lib is not None:
+            st = self._lib.cublasSetStream_v2(h, self.cp.cuda.get_current_stream().ptr)
+            rc = self._lib.cublasGemmEx(h, 1 if tb else 0, 1 if ta else 0, N, M, K, alpha.ctypes.data,
+                                        B.data.ptr, tcode(B), B.shape[1], A.data.ptr, tcode(A), A.shape[1],
+                                        b.ctypes.data, C.data.ptr, tcode(C), N, CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT)
+            if st or rc:
+                raise AndreaError(f"cuda gemm: cuBLAS status {st or rc} for {M}x{N}x{K}")
+            return
+        self.cublas.setStream(h, self.cp.cuda.get_current_stream().ptr)
+        self.cublas.gemmEx(h, 1 if tb else 0, 1 if ta else 0, N, M, K, alpha.ctypes.data,
+                           B.data.ptr, tcode(B), B.shape[1], A.data.ptr, tcode(A), A.shape[1],
+                           b.ctypes.data, C.data.ptr, tcode(C), N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+
+
+# ----------------------------------------------------------------------------- kernel wrappers
+# Storage-type-generic wrappers (prec in fp32 | bf16 | fp16; 16-bit arrays are uint16 payloads).
+
+def _ln_vec(C: int, *arrays) -> int | None:
+    """V (float4 columns per lane / 32) of the vectorized LayerNorm kernels, or None for the scalar ones."""
+    if C % 4 or not all(a.data.ptr % 16 == 0 for a in arrays):
+        return None
+    return next((V for V in (1, 2, 3, 6, 12) if C // 4 <= 32 * V), None)
+
+
+def k_layernorm_fwd(prec, y, mean, rstd, x, g, b, N, C):
+    V = _ln_vec(C, x, g, b, y)
+    name = f"k_layernorm_fwd4_{SUFFIX[prec]}_v{V}" if V else f"k_layernorm_fwd_{SUFFIX[prec]}"
+    kernel("layernorm.cu", name)((blocks(N, 8),), (256,), (x, g, b, y, mean, rstd, i32(N), i32(C), f32(LN_EPS)))
+
+
+def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C):
+    """dx (N, C) fp32 += ...; dg, db (C,) += ...; part holds >= ceil(N/32)*2*C floats of scratch."""
+    s = SUFFIX[prec]
+    n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
+    if part.size < n_chunks * 2 * C:
+        raise AndreaError(f"cuda op layernorm_backward: scratch has {part.size} floats, needs {n_chunks * 2 * C}")
+    V = _ln_vec(C, x, g, dy, dx)
+    if V and V <= 6:   # V = 12 (C > 768) keeps 144 partial sums per lane: measured slower than 3 kernels
+        kernel("layernorm.cu", f"k_layernorm_bwd4_{s}_v{V}")(
+            (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, part, i32(N), i32(C), i32(LN_ROWS_PER_CHUNK)))
+    else:
+        kernel("layernorm.cu", f"k_layernorm_bwd_{s}")((blocks(N, 8),), (256,),
+                                                       (x, g, mean, rstd, dy, dx, i32(N), i32(C)))
+        kernel("layernorm.cu", f"k_layernorm_bwd_wpart_{s}")(
+            (blocks(C, 128), n_chunks), (128,), (x, mean, rstd, dy, part, i32(N), i32(C), i32(LN_ROWS_PER_CHUNK)))
+    kernel("layernorm.cu", "k_layernorm_bwd_wsum")((blocks(C, 128),), (128,), (part, dg, db, i32(n_chunks), i32(C)))
+
+
+def _vec8(n: int, *arrays) -> bool:
+    """The 8-wide kernels need n % 8 == 0 and 16-byte aligned buffers."""
+    return n % 8 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _ew(name: str, prec: str, n: int, *arrays) -> None:
+    """Launch elementwise.cu's k_<name>_<t> over n elements, arrays in kernel order; its 8-wide
+    twin k_<name>8_<t> where n and every buffer allow it."""
+    if _vec8(n, *arrays):
+        kernel("elementwise.cu", f"k_{name}8_{SUFFIX[prec]}")((blocks(n // 8),), (256,), (*arrays, np.int64(n // 8)))
+    else:
+        kernel("elementwise.cu", f"k_{name}_{SUFFIX[prec]}")((blocks(n),), (256,), (*arrays, np.int64(n)))
+
+
+def k_gelu_fwd(prec, y, x, n):
+    _ew("gelu_fwd", prec, n, x, y)
+
+
+def k_gelu_bwd(prec, dx, dy, x, n):
+    _ew("gelu_bwd", prec, n, x, dy, dx)
+
+
+def k_residual_add(prec, out, a, b, n):
+    _ew("residual_add", prec, n, a, b, out)
+
+
+def k_cast(prec, dst, src, n):
+    _ew("cast", prec, n, src, dst)
+
+
+def k_accumulate(da, dout, n):
+    kernel("elementwise.cu", "k_residual_add_bwd")((blocks(n),), (256,), (dout, da, np.int64(n)))
+
+
+def k_scale(g, n, s):
+    kernel("optim.cu", "k_scale")((blocks(n),), (256,), (g, np.int64(n), f32(s)))
+
+
+def attn_impl(prec: str, D: int, ld: int) -> str:
+    if prec in ("bf16", "fp16") and D in (32, 64) and ld % 8 == 0:
+        return "mma"
+    if D not in (8, 16, 32, 64, 128):
+        raise AndreaError(f"cuda attention: head size D={D} is not supported (8, 16, 32, 64 or 128)")
+    return "simt"
+
+
+def _attn_geom(impl: str, D: int, T: int, BH: int):
+    tile = 64 if (impl == "mma" or D <= 64) else 32
+    threads = 128 if impl == "mma" else tile
+    return ((T + tile - 1) // tile, BH), (threads,)
+
+
+def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H):
+    """qkv (B*T, 3C) -> y (B*T, C), lse2 (B*H, T)."""
+    D = C // H
+    impl = attn_impl(prec, D, 3 * C)
+    grid, block = _attn_geom(impl, D, T, B * H)
+    sl2 = math.log2(math.e) / math.sqrt(D)
+    kernel("attention.cu", f"k_attn_fwd_{impl}_{SUFFIX[prec]}_d{D}")(
+        grid, block, (ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C), i32(3 * C), y, i32(C), lse2, i32(T), i32(H), f32(sl2)))
+
+
+def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool):
+    """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch."""
+    D = C // H
+    impl = attn_impl(prec, D, 3 * C)
+    s = SUFFIX[prec]
+    grid, block = _attn_geom(impl, D, T, B * H)
+    sl2 = math.log2(math.e) / math.sqrt(D)
+    scale = 1.0 / math.sqrt(D)
+    kernel("attention.cu", f"k_attn_dvec_{s}")((blocks(B * H * T),), (256,),
+                                               (y, dy, i32(C), dvec, i32(B), i32(T), i32(H), i32(D)))
+    q, k, v = ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C)
+    acc = i32(1 if accumulate else 0)
+    kernel("attention.cu", f"k_attn_bwd_dq_{impl}_{s}_d{D}")(
+        grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv), i32(T), i32(H), f32(sl2), f32(scale), acc))
+    kernel("attention.cu", f"k_attn_bwd_dkv_{impl}_{s}_d{D}")(
+        grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C), ptr(dqkv, 2 * C), i32(T), i32(H),
+                      f32(sl2), f32(scale), acc))
+
+
+def k_loss_fwd(prec, lse, losses, logits, targets, N, V):
+    kernel("loss.cu", f"k_loss_fwd_{SUFFIX[prec]}")((N,), (512,), (logits, targets, lse, losses, i32(N), i32(V)))
+
+
+def k_loss_bwd(prec, dlogits, logits, targets, lse, dscale, N, V):
+    kernel("loss.cu", f"k_loss_bwd_{SUFFIX[prec]}")((N,), (512,),
+                                                     (logits, targets, lse, dlogits, f32(dscale), i32(N), i32(V)))
+
+
+def embed_segments(idx_host: np.ndarray):
+    """Host side of the deterministic embedding backward: positions sorted by token id (stable),
+    segment starts (n_seg + 1,) and the token of each segment. (N,) int32 arrays, padded."""
+    flat = np.ascontiguousarray(idx_host, dtype=np.int32).reshape(-1)
+    N = flat.size
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    s = flat[order]
+    starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1]))).astype(np.int32)
+    n_seg = starts.size
+    seg_start = np.full(N + 1, N, dtype=np.int32)
+    seg_start[:n_seg] = starts
+    seg_tok = np.zeros(N, dtype=np.int32)
+    seg_tok[:n_seg] = s[starts]
+    return order, seg_start, seg_tok, np.array([n_seg], dtype=np.int32)
+
+
+def k_embed_bwd(dwte, dwpe, dout, seg_bufs, B, T, C):
+    order, seg_start, seg_tok, n_seg = seg_bufs
+    N = B * T
+    kernel("embed.cu", "k_embed_bwd_wte")((N,), (128,), (dout, order, seg_start, seg_tok, n_seg, dwte, i32(C)))
+    kernel("embed.cu", "k_embed_bwd_wpe")((blocks(T * C),), (256,), (dout, dwpe, i32(B), i32(T), i32(C)))
+
+
+
+def k_embed_fwd(out, idx, wte, wpe, N, T, C, V):
+    kernel("embed.cu", "k_embed_fwd")((blocks(N * C),), (256,), (idx, wte, wpe, out, i32(N), i32(T), i32(C), i32(V)))
+
+
+def k_loss_mean(losses, out, N):
+    kernel("loss.cu", "k_loss_mean")((1,), (1024,), (losses, out, i32(N)))
+
+
+def adam_hyper(t: int, lr: float, beta1: float, beta2: float, eps: float, wd: float) -> np.ndarray:
+    """The 8 floats k_adamw reads: [lr, wd, lr / bc1, 1 / sqrt(bc2), beta1, beta2, eps, 0]."""
+    bc1 = 1.0 - beta1 ** t
+    bc2 = 1.0 - beta2 ** t
+    return np.array([lr, wd, lr / bc1, 1.0 / math.sqrt(bc2), beta1, beta2, eps, 0.0], dtype=np.float32)
+
+
+
+
+def k_softmax(probs, logits, lse, N, V):
+    kernel("loss.cu", "k_softmax_f32")((N,), (512,), (logits, lse, probs, i32(N), i32(V)))
+
+
+def k_probs_to_dlogits(probs, targets, dscale, N, V):
+    kernel("loss.cu", "k_probs_to_dlogits_f32")((N,), (512,), (probs, targets, f32(dscale), i32(N), i32(V)))
+
+
+def k_grad_norm_chunks(partials, grads, n, chunk, P):
+    """partials (P,) float64: the sum of squares of each chunk of the flat grads (n,)."""
+    kernel("optim.cu", "k_grad_norm_partial_chunks")((P,), (1024,), (grads, np.int64(n), np.int64(chunk), partials))
+
+
+def k_grad_norm(g, n, part, grad_clip, inv, gstate):
+    """gstate[:3] = [norm, clip scale, ok] of g (n,) / inv^-1, over NORM_BLOCKS partial sums in part."""
+    kernel("optim.cu", "k_grad_norm_partial")((NORM_BLOCKS,), (256,), (g, np.int64(n), part))
+    kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (part, i32(NORM_BLOCKS), f32(grad_clip), f32(inv), gstate))
+
+
+def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate):
+    """AdamW over the flat fp32 w, g, m, v (n,) with the 8 floats of ``adam_hyper`` in hp; refreshes
+    the 16-bit compute copy wlow (0 for none); skips the update where gstate says the step is bad."""
+    kernel("optim.cu", f"k_adamw_{SUFFIX[prec]}")((blocks(n),), (256,), (w, g, m, v, wlow, np.int64(n), hp, gstate,
+                                                                       np.int64(n_decay), i32(use_gstate)))
