@@ -3,11 +3,10 @@
 // k_gelu_fwd_<t>:      y = gelu_tanh(x), elementwise, (n,)
 // k_gelu_bwd_<t>:      dx = dy * gelu_tanh'(x) (written, not accumulated: dx is scratch)
 // k_residual_add_<t>:  out (n,) fp32 = a fp32 + b (storage t)
-// k_residual_add_bwd:  da (n,) fp32 += dout   (the residual branch's gradient is dout itself,
-//                      cast to the branch's storage type by k_cast_<t>)
-// k_cast_<t>:          dst (n,) t = src fp32
+// k_cast_<t>:          dst (n,) t = src fp32   (the residual branch's gradient: dres cast to the
+//                      branch's storage type; the stream's gradient itself passes through in place)
 // k_*8_<t>:            the same, 8 consecutive elements per thread with 16-byte accesses (n % 8 == 0,
-//                      16-byte aligned buffers; the wrappers in backend.py choose them)
+//                      16-byte aligned buffers; the launchers in kernels.py choose them)
 // GELU is evaluated as x * sigmoid(2u) (one expf), the same function as 0.5 x (1 + tanh u).
 
 #define GELU_K 0.7978845608028654f  // sqrt(2/pi)
@@ -123,12 +122,6 @@ __device__ void cast_from_f32(const float* __restrict__ src, T* __restrict__ dst
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     dst[i] = from_f<T>(src[i]);
-}
-
-extern "C" __global__ void k_residual_add_bwd(const float* __restrict__ dout, float* __restrict__ da, long long n) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    da[i] += dout[i];
 }
 
 #define EW_INST(SUF, T)                                                                                 \

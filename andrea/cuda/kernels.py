@@ -200,10 +200,6 @@ def k_cast(prec, dst, src, n):
     _ew("cast", prec, n, src, dst)
 
 
-def k_accumulate(da, dout, n):
-    kernel("elementwise.cu", "k_residual_add_bwd")((blocks(n),), (256,), (dout, da, np.int64(n)))
-
-
 def k_scale(g, n, s):
     kernel("optim.cu", "k_scale")((blocks(n),), (256,), (g, np.int64(n), f32(s)))
 

@@ -7,7 +7,7 @@
 //                        part (n_chunks, 2, C). Thread per column, rows in order.
 // k_layernorm_bwd_wsum: dw[c] += sum over chunks in order; db likewise. No atomics anywhere.
 //
-// Vectorized versions (C % 4 == 0, C <= 128 V, 16-byte aligned rows; backend.py picks them):
+// Vectorized versions (C % 4 == 0, C <= 128 V, 16-byte aligned rows; kernels.py picks them):
 // k_layernorm_fwd4_<t>_v<V>: one warp per row, float4 loads, the row kept in registers (one read).
 // k_layernorm_bwd4_<t>_v<V>: dx and the per-column partials in one kernel: a block of 8 warps owns
 //                        a chunk of rows (warp w takes rows w, w+8, ...), each lane keeps its columns'

@@ -1,11 +1,11 @@
 """Model layout: parameter names, shapes and offsets in one flat fp32 buffer, and the
-activation buffer plan. Pure arithmetic on shapes: nothing here allocates.
+activation buffer plan (declared once for every engine). Pure arithmetic on shapes: nothing
+here allocates. The op sequence that uses them is ``andrea/engine/recipe.py``.
 
-    from andrea.engine import ops_numpy
-    from andrea.engine.model import ModelConfig, param_layout, activation_plan
+    from andrea.engine.model import ModelConfig, PlanPolicy, param_layout, activation_plan
     mc = ModelConfig(vocab_size=1281, d_model=128, n_head=4, n_layer=4, context=128)
     layout = param_layout(mc)          # layout.n_params, layout.n_decay, layout.tensors
-    plan = activation_plan(mc, batch_size=16, work_elems=ops_numpy.work_elems(16, 128, 128, 4, 1281))
+    plan = activation_plan(mc, 16, PlanPolicy(att_shape=(16, 128, 4, 128), loss_saved=(16 * 128, 1281)))
 
 The model (decoder-only GPT, pre-LN, no biases except LayerNorm beta):
 
