@@ -332,3 +332,23 @@ def test_a_split_pair_is_refused_clearly_and_restart_moves_it_aside(data, tmp_pa
     (out / "model.state.json").unlink()
     assert _trainer(cfg, data, out, on_mismatch="restart").run() == 0
     assert _pair_step(out) == (4, 4)
+
+
+def test_a_nan_param_failing_mid_run_keeps_the_last_whole_pair(data, tmp_path, monkeypatch):
+    """A NaN learning rate from step 3 on (what `-S train.lr=.nan` did before the schema refused it)
+    reaches the history; the run ends in one line naming the key, the step-2 pair untouched."""
+    import andrea.train as T
+
+    real = T.lr_at
+    monkeypatch.setattr(T, "lr_at", lambda step, tc: float("nan") if step >= 3 else real(step, tc))
+    cfg = micro_cfg(8, 8, **{"train.checkpoint_every": 2})
+    out = tmp_path / "w"
+    with pytest.raises(AndreaError) as ei:
+        _trainer(cfg, data, out).run()
+    msg = str(ei.value)
+    assert "\n" not in msg and "lr=nan" in msg and "step 2" in msg, msg
+    assert _pair_step(out) == (2, 2)
+    assert not _extras(out)
+    monkeypatch.setattr(T, "lr_at", real)
+    assert _trainer(cfg, data, out).run() == 0            # and it resumes from there
+    assert _pair_step(out) == (8, 8)
