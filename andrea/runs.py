@@ -131,6 +131,8 @@ class RunFolder:
             os.close(fd)
             raise AndreaError(f"{self.dir}: another `andrea train` is writing this run folder; "
                               "wait for it to end (or stop it) and run again") from None
+        except OSError:
+            pass                  # a file system without locks (ENOLCK): go on unlocked, as before
         self._lock = fd
         try:
             yield self.recover()
