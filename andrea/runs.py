@@ -52,7 +52,7 @@ import numpy as np
 
 from andrea.engine import checkpoint as ck
 from andrea.errors import AndreaError
-from andrea.fsutil import atomic_write_json, fsync_dir, json_text, read_json
+from andrea.fsutil import atomic_write_bytes, fsync_dir, json_text, read_json
 
 BIN, STATE, LOSS, SAMPLES = "model.bin", "model.state.json", "model.loss.json", "model.samples.json"
 FILES = (BIN, STATE, LOSS, SAMPLES)
@@ -131,6 +131,8 @@ class RunFolder:
             os.close(fd)
             raise AndreaError(f"{self.dir}: another `andrea train` is writing this run folder; "
                               "wait for it to end (or stop it) and run again") from None
+        except OSError:
+            pass                  # a file system without locks (ENOLCK): go on unlocked, as before
         self._lock = fd
         try:
             yield self.recover()
@@ -211,7 +213,12 @@ class RunFolder:
         drops what lies past its step)."""
         for path, doc in ((self.loss, loss), (self.samples, samples)):
             try:
-                atomic_write_json(path, doc)
+                text = json_text(doc)
+            except ValueError:
+                raise AndreaError(f"{path}: the history holds {_nonfinite(doc) or 'a value JSON cannot store'}, so it "
+                                  f"was not written; {self._survivor()}; look for a NaN/inf param feeding it") from None
+            try:
+                atomic_write_bytes(path, text.encode("utf-8"))
             except OSError as e:
                 raise self._io_error(e, path, "writing the history") from None
 
@@ -244,12 +251,18 @@ class RunFolder:
         return dest
 
     # ------------------------------------------------------------ reading the pair
+    def _split(self, what: str) -> SplitPair:
+        if (self.dir / COMMITTED).is_dir():
+            return SplitPair(f"{what}: a checkpoint commit was interrupted ({self.dir / COMMITTED} holds the rest); "
+                             f"`andrea train` with this --out finishes it (or move its files up by hand)")
+        return SplitPair(f"{what} (split by a crash of an older version?): it cannot be resumed; "
+                         "`--on-mismatch restart` moves it aside, or delete the folder")
+
     def read_state(self) -> dict:
         """The run state; a checkpoint without its state (or the reverse) is a SplitPair."""
         if self.bin.exists() != self.state.exists():
             have, lack = (self.bin, self.state) if self.bin.exists() else (self.state, self.bin)
-            raise SplitPair(f"{have}: found without {lack.name} (left split by a crash of an older version?): "
-                            "it cannot be resumed; `--on-mismatch restart` moves it aside, or delete the folder")
+            raise self._split(f"{have}: found without {lack.name}")
         state = read_json(self.state, "run state")
         if state.get("format") != STATE_FORMAT:
             raise AndreaError(f"{self.state}: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
@@ -259,9 +272,7 @@ class RunFolder:
         """model.bin, refused unless it is the checkpoint ``state`` describes (step and sha256)."""
         step, w, m, v = ck.read_checkpoint(self.bin, n_params)
         if state.get("step") != step:
-            raise SplitPair(f"{self.state}: step {state.get('step')} but {self.bin} holds step {step} (split by a "
-                            "crash of an older version?): it cannot be resumed; `--on-mismatch restart` moves it "
-                            "aside, or delete the folder")
+            raise self._split(f"{self.state}: step {state.get('step')} but {self.bin} holds step {step}")
         want = state.get("checkpoint_sha256")
         if want is not None:
             h = hashlib.sha256(ck.HEAD.pack(step, w.size))

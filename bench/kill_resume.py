@@ -13,6 +13,8 @@ the folder, and launches again, until the chain has had its share of kills; its 
 launch runs to the end. Counts:
 
   kills                   SIGKILLs that hit a live process
+  kills_mid_write         of those, kills that left a new temp file or pending/commit folder
+                          behind (the kill landed inside a write)
   torn                    top-level run files that are not whole (a cut model.bin, bad JSON)
   split_seen              kills after which model.bin and model.state.json disagreed at the top
                           before the next start (the next start must repair these)
@@ -148,7 +150,7 @@ def campaign(root: Path, kills: int = 100, steps: int = 40, seed: int = 0, data=
     ref_bin, ref_hist = (ref_dir / "model.bin").read_bytes(), _history(ref_dir)
     timing = {"startup": 0.7, "step": 0.05}      # running estimates (s): launch -> first step line; one step
 
-    c = dict(kills=0, torn=0, split_seen=0, unresumable=0, stray_after_next_start=0, chains=0, chains_identical=0,
+    c = dict(kills=0, kills_mid_write=0, torn=0, split_seen=0, unresumable=0, stray_after_next_start=0, chains=0, chains_identical=0,
              launches=0)
     failures: list[str] = []
     chain = 0
@@ -159,6 +161,7 @@ def campaign(root: Path, kills: int = 100, steps: int = 40, seed: int = 0, data=
         chain_kills = 0
         while True:
             last = chain_kills >= per_chain or c["kills"] >= kills
+            before = _hidden(out)
             p, err, rc = _launch_and_kill(cmd(out), env, None if last else rng, timing)
             c["launches"] += 1
             started = "train warmup:" in err
@@ -172,6 +175,7 @@ def campaign(root: Path, kills: int = 100, steps: int = 40, seed: int = 0, data=
                 c["kills"] += 1
                 chain_kills += 1
                 torn, split = inspect(out)
+                c["kills_mid_write"] += int(any(before.get(n) != ident for n, ident in _hidden(out).items()))
                 c["torn"] += torn
                 c["split_seen"] += int(split)
                 left = {**({} if started else left), **_hidden(out)}
@@ -218,7 +222,7 @@ def main() -> int:
         print("FAIL", f)
     print(f"kill_resume: {c['kills']} SIGKILLs over {c['chains']} chains ({c['launches']} launches, "
           f"{time.time() - t0:.0f}s)")
-    for k in ("torn", "split_seen", "unresumable", "stray_after_next_start"):
+    for k in ("kills_mid_write", "torn", "split_seen", "unresumable", "stray_after_next_start"):
         print(f"  {k:<24} {c[k]}")
     print(f"  {'chains_identical':<24} {c['chains_identical']}/{c['chains']}")
     ok = not failures and c["chains"] == c["chains_identical"]
