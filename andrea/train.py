@@ -230,11 +230,14 @@ class Trainer:
         extra = state.get("engine")
         if extra is not None:
             load = getattr(self.engine, "load_extra_state", None)
-            if load is None:
+            try:
+                if load is None:
+                    raise ValueError("no load_extra_state")
+                load(extra)
+            except ValueError:
                 raise AndreaError(f"{folder.state}: holds engine state ({', '.join(sorted(extra))}) that the "
                                   f"{self.engine.be.name} engine cannot restore (made with another train.precision "
-                                  "or backend?)")
-            load(extra)
+                                  "or backend?)") from None
         return state, step
 
     def _slices(self) -> int:
