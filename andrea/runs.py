@@ -381,29 +381,50 @@ def find_checkpoints(run: Path, extra: list[str] | tuple = ()) -> list[tuple[int
 
 
 def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
+    raise ValueError(f"holds {name}, which is not JSON (the training loop writes null for a non-finite value)")
+
+
+_HISTORY_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _kind(x) -> str:
+    return "null" if x is None else f"a JSON {type(x).__name__}"
+
+
+def parse_history(text: str) -> dict:
+    """The text of ``model.loss.json`` as ``{key: [record, ...]}`` for HISTORY_KEYS; a ValueError
+    saying what is wrong for anything training does not write (NaN/Infinity, a list that is not a
+    list of objects, a top level that is not an object, nesting too deep to parse)."""
+    try:
+        d = _HISTORY_DECODER.decode(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON {type(d).__name__}, not an object")
+    out = {}
+    for k in HISTORY_KEYS:
+        recs = d.get(k, [])
+        if not isinstance(recs, list):
+            raise ValueError(f"\"{k}\" is {_kind(recs)}, not a list of records")
+        for i, r in enumerate(recs):
+            if not isinstance(r, dict):
+                raise ValueError(f"\"{k}\"[{i}] is {_kind(r)}, not a record (an object)")
+        out[k] = recs
+    return out
 
 
 def read_history(path: str | Path) -> dict:
-    """``model.loss.json``: ``{"train", "val", "pulls", "events"}``, each a list of records (dicts;
-    anything else in a list is dropped). A missing file is an empty history; a file that is not
-    strict JSON (NaN/Infinity, cut short, too deep) or whose lists are not lists is an AndreaError."""
+    """``model.loss.json`` parsed by ``parse_history``; a missing file is an empty history, an
+    unreadable one an AndreaError naming the file and what is wrong."""
     path = Path(path)
     try:
-        d = json.loads(path.read_text(encoding="utf-8"), parse_constant=_reject_constant)
+        return parse_history(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {k: [] for k in HISTORY_KEYS}
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise AndreaError(f"{path}: loss history is not valid JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(d, dict):
-        raise AndreaError(f"{path}: loss history must be a JSON object")
-    out = {}
-    for k in HISTORY_KEYS:
-        v = d.get(k, [])
-        if not isinstance(v, list):
-            raise AndreaError(f"{path}: '{k}' must be a list, got {type(v).__name__}")
-        out[k] = [r for r in v if isinstance(r, dict)]
-    return out
+    except UnicodeDecodeError:
+        raise AndreaError(f"{path}: loss history is unreadable: not UTF-8") from None
+    except ValueError as e:
+        raise AndreaError(f"{path}: loss history is unreadable: {e}") from None
 
 
 def read_samples(path: str | Path) -> list:

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from andrea.fsutil import atomic_write_json
-from andrea.reports.dashboard import History, make_server, page_html, parse_history, since
+from andrea.reports.dashboard import History, make_server, page_html, since
+from andrea.runs import parse_history
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,41 +31,11 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from andrea import runs
+from andrea.errors import AndreaError
+from andrea.runs import HISTORY_KEYS as KEYS
 
-KEYS = ("train", "val", "pulls", "events")
 HOST = "127.0.0.1"
 NOT_YET = "not written yet"
-
-
-def _no_constant(name: str):
-    raise ValueError(f"holds {name}, which is not JSON (the training loop writes null for a non-finite value)")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
-
-
-def parse_history(text: str) -> dict:
-    """The text of model.loss.json as ``{key: [record, ...]}`` for KEYS; ValueError saying what is wrong."""
-    try:
-        d = _DECODER.decode(text)
-    except RecursionError:
-        raise ValueError("nested too deeply to parse") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"a JSON {type(d).__name__}, not an object")
-    out = {}
-    for k in KEYS:
-        recs = d.get(k, [])
-        if not isinstance(recs, list):
-            raise ValueError(f"\"{k}\" is {_kind(recs)}, not a list of records")
-        for i, r in enumerate(recs):
-            if not isinstance(r, dict):
-                raise ValueError(f"\"{k}\"[{i}] is {_kind(r)}, not a record (an object)")
-        out[k] = recs
-    return out
-
-
-def _kind(x) -> str:
-    return "null" if x is None else f"a JSON {type(x).__name__}"
 
 
 def page_html(interval_s: float) -> bytes:
@@ -94,13 +64,11 @@ class History:
             key = (st.st_mtime_ns, st.st_size, st.st_ino)
             if key != self._key:
                 try:
-                    self._data, self._why = parse_history(self.path.read_text(encoding="utf-8")), ""
-                except UnicodeDecodeError:
-                    self._data, self._why = None, "unreadable: not UTF-8"
-                except ValueError as e:
-                    self._data, self._why = None, f"unreadable: {e}"
+                    self._data, self._why = runs.read_history(self.path), ""
+                except AndreaError as e:
+                    self._data, self._why = None, str(e)
                 except OSError as e:
-                    self._data, self._why = None, f"unreadable: {e.strerror or e}"
+                    self._data, self._why = None, f"{self.path}: loss history is unreadable: {e.strerror or e}"
                 self._key = key
             return self._data, self._why
 
