@@ -2,7 +2,8 @@
 
     from andrea.coherence import scores, is_degenerate, CoherenceMonitor
     s = scores("the cat sat on the mat the cat sat on the mat")
-    is_degenerate(s, cfg["coherence"]["max_repeat"])   # True when any rate exceeds its limit
+    is_degenerate(s, settings.coherence.max_repeat)    # True when any rate exceeds its limit (andrea.settings.MaxRepeat)
+    mon = CoherenceMonitor(settings.coherence)
 
 ``scores(text)`` (all in [0, 1]; a text too short to have an n-gram scores 0 for it):
   * ``bigram`` / ``trigram``: repeated word n-gram rate, 1 - distinct / total n-grams;
@@ -36,6 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from andrea.errors import AndreaError
+from andrea.settings import CoherenceSettings, MaxRepeat
 
 _WORD = re.compile(r"\w+|[^\w\s]+")
 RATES = ("bigram", "trigram", "word", "char")
@@ -74,18 +76,17 @@ def scores(text: str) -> dict:
                                 "n_words", "n_chars")}
 
 
-def reasons(s: dict, max_repeat: dict) -> list[str]:
+def reasons(s: dict, max_repeat: MaxRepeat) -> list[str]:
     """The rates of ``s`` above their limits, as ``'trigram 0.71 > 0.40'`` strings."""
     out = []
     for k in RATES:
-        if k not in max_repeat:
-            raise AndreaError(f"coherence.max_repeat: missing key {k!r}")
-        if s[k] > float(max_repeat[k]):
-            out.append(f"{k} {s[k]:.2f} > {float(max_repeat[k]):.2f}")
+        limit = getattr(max_repeat, k)
+        if s[k] > limit:
+            out.append(f"{k} {s[k]:.2f} > {limit:.2f}")
     return out
 
 
-def is_degenerate(s: dict, max_repeat: dict) -> bool:
+def is_degenerate(s: dict, max_repeat: MaxRepeat) -> bool:
     """True when any repetition rate of ``s`` exceeds its limit in ``max_repeat``."""
     return bool(reasons(s, max_repeat))
 
@@ -107,14 +108,11 @@ PROMPTS: list[str] = _prompts()
 class CoherenceMonitor:
     """Patience counter over periodic sample checks, plus a loss-divergence guard."""
 
-    def __init__(self, cfg: dict):
-        c = cfg["coherence"]
-        self.every = int(c["every"])
-        self.patience = int(c["patience"])
-        self.max_repeat = dict(c["max_repeat"])
-        self.diverge_ratio = float(c["diverge_ratio"])
-        self.max_new_tokens = int(c["max_new_tokens"])
-        self.temperature, self.top_k = float(c["temperature"]), int(c["top_k"])
+    def __init__(self, coherence: CoherenceSettings):
+        c = coherence
+        self.every, self.patience, self.max_repeat = c.every, c.patience, c.max_repeat
+        self.diverge_ratio = c.diverge_ratio
+        self.max_new_tokens, self.temperature, self.top_k = c.max_new_tokens, c.temperature, c.top_k
         self.streak = 0
         self.loss_ema: float | None = None
         self.best_ema: float | None = None

@@ -77,6 +77,7 @@ from andrea.engine.schedule import lr_at  # noqa: E402
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.runs import LOSS_FORMAT, SAMPLES_FORMAT, STATE_FORMAT, RunMismatch, SplitPair  # noqa: E402,F401
 from andrea.preflight import check_data  # noqa: E402
+from andrea.settings import Settings  # noqa: E402
 from andrea.shards import Shard  # noqa: E402
 
 # The config sections that decide the trajectory of the weights (the data sections act
@@ -182,30 +183,33 @@ class Trainer:
 
         from andrea.tokenizer import load as load_tokenizer
 
-        self.cfg, self.phase, self.tcfg = cfg, phase, cfg["train"]
+        # the raw dict is what the run state records (config, config_hash); the code reads the typed one
+        self.cfg, self.phase = cfg, phase
+        self.settings = st = Settings.from_dict(cfg)
+        tc = st.train
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.out, self.folder = Path(out), runs.RunFolder(out)
         self.tok = load_tokenizer(tokenizer)
         self.shards = load_shards(tokens, "train", self.tok.vocab_size)
         self.val_shards = load_shards(tokens, "val", self.tok.vocab_size, required=False)
-        W, total = int(cfg["curriculum"]["warmup_steps"]), int(self.tcfg["max_steps"])
+        W, total = st.curriculum.warmup_steps, tc.max_steps
         if W > total:
             raise AndreaError(f"curriculum.warmup_steps={W} > train.max_steps={total}: the main phase would have no steps")
         self.start, self.end = (0, W) if phase == "warmup" else (W, total)
-        be, self.backend_reason = select_backend(self.tcfg["backend"])
-        if self.tcfg["precision"] not in be.precisions:
-            raise AndreaError(f"train.precision={self.tcfg['precision']}: the {be.name} backend supports "
+        be, self.backend_reason = select_backend(tc.backend)
+        if tc.precision not in be.precisions:
+            raise AndreaError(f"train.precision={tc.precision}: the {be.name} backend supports "
                               f"{', '.join(be.precisions)}")
-        self.mc = ModelConfig.from_cfg(cfg, self.tok.vocab_size)
-        self.B, self.T, self.accum = int(self.tcfg["batch_size"]), self.mc.context, int(self.tcfg["grad_accum"])
+        self.mc = ModelConfig.of(st.model, self.tok.vocab_size)
+        self.B, self.T, self.accum = tc.batch_size, self.mc.context, tc.grad_accum
         for w in check_data(self.shards, self.val_shards, self.B, self.T):
             self.console.print(f"warning: {w}", markup=False, highlight=False)
         # a backend may bring its own engine with the same surface (the CuPy one: fused, mixed precision)
         make = getattr(be, "make_engine", None)
-        self.engine = make(self.mc, self.B, self.tcfg["precision"]) if make else Engine(self.mc, self.B, be)
-        self.hp = Hyper.from_cfg(cfg)
+        self.engine = make(self.mc, self.B, tc.precision) if make else Engine(self.mc, self.B, be)
+        self.hp = Hyper.of(tc)
         self.hash = trajectory_hash(cfg)
-        self.seed = int(cfg["seed"])
+        self.seed = st.seed
         self.rng = np.random.Generator(np.random.PCG64([self.seed, 2]))  # for hooks that need randomness
         self.hooks: list[Hook] = []
         self.hist = History()
@@ -245,10 +249,13 @@ class Trainer:
         The bits of a step depend on it, so the run state records it."""
         return len(getattr(self.engine, "slices", (None,)))
 
-    def restore(self) -> str:
-        """Fresh start, resume, or (main) start from the warmup run. Returns what happened."""
+    def _curriculum(self, phase: str):
         from andrea.curriculum import make_curriculum
 
+        return make_curriculum(self.settings.curriculum, self.settings.bandit, self.shards, phase, self.seed)
+
+    def restore(self) -> str:
+        """Fresh start, resume, or (main) start from the warmup run. Returns what happened."""
         stale = ""
         if self.folder.exists() and self.on_mismatch == "restart":
             try:
@@ -257,7 +264,7 @@ class Trainer:
                 stale = self._move_aside(str(e))
         if self.folder.exists():
             state, step = self._load_run(self.folder, self.phase)
-            self.cur = make_curriculum(self.cfg, self.shards, self.phase, self.seed)
+            self.cur = self._curriculum(self.phase)
             self.cur.load_state_dict(state["curriculum"])
             self.rng.bit_generator.state = state["rng"]["train"]
             self.bad, self.halt, self.step = dict(state["bad_steps"]), state.get("halt"), step
@@ -288,7 +295,7 @@ class Trainer:
             if step != self.start:
                 raise AndreaError(f"{init.bin}: warmup checkpoint at step {step}, expected "
                                   f"curriculum.warmup_steps={self.start} (warmup unfinished?)")
-            self.cur = make_curriculum(self.cfg, self.shards, "main", self.seed)
+            self.cur = self._curriculum("main")
             self.cur.load_state_dict(state["curriculum"])
             self.rng.bit_generator.state = state["rng"]["train"]
             for h in self.hooks:
@@ -300,7 +307,7 @@ class Trainer:
             self.hist.events.append({"step": step, "kind": "phase", "detail": f"main starts from {init.bin}"})
             return stale + f"main phase from {init.bin} at step {step}"
         self.engine.init_weights(self.seed)
-        self.cur = make_curriculum(self.cfg, self.shards, "warmup", self.seed)
+        self.cur = self._curriculum("warmup")
         self.step = 0
         self.hist.events.append({"step": 0, "kind": "start", "detail": "fresh warmup run"})
         return stale + "fresh warmup run from seeded init"
@@ -326,12 +333,12 @@ class Trainer:
             "train_shards": shard_fingerprint(self.shards),
             "model": {"vocab_size": self.mc.vocab_size, "d_model": self.mc.d_model, "n_head": self.mc.n_head,
                       "n_layer": self.mc.n_layer, "context": self.mc.context},
-            "steps": {"phase_start": self.start, "phase_end": self.end, "max_steps": int(self.tcfg["max_steps"])},
+            "steps": {"phase_start": self.start, "phase_end": self.end, "max_steps": self.settings.train.max_steps},
             "rng": {"train": self.rng.bit_generator.state},
             "curriculum": self.cur.state_dict(),
             "hooks": {h.name: h.state() for h in self.hooks if h.state},
             "bad_steps": dict(self.bad), "halt": self.halt,
-            "backend": self.engine.be.name, "precision": self.tcfg["precision"],
+            "backend": self.engine.be.name, "precision": self.settings.train.precision,
             "batch_slices": self._slices(),
             "saved_because": why, "time": time.time(), "config": self.cfg,
         }
@@ -364,7 +371,7 @@ class Trainer:
         per, uni = {}, {}
         for src, shard in sorted(self.val_shards.items()):
             tot, n, utot = 0.0, 0, 0.0
-            for x, y in sequential_windows(shard, self.B, self.T, int(self.tcfg["eval_batches"])):
+            for x, y in sequential_windows(shard, self.B, self.T, self.settings.train.eval_batches):
                 s, k = self.engine.eval_batch(x, y)
                 tot, n = tot + s, n + k
                 utot -= float(logp[y].sum())
@@ -396,7 +403,7 @@ class Trainer:
             if pull:
                 self.hist.pulls.append(pull)
 
-        lr = lr_at(self.step, self.tcfg)
+        lr = lr_at(self.step, self.settings.train)
         res = eng.train_step(draws(), lr, self.step + 1, self.hp, n_micro=self.accum, on_loss=observe)
         eng.be.synchronize()
         dt = time.perf_counter() - t0
@@ -422,7 +429,7 @@ class Trainer:
         c = self.console
         c.print(f"train {self.phase}: {what}; backend {self.backend_reason}")
         c.print(self.engine.describe())
-        c.print(f"steps {self.start} -> {self.end} of train.max_steps={self.tcfg['max_steps']} (global); "
+        c.print(f"steps {self.start} -> {self.end} of train.max_steps={self.settings.train.max_steps} (global); "
                 f"{self.accum}x{self.B}x{self.T} tokens/step; sources: {', '.join(self.cur.eligible)}")
         if self.halt:
             msg = f"{self.folder.state}: run halted at step {self.halt.get('step')}: {self.halt.get('reason')}"
@@ -461,9 +468,8 @@ class Trainer:
     def _loop(self) -> int:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        c, tc = self.console, self.tcfg
-        log_every, eval_every, ck_every = int(tc["log_every"]), int(tc["eval_every"]), int(tc["checkpoint_every"])
-        max_bad = int(tc["max_bad_steps"])
+        c, tc = self.console, self.settings.train
+        log_every, eval_every, ck_every, max_bad = tc.log_every, tc.eval_every, tc.checkpoint_every, tc.max_bad_steps
         live = c.is_terminal
         prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
@@ -555,7 +561,7 @@ def coherence_hook(trainer: Trainer) -> Hook:
     from andrea.coherence import CoherenceMonitor
     from andrea.generate import InferenceModel
 
-    mon = CoherenceMonitor(trainer.cfg)
+    mon = CoherenceMonitor(trainer.settings.coherence)
     model = InferenceModel(trainer.mc, trainer.engine.w, trainer.engine.be)
 
     def fn(tr: Trainer, step: int):

@@ -42,6 +42,7 @@ from andrea.engine.model import ModelConfig
 from andrea.errors import AndreaError
 from andrea.fsutil import atomic_write_json, atomic_write_text
 from andrea.reports.evaluate import heldout, val_shards
+from andrea.settings import Settings
 from andrea.tokenizer import load as load_tokenizer
 
 POLICIES = ("ucb1", "uniform")
@@ -85,14 +86,14 @@ def train_all(runs: list[tuple[str, int]], args) -> dict[str, float]:
     return walls
 
 
-def score(run: Path, cfg: dict, tok, byte_len: np.ndarray, val: dict) -> dict:
+def score(run: Path, st: Settings, tok, byte_len: np.ndarray, val: dict) -> dict:
     """Held-out figures of a run's checkpoint by the eval stage's own code (andrea.reports.evaluate)."""
-    mc = ModelConfig.from_cfg(cfg, tok.vocab_size)
-    be, _ = select_backend(cfg["train"]["backend"])
-    eng = Engine(mc, batch_size=int(cfg["train"]["batch_size"]), backend=be)
+    mc = ModelConfig.of(st.model, tok.vocab_size)
+    be, _ = select_backend(st.train.backend)
+    eng = Engine(mc, batch_size=st.train.batch_size, backend=be)
     step, w = read_weights(run / "model.bin", eng.n_params)
     be.copy_from_host(eng.w, w)
-    ho = heldout(eng, val, byte_len, tok.eot_id, int(cfg["eval"]["max_batches"]))
+    ho = heldout(eng, val, byte_len, tok.eot_id, st.eval.max_batches)
     return {"step": step, "per_source": {s: p["bpb"] for s, p in ho["per_source"].items()},
             "overall_bpb": ho["overall"]["bpb"]}
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-only", action="store_true", help="score existing runs, do not train")
     args = p.parse_args(argv)
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    cfg = load_config(args.params, args.profile, args.set)
+    st = Settings.from_dict(load_config(args.params, args.profile, args.set))
     tok = load_tokenizer(args.tokenizer)
     byte_len = np.array([len(tok.token_bytes(i)) for i in range(tok.vocab_size)], dtype=np.int64)
     val = val_shards(Path(args.tokens), "val")
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     res: dict = {"profile": args.profile, "sets": args.set, "seeds": seeds, "runs": {}}
     for pol, seed in runs:
         run = Path(args.out) / run_name(pol, seed) / "main"
-        res["runs"][run_name(pol, seed)] = score(run, cfg, tok, byte_len, val) | {
+        res["runs"][run_name(pol, seed)] = score(run, st, tok, byte_len, val) | {
             "policy": pol, "seed": seed, "train_wall_s": walls.get(run_name(pol, seed)), "shares": batch_shares(run)}
 
     def mean(pol: str, get) -> float:

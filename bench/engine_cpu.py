@@ -38,13 +38,15 @@ def child(args) -> None:
     from andrea.config import load_config
     from andrea.engine.engine import Hyper
     from andrea.engine.model import ModelConfig
+    from andrea.settings import Settings
 
     cfg = load_config(ROOT / "params.yaml", args.profile)
+    st = Settings.from_dict(cfg)
     V = args.vocab or 256 + int(cfg["tokenizer"]["n_morphemes"]) + 1
-    mc = ModelConfig.from_cfg(cfg, V)
-    B, T = int(cfg["train"]["batch_size"]), mc.context
-    hp = Hyper.from_cfg(cfg)
-    lr = float(cfg["train"]["lr"])
+    mc = ModelConfig.of(st.model, V)
+    B, T = st.train.batch_size, mc.context
+    hp = Hyper.of(st.train)
+    lr = st.train.lr
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(4):

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,7 @@ from andrea.coherence import PROMPTS, CoherenceMonitor, is_degenerate, reasons, 
 from andrea.config import load_config
 from andrea.data.template import ASSISTANT_PREFIX
 from andrea.errors import AndreaError
+from andrea.settings import Settings
 
 PROSE = ("A list is a mutable sequence, typically used to store collections of homogeneous items. "
          "Lists may be constructed in several ways: using a pair of square brackets to denote the empty "
@@ -22,12 +24,12 @@ CODE = "def area(r):\n    \"\"\"Area of a circle.\"\"\"\n    return 3.14159 * r 
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    return load_config("params.yaml", "tiny")
+def coh():
+    return Settings.from_dict(load_config("params.yaml", "tiny")).coherence
 
 
-def test_normal_text_is_not_degenerate(cfg):
-    lim = cfg["coherence"]["max_repeat"]
+def test_normal_text_is_not_degenerate(coh):
+    lim = coh.max_repeat
     for text in (PROSE, CODE, "Hello there."):
         s = scores(text)
         assert not is_degenerate(s, lim), (text, s)
@@ -40,10 +42,10 @@ def test_normal_text_is_not_degenerate(cfg):
     ("=" * 80, "char"),
     ("abababababababababababababababababababababab", "char"),
 ])
-def test_repetitive_text_is_degenerate(cfg, text, rate):
+def test_repetitive_text_is_degenerate(coh, text, rate):
     s = scores(text)
-    assert is_degenerate(s, cfg["coherence"]["max_repeat"])
-    assert any(r.startswith(rate) for r in reasons(s, cfg["coherence"]["max_repeat"])), s
+    assert is_degenerate(s, coh.max_repeat)
+    assert any(r.startswith(rate) for r in reasons(s, coh.max_repeat)), s
 
 
 def test_score_values():
@@ -59,9 +61,9 @@ def test_score_values():
         scores(None)
 
 
-def test_monitor_needs_patience_consecutive_degenerate_checks(cfg):
-    mon = CoherenceMonitor(cfg)
-    p = cfg["coherence"]["patience"]
+def test_monitor_needs_patience_consecutive_degenerate_checks(coh):
+    mon = CoherenceMonitor(coh)
+    p = coh.patience
     bad = [("q", "no no no no no no no no no no")] * 3
     good = [("q", PROSE)] * 3
     mixed = [("q", PROSE), ("q", PROSE), bad[0]]  # a minority degenerate: the check passes
@@ -76,17 +78,17 @@ def test_monitor_needs_patience_consecutive_degenerate_checks(cfg):
     assert res["samples"][0]["degenerate"] and not mon.check(14, good)["degenerate"]
 
 
-def test_monitor_run_check_samples_every_prompt(cfg):
-    mon = CoherenceMonitor(cfg)
+def test_monitor_run_check_samples_every_prompt(coh):
+    mon = CoherenceMonitor(coh)
     seen = []
     res = mon.run_check(5, lambda prompt: seen.append(prompt) or PROSE)
     assert seen == PROMPTS and len(res["samples"]) == len(PROMPTS)
     assert any(p.endswith(ASSISTANT_PREFIX) for p in PROMPTS)
-    assert mon.due(cfg["coherence"]["every"]) and not mon.due(0) and not mon.due(cfg["coherence"]["every"] + 1)
+    assert mon.due(coh.every) and not mon.due(0) and not mon.due(coh.every + 1)
 
 
-def test_diverging_loss_halts_and_noisy_loss_does_not(cfg):
-    mon = CoherenceMonitor(cfg)
+def test_diverging_loss_halts_and_noisy_loss_does_not(coh):
+    mon = CoherenceMonitor(coh)
     halt = None
     for step in range(400):
         loss = 5.0 - step * 0.005 + (0.3 if step % 2 else -0.3)
@@ -96,17 +98,17 @@ def test_diverging_loss_halts_and_noisy_loss_does_not(cfg):
         if halt:
             break
     assert halt is not None and "diverge" in halt["reason"] and halt["step"] < 1000
-    off = CoherenceMonitor({**cfg, "coherence": {**cfg["coherence"], "diverge_ratio": 0}})
+    off = CoherenceMonitor(replace(coh, diverge_ratio=0.0))
     assert all(off.observe_loss(s, 1.0 + s) is None for s in range(300))
     assert mon.observe_loss(1, float("nan")) is None
 
 
-def test_monitor_state_round_trip(cfg):
-    a = CoherenceMonitor(cfg)
+def test_monitor_state_round_trip(coh):
+    a = CoherenceMonitor(coh)
     for s in range(120):
         a.observe_loss(s, 4.0 - 0.01 * s)
     a.check(1, [("q", "x x x x x x x x")])
-    b = CoherenceMonitor(cfg)
+    b = CoherenceMonitor(coh)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert b.state_dict() == a.state_dict()
     for s in range(120, 200):
@@ -131,7 +133,7 @@ class ByteTokenizer:
         return bytes([i]) if i < 256 else b""
 
 
-def test_sample_check_samples_the_model_reproducibly(cfg):
+def test_sample_check_samples_the_model_reproducibly(coh):
     import numpy as np
 
     from andrea.engine.model import ModelConfig, param_layout
@@ -140,7 +142,7 @@ def test_sample_check_samples_the_model_reproducibly(cfg):
     mc = ModelConfig(vocab_size=257, d_model=16, n_head=2, n_layer=1, context=32)
     params = np.random.default_rng(0).normal(0, 0.3, param_layout(mc).n_params).astype(np.float32)
     im = InferenceModel(mc, params)
-    c = {**cfg, "coherence": {**cfg["coherence"], "max_new_tokens": 12}}
+    c = replace(coh, max_new_tokens=12)
     a = CoherenceMonitor(c).sample_check(200, im, ByteTokenizer(), seed=3)
     b = CoherenceMonitor(c).sample_check(200, im, ByteTokenizer(), seed=3)
     assert [s["text"] for s in a["samples"]] == [s["text"] for s in b["samples"]]

@@ -18,10 +18,17 @@ from andrea.config import load_config
 from andrea.curriculum import make_curriculum, sequential_windows
 from andrea.curriculum.sampler import SourceStream
 from andrea.errors import AndreaError
+from andrea.settings import Settings
 from andrea.shards import Shard, ShardWriter
 
 VOCAB = 4000
 EOT = VOCAB - 1
+
+
+def curriculum_of(cfg: dict, shards, phase, seed):
+    """The curriculum of a test config dict: its typed sections, as the train stage hands them down."""
+    s = Settings.from_dict(cfg)
+    return make_curriculum(s.curriculum, s.bandit, shards, phase, seed)
 
 
 def write_shard(path, doc_lens, base=0):
@@ -62,7 +69,7 @@ def drive(cur, steps, B=4, T=16, loss_of=lambda step, src: 3.0):
 def test_batches_are_shifted_windows_of_the_source_shard(cfg, shards, policy):
     c = copy.deepcopy(cfg)
     c["bandit"]["policy"] = policy
-    cur = make_curriculum(c, shards, "main", seed=7)
+    cur = curriculum_of(c, shards, "main", seed=7)
     B, T = 5, 33
     for _ in range(30):
         src, x, y = cur.next_batch(B, T)
@@ -81,10 +88,10 @@ def test_batches_are_shifted_windows_of_the_source_shard(cfg, shards, policy):
 def test_warmup_draws_only_warmup_sources_present(cfg, shards, policy):
     c = copy.deepcopy(cfg)
     c["bandit"]["policy"] = policy
-    cur = make_curriculum(c, shards, "warmup", seed=1)
+    cur = curriculum_of(c, shards, "warmup", seed=1)
     seen = {src for src, _, _ in drive(cur, 200)[0]}
     assert seen == {"chat", "prose"}
-    main = make_curriculum(c, shards, "main", seed=1)
+    main = curriculum_of(c, shards, "main", seed=1)
     assert {src for src, _, _ in drive(main, 200)[0]} == {"chat", "prose", "code"}
 
 
@@ -92,7 +99,7 @@ def test_warmup_without_any_warmup_shard_is_an_error(cfg, shards):
     c = copy.deepcopy(cfg)
     c["curriculum"]["warmup_sources"] = ["absent"]
     with pytest.raises(AndreaError, match="warmup_sources"):
-        make_curriculum(c, shards, "warmup", seed=1)
+        curriculum_of(c, shards, "warmup", seed=1)
 
 
 @pytest.mark.parametrize("policy", ["uniform", "ucb1"])
@@ -101,13 +108,13 @@ def test_resume_from_json_state_draws_identical_batches(cfg, shards, policy, cut
     c = copy.deepcopy(cfg)
     c["bandit"]["policy"] = policy
     loss = lambda step, src: 5.0 - 0.01 * step + 0.1 * (src == "code")  # noqa: E731
-    straight = make_curriculum(c, shards, "main", seed=3)
+    straight = curriculum_of(c, shards, "main", seed=3)
     ref_batches, ref_pulls = drive(straight, 80, loss_of=loss)
 
-    first = make_curriculum(c, shards, "main", seed=3)
+    first = curriculum_of(c, shards, "main", seed=3)
     a_batches, a_pulls = drive(first, cut, loss_of=loss)
     state = json.loads(json.dumps(first.state_dict()))  # through JSON, as in .state.json
-    resumed = make_curriculum(c, shards, "main", seed=3)
+    resumed = curriculum_of(c, shards, "main", seed=3)
     resumed.load_state_dict(state)
     b_batches, b_pulls = drive(resumed, 80 - cut, loss_of=lambda step, src: loss(step + cut, src))
     got = a_batches + b_batches
@@ -122,10 +129,10 @@ def test_resume_from_json_state_draws_identical_batches(cfg, shards, policy, cut
 
 def test_warmup_state_carries_into_main(cfg, shards):
     c = copy.deepcopy(cfg)
-    warm = make_curriculum(c, shards, "warmup", seed=5)
+    warm = curriculum_of(c, shards, "warmup", seed=5)
     drive(warm, 40, loss_of=lambda s, src: 4.0 - 0.01 * s)
     st = json.loads(json.dumps(warm.state_dict()))
-    main = make_curriculum(c, shards, "main", seed=99)
+    main = curriculum_of(c, shards, "main", seed=99)
     main.load_state_dict(st)
     assert main.policy.rewards.ema["chat"] == warm.policy.rewards.ema["chat"]
     assert main.streams["prose"].tokens_drawn == warm.streams["prose"].tokens_drawn
@@ -135,23 +142,23 @@ def test_warmup_state_carries_into_main(cfg, shards):
 
 
 def test_state_from_other_shards_or_policy_is_refused(cfg, shards, tmp_path):
-    cur = make_curriculum(cfg, shards, "main", seed=1)
+    cur = curriculum_of(cfg, shards, "main", seed=1)
     drive(cur, 5)
     st = cur.state_dict()
     other = dict(shards)
     other["code"] = write_shard(tmp_path / "code2.bin", [5, 6, 7])
     with pytest.raises(AndreaError, match="code"):
-        make_curriculum(cfg, other, "main", seed=1).load_state_dict(st)
+        curriculum_of(cfg, other, "main", seed=1).load_state_dict(st)
     c = copy.deepcopy(cfg)
     c["bandit"]["policy"] = "uniform"
     with pytest.raises(AndreaError, match="bandit.policy"):
-        make_curriculum(c, shards, "main", seed=1).load_state_dict(st)
+        curriculum_of(c, shards, "main", seed=1).load_state_dict(st)
     with pytest.raises(AndreaError, match="no shard"):
-        make_curriculum(cfg, {k: v for k, v in shards.items() if k != "code"}, "main", seed=1).load_state_dict(st)
+        curriculum_of(cfg, {k: v for k, v in shards.items() if k != "code"}, "main", seed=1).load_state_dict(st)
 
 
 def test_observe_for_the_wrong_source_is_an_error(cfg, shards):
-    cur = make_curriculum(cfg, shards, "main", seed=2)
+    cur = curriculum_of(cfg, shards, "main", seed=2)
     src, _, _ = cur.next_batch(2, 8)
     wrong = next(s for s in shards if s != src)
     with pytest.raises(AndreaError, match="open pull"):
@@ -159,7 +166,7 @@ def test_observe_for_the_wrong_source_is_an_error(cfg, shards):
 
 
 def test_nan_loss_is_ignored_for_the_reward(cfg, shards):
-    cur = make_curriculum(cfg, shards, "main", seed=2)
+    cur = curriculum_of(cfg, shards, "main", seed=2)
     for step in range(30):
         src, _, _ = cur.next_batch(2, 8)
         rec = cur.observe(step, src, float("nan") if step % 3 == 0 else 3.0)
@@ -189,7 +196,7 @@ def test_sequential_windows_score_each_target_once(tmp_path):
 def test_summary_counts_batches_epochs_and_coverage(cfg, shards, policy):
     c = copy.deepcopy(cfg)
     c["bandit"]["policy"] = policy
-    cur = make_curriculum(c, shards, "main", seed=4)
+    cur = curriculum_of(c, shards, "main", seed=4)
     batches, _ = drive(cur, 60, B=4, T=16)
     summ = cur.summary()
     assert sum(v["batches"] for v in summ.values()) == 60

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,9 +24,16 @@ from andrea.config import load_config
 from andrea.curriculum import make_curriculum
 from andrea.curriculum.policy import apply_factor
 from andrea.curriculum.sampler import SourceStream
+from andrea.settings import Settings
 from andrea.shards import Shard, ShardWriter
 
 VOCAB = 1000
+
+
+def curriculum_of(cfg: dict, shards, phase, seed):
+    """The curriculum of a test config dict: its typed sections, as the train stage hands them down."""
+    s = Settings.from_dict(cfg)
+    return make_curriculum(s.curriculum, s.bandit, shards, phase, seed)
 
 
 def write_shard(path, n_docs, doc_len, seed=0):
@@ -53,7 +61,7 @@ def base_cfg():
 
 def simulate(cfg, shards, steps, seed=0, noise=0.02, curves=CURVES, B=2, T=8, phase="main", cur=None):
     """Drive a curriculum with fake losses; returns (curriculum, sources per batch, pull records)."""
-    cur = cur or make_curriculum(cfg, shards, phase, seed)
+    cur = cur or curriculum_of(cfg, shards, phase, seed)
     rng = np.random.default_rng(seed + 1000)
     k = {s: 0 for s in shards}
     order, pulls = [], []
@@ -116,7 +124,7 @@ def test_floor_that_cannot_hold_is_refused(base_cfg, big_shards):
     c = copy.deepcopy(base_cfg)
     c["bandit"]["floor"] = 0.4
     with pytest.raises(Exception, match="bandit.floor"):
-        make_curriculum(c, big_shards, "main", 0)
+        curriculum_of(c, big_shards, "main", 0)
 
 
 def test_epoch_penalty_spreads_pulls(base_cfg, tmp_path):
@@ -171,7 +179,7 @@ def test_coverage_bonus_steers_source_choice_to_fresh_documents(base_cfg, tmp_pa
         c["bandit"].update(coverage_bonus=bonus, floor=0.0, reward="loss")
         shares, seen = [], []
         for seed in range(3):
-            cur = make_curriculum(c, shards, "main", seed)
+            cur = curriculum_of(c, shards, "main", seed)
             cur.streams["stale"]._mark_range(0, 2700)
             cur, order, _ = simulate(c, shards, 400, seed=seed, curves=flat, noise=0.0, cur=cur)
             shares.append(order.count("fresh") / len(order))
@@ -240,7 +248,7 @@ def test_simulated_run_is_reproducible_and_resumable(base_cfg, big_shards):
     # stop at 137 (inside a pull), resume from JSON state: same pulls after
     cur, oa, pa = simulate(base_cfg, big_shards, 137, seed=4)
     state = json.loads(json.dumps(cur.state_dict()))
-    cur2 = make_curriculum(base_cfg, big_shards, "main", 4)
+    cur2 = curriculum_of(base_cfg, big_shards, "main", 4)
     cur2.load_state_dict(state)
     k = {s: oa.count(s) for s in big_shards}
     rng = np.random.default_rng(4 + 1000)
@@ -296,13 +304,14 @@ def test_reward_scaled_confidence_prevents_lock_in(base_cfg, tmp_path):
 def test_progress_per_step_divides_a_drop_by_the_gap():
     from andrea.curriculum.policy import _EmaRewards
 
-    b = {"ema": 0.5, "reward": "progress", "reward_scale": 1000.0, "progress_per_step": True}
+    tiny = Settings.from_dict(load_config("params.yaml", "tiny")).bandit
+    b = replace(tiny, ema=0.5, reward="progress", reward_scale=1000.0, progress_per_step=True)
     r = _EmaRewards(["s"], b)
     assert r.update("s", 4.0, t=1) is None                  # first loss: EMA starts, no reward
     assert r.update("s", 3.0, t=2) == pytest.approx(500.0)  # drop 0.5 over one batch
     assert r.update("s", 2.5, t=12) == pytest.approx(50.0)  # drop 0.5 over ten batches
-    r2 = _EmaRewards(["s"], {**b, "progress_per_step": False})
+    r2 = _EmaRewards(["s"], replace(b, progress_per_step=False))
     for t, loss in ((1, 4.0), (2, 3.0)):
         r2.update("s", loss, t)
     assert r2.update("s", 2.5, t=12) == pytest.approx(500.0)
-    assert _EmaRewards(["s"], {**b, "reward": "loss"}).update("s", 4.0, t=1) == 4.0
+    assert _EmaRewards(["s"], replace(b, reward="loss")).update("s", 4.0, t=1) == 4.0

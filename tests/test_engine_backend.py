@@ -5,11 +5,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from andrea.config import load_config
 from andrea.engine import ops_numpy
 from andrea.backends import NumpyBackend, select_backend
 from andrea.engine.schedule import lr_at
+from andrea.settings import Settings
 from andrea.errors import AndreaError
 
 
@@ -57,7 +61,8 @@ def test_every_op_of_the_contract_exists_on_the_numpy_backend():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    t = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10, "max_steps": 110}
+    tiny = Settings.from_dict(load_config("params.yaml", "tiny")).train
+    t = replace(tiny, lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     assert lr_at(0, t) == pytest.approx(0.1)
     assert lr_at(9, t) == pytest.approx(1.0)
     assert lr_at(10, t) == pytest.approx(1.0)

@@ -15,6 +15,7 @@ from andrea.engine import checkpoint as ck
 from andrea.engine.model import param_layout
 from andrea.errors import AndreaError
 from andrea.reports.audit import load_prompts, sample_flags
+from andrea.settings import MaxRepeat
 from reports_fixtures import make_run
 
 
@@ -44,7 +45,7 @@ def test_bad_prompt_files_are_refused_naming_file_and_row():
 
 def test_flags():
     from andrea.coherence import scores
-    lim = {"bigram": 0.5, "trigram": 0.4, "word": 0.5, "char": 0.6}
+    lim = MaxRepeat(bigram=0.5, trigram=0.4, word=0.5, char=0.6)
     assert sample_flags("   ", scores("   "), lim) == ["empty"]
     loop = "the cat sat " * 10
     assert any(f.startswith("trigram") for f in sample_flags(loop, scores(loop), lim))

@@ -1,7 +1,8 @@
 """The training curriculum: which source each batch comes from, and the batch itself.
 
     from andrea.curriculum import make_curriculum
-    cur = make_curriculum(cfg, shards, phase="warmup", seed=cfg["seed"])   # shards: {source: Shard}
+    cur = make_curriculum(settings.curriculum, settings.bandit, shards, phase="warmup", seed=settings.seed)
+                                           # settings: andrea.settings.Settings; shards: {source: Shard}
     source, x, y = cur.next_batch(B, T)    # x, y: int32 (B, T); y is x shifted by one
     record = cur.observe(step, source, loss)  # once after every next_batch; a dict for .loss.json "pulls" or None
     state = cur.state_dict()               # JSON-able; cur.load_state_dict(state) resumes bit-exactly
@@ -33,6 +34,7 @@ import numpy as np
 from andrea.curriculum.policy import POLICIES, UCB1Policy, UniformPolicy
 from andrea.curriculum.sampler import SourceStream, sequential_windows
 from andrea.errors import AndreaError
+from andrea.settings import BanditSettings, CurriculumSettings
 from andrea.shards import Shard
 
 __all__ = ["Curriculum", "make_curriculum", "SourceStream", "sequential_windows", "UCB1Policy", "UniformPolicy"]
@@ -44,7 +46,8 @@ PHASES = ("warmup", "main")
 class Curriculum:
     """Batches from token shards, mixed across sources by a policy; fully resumable."""
 
-    def __init__(self, cfg: dict, shards: dict[str, Shard], phase: str, seed: int):
+    def __init__(self, curriculum: CurriculumSettings, bandit: BanditSettings, shards: dict[str, Shard], phase: str,
+                 seed: int):
         if phase not in PHASES:
             raise AndreaError(f"curriculum phase {phase!r}: expected one of {', '.join(PHASES)}")
         if not shards:
@@ -53,18 +56,18 @@ class Curriculum:
         self.sources = sorted(shards)
         self.streams = {s: SourceStream(s, shards[s]) for s in self.sources}
         if phase == "warmup":
-            wanted = list(cfg["curriculum"]["warmup_sources"])
+            wanted = list(curriculum.warmup_sources)
             self.eligible = [s for s in wanted if s in shards]
             if not self.eligible:
                 raise AndreaError(f"curriculum.warmup_sources {wanted}: none of them has a shard "
                                   f"(shards: {', '.join(self.sources)})")
         else:
             self.eligible = list(self.sources)
-        self.policy_name = cfg["bandit"]["policy"]
+        self.policy_name = bandit.policy
         if self.policy_name not in POLICIES:
             raise AndreaError(f"bandit.policy {self.policy_name!r}: expected one of {', '.join(POLICIES)}")
-        self.policy = POLICIES[self.policy_name](self.sources, self.eligible, cfg, phase)
-        self.bonus = float(cfg["bandit"]["coverage_bonus"]) if self.policy_name == "ucb1" else 1.0
+        self.policy = POLICIES[self.policy_name](self.sources, self.eligible, bandit, phase)
+        self.bonus = bandit.coverage_bonus if self.policy_name == "ucb1" else 1.0
         ss_sample, ss_dice = np.random.SeedSequence(self.seed).spawn(2)
         self.rng = np.random.Generator(np.random.PCG64(ss_sample))
         self.dice = np.random.Generator(np.random.PCG64(ss_dice))
@@ -120,6 +123,7 @@ class Curriculum:
         self.policy.load_state_dict(d["bandit"], same_phase=d.get("phase") == self.phase)
 
 
-def make_curriculum(cfg: dict, shards: dict[str, Shard], phase: str, seed: int) -> Curriculum:
+def make_curriculum(curriculum: CurriculumSettings, bandit: BanditSettings, shards: dict[str, Shard], phase: str,
+                    seed: int) -> Curriculum:
     """The curriculum for one training phase (``warmup`` | ``main``) over ``shards`` ({source: Shard})."""
-    return Curriculum(cfg, shards, phase, seed)
+    return Curriculum(curriculum, bandit, shards, phase, seed)

@@ -43,6 +43,7 @@ import math
 import numpy as np
 
 from andrea.errors import AndreaError
+from andrea.settings import BanditSettings
 
 
 def _finite(v: float | None) -> float | None:
@@ -60,11 +61,11 @@ def apply_factor(score: float, factor: float) -> float:
 class _EmaRewards:
     """Per-source loss EMA and the reward derived from it."""
 
-    def __init__(self, sources: list[str], bandit_cfg: dict):
-        self.a = float(bandit_cfg["ema"])
-        self.mode = bandit_cfg["reward"]
-        self.scale = float(bandit_cfg["reward_scale"])
-        self.per_step = bool(bandit_cfg["progress_per_step"])
+    def __init__(self, sources: list[str], bandit: BanditSettings):
+        self.a = bandit.ema
+        self.mode = bandit.reward
+        self.scale = bandit.reward_scale
+        self.per_step = bandit.progress_per_step
         self.ema: dict[str, float | None] = {s: None for s in sources}
         self.last: dict[str, int | None] = {s: None for s in sources}  # batch index of the EMA's last update
 
@@ -103,9 +104,9 @@ class UniformPolicy:
 
     name = "uniform"
 
-    def __init__(self, sources: list[str], eligible: list[str], cfg: dict, phase: str):
+    def __init__(self, sources: list[str], eligible: list[str], bandit: BanditSettings, phase: str):
         self.sources, self.eligible = sources, eligible
-        self.rewards = _EmaRewards(sources, cfg["bandit"])
+        self.rewards = _EmaRewards(sources, bandit)
         self.batches = {s: 0 for s in sources}    # batches drawn in this training phase
         self.t = 0                                # batches drawn in total
         self.current: str | None = None
@@ -142,17 +143,17 @@ class UCB1Policy:
 
     name = "ucb1"
 
-    def __init__(self, sources: list[str], eligible: list[str], cfg: dict, phase: str):
-        b = cfg["bandit"]
+    def __init__(self, sources: list[str], eligible: list[str], bandit: BanditSettings, phase: str):
+        b = bandit
         self.sources, self.eligible = sources, eligible
         self.rewards = _EmaRewards(sources, b)
-        self.c = float(b["ucb_c"])
-        self.ucb_scale = b["ucb_scale"]
-        self.phases = [int(p) for p in b["phases"]]
-        self.unit = int(b["phase_unit"])
-        self.die = int(b["dice_warmup"] if phase == "warmup" else b["dice_main"])
-        self.floor = float(b["floor"])
-        self.bonus = float(b["coverage_bonus"])
+        self.c = b.ucb_c
+        self.ucb_scale = b.ucb_scale
+        self.phases = list(b.phases)
+        self.unit = b.phase_unit
+        self.die = b.dice_warmup if phase == "warmup" else b.dice_main
+        self.floor = b.floor
+        self.bonus = b.coverage_bonus
         if self.floor * len(eligible) > 1.0:
             raise AndreaError(f"bandit.floor = {self.floor}: {len(eligible)} sources cannot each keep that share "
                               f"(floor x sources must be <= 1)")

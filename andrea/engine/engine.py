@@ -35,6 +35,7 @@ import numpy as np
 
 from andrea.engine import recipe
 from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
+from andrea.settings import TrainSettings
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,8 @@ class Hyper:
     grad_clip: float = 1.0
 
     @classmethod
-    def from_cfg(cls, cfg: dict) -> "Hyper":
-        t = cfg["train"]
-        return cls(float(t["beta1"]), float(t["beta2"]), float(t["eps"]), float(t["weight_decay"]),
-                   float(t["grad_clip"]))
+    def of(cls, train: TrainSettings) -> "Hyper":
+        return cls(train.beta1, train.beta2, train.eps, train.weight_decay, train.grad_clip)
 
 
 def init_params(mc: ModelConfig, seed: int) -> np.ndarray:

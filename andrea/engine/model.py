@@ -4,6 +4,7 @@ here allocates. The op sequence that uses them is ``andrea/engine/recipe.py``.
 
     from andrea.engine.model import ModelConfig, PlanPolicy, param_layout, activation_plan
     mc = ModelConfig(vocab_size=1281, d_model=128, n_head=4, n_layer=4, context=128)
+    mc = ModelConfig.of(settings.model, vocab_size=1281)  # the same from the typed config (andrea/settings.py)
     layout = param_layout(mc)          # layout.n_params, layout.n_decay, layout.tensors
     plan = activation_plan(mc, 16, PlanPolicy(att_shape=(16, 128, 4, 128), loss_saved=(16 * 128, 1281)))
 
@@ -39,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 from andrea.errors import AndreaError
+from andrea.settings import ModelSettings, section
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,14 @@ class ModelConfig:
             raise AndreaError(f"model.d_model: {self.d_model} is not divisible by model.n_head={self.n_head}")
 
     @classmethod
+    def of(cls, model: ModelSettings, vocab_size: int) -> "ModelConfig":
+        """The model of the typed ``model`` section with the tokenizer's vocabulary."""
+        return cls(int(vocab_size), model.d_model, model.n_head, model.n_layer, model.context)
+
+    @classmethod
     def from_cfg(cls, cfg: dict, vocab_size: int) -> "ModelConfig":
-        m = cfg["model"]
-        return cls(int(vocab_size), int(m["d_model"]), int(m["n_head"]), int(m["n_layer"]), int(m["context"]))
+        """For a caller that holds only the raw config dict (andrea/generate.py's load_model)."""
+        return cls.of(section(ModelSettings, cfg["model"], "model"), vocab_size)
 
     @property
     def head_dim(self) -> int:

@@ -1,7 +1,7 @@
 """Learning-rate schedule: linear warmup, then cosine decay to ``train.min_lr``.
 
     from andrea.engine.schedule import lr_at
-    lr = lr_at(step, cfg["train"])      # step: 0-based global step (warmup and main phases share it)
+    lr = lr_at(step, settings.train)    # step: 0-based global step (warmup and main phases share it)
 
     step < warmup_steps:  lr * (step + 1) / warmup_steps
     then:                 min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * p)),
@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 
+from andrea.settings import TrainSettings
 
-def lr_at(step: int, tcfg: dict) -> float:
-    lr, min_lr = float(tcfg["lr"]), float(tcfg["min_lr"])
-    warm, total = int(tcfg["warmup_steps"]), int(tcfg["max_steps"])
+
+def lr_at(step: int, train: TrainSettings) -> float:
+    """The learning rate of the 0-based global ``step`` (``train``: lr, min_lr, warmup_steps, max_steps)."""
+    lr, min_lr, warm, total = train.lr, train.min_lr, train.warmup_steps, train.max_steps
     if step < warm:
         return lr * (step + 1) / warm
     p = min(1.0, max(0.0, (step - warm) / max(1, total - warm)))

@@ -24,6 +24,7 @@ scores and flags and per-domain means; the final checkpoint's summary and flags)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -34,6 +35,7 @@ import numpy as np
 from andrea import coherence, runs
 from andrea.errors import AndreaError
 from andrea.fsutil import atomic_write_json, atomic_write_text, read_json
+from andrea.settings import MaxRepeat, Settings
 
 FORMAT = "andrea.audit/1"
 PROMPTS_FORMAT = "andrea.prompts/1"
@@ -107,7 +109,7 @@ def answer_stops() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*STOP_STRINGS, *ROLE_TAGS.values()]))
 
 
-def sample_flags(text: str, s: dict, max_repeat: dict) -> list[str]:
+def sample_flags(text: str, s: dict, max_repeat: MaxRepeat) -> list[str]:
     """Why a sample looks degenerate: repetition rates over their limits (word n-gram rates only
     from ``MIN_WORDS`` words on, the char rate from ``MIN_CHARS`` characters on: in a handful of
     words one repeat is already a high rate), ``empty``, ``mojibake``."""
@@ -138,18 +140,17 @@ def summarize(samples: list[dict]) -> dict:
     return out
 
 
-def sample_checkpoint(model, tok, prompts: list[Prompt], cfg: dict, progress=None, task=None) -> list[dict]:
+def sample_checkpoint(model, tok, prompts: list[Prompt], settings: Settings, progress=None, task=None) -> list[dict]:
     from andrea.generate import SamplingOptions, generate
 
-    a = cfg["audit"]
-    max_repeat = cfg["coherence"]["max_repeat"]
+    a, max_repeat = settings.audit, settings.coherence.max_repeat
     recs = []
     for i, p in enumerate(prompts):
-        opts = SamplingOptions(max_new_tokens=int(a["max_new_tokens"]), temperature=float(a["temperature"]),
-                               top_k=int(a["top_k"]), top_p=float(a["top_p"]), stop_strings=p.stop_strings)
+        opts = SamplingOptions(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                               top_p=a.top_p, stop_strings=p.stop_strings)
         ids = tok.encode(p.text)
-        for j in range(int(a["samples_per_prompt"])):
-            rng = np.random.default_rng([int(cfg["seed"]), i, j])
+        for j in range(a.samples_per_prompt):
+            rng = np.random.default_rng([settings.seed, i, j])
             g = generate(model, ids, opts, rng, eot_id=tok.eot_id, tokenizer=tok)
             s = coherence.scores(g.text)
             recs.append({"id": p.id, "domain": p.domain, "sample": j, "prompt": p.shown, "input": p.text, "text": g.text,
@@ -247,28 +248,28 @@ def run(args, cfg) -> int:
     ckpts = runs.find_checkpoints(run_dir, args.extra_checkpoint)
     if args.final_only:
         ckpts = [c for c in ckpts if c[2]]
-    be, why = select_backend(cfg["train"]["backend"])
+    settings = Settings.from_dict(cfg)
+    be, why = select_backend(settings.train.backend)
     lm = load_model(run_dir, args.tokenizer, cfg, be)
     console.print(f"audit: backend {why}")
     prompts = load_prompts()
-    n_per = len(prompts) * int(cfg["audit"]["samples_per_prompt"])
+    n_per = len(prompts) * settings.audit.samples_per_prompt
     checkpoints = []
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task(f"audit {run_dir}", total=n_per * len(ckpts))
         for step, path, final in ckpts:
             _, w = ckio.read_weights(path, lm.model.n_params)
             lm.model.load_weights(w)
-            samples = sample_checkpoint(lm.model, lm.tokenizer, prompts, cfg, progress, task)
+            samples = sample_checkpoint(lm.model, lm.tokenizer, prompts, settings, progress, task)
             label = path.relative_to(run_dir).as_posix() if path.is_relative_to(run_dir) else path.as_posix()
             checkpoints.append({"path": label, "step": int(step), "final": final,
                                 "summary": summarize(samples), "samples": samples})
     final = checkpoints[-1]
-    a = cfg["audit"]
     audit = {
-        "format": FORMAT, "run": args.run, "tokenizer_sha256": lm.tokenizer.sha256, "seed": int(cfg["seed"]),
+        "format": FORMAT, "run": args.run, "tokenizer_sha256": lm.tokenizer.sha256, "seed": settings.seed,
         "backend": be.name,
-        "options": {k: a[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p", "samples_per_prompt")},
-        "max_repeat": dict(cfg["coherence"]["max_repeat"]),
+        "options": dataclasses.asdict(settings.audit),
+        "max_repeat": dataclasses.asdict(settings.coherence.max_repeat),
         "domains": sorted({p.domain for p in prompts}), "n_prompts": len(prompts),
         "checkpoints": checkpoints,
         "final": {"step": final["step"], "summary": final["summary"]["all"],

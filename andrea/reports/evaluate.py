@@ -39,6 +39,7 @@ import numpy as np
 
 from andrea.errors import AndreaError
 from andrea.fsutil import atomic_write_json, atomic_write_text
+from andrea.settings import Settings
 
 FORMAT = "andrea.eval/1"
 LN2 = math.log(2.0)
@@ -367,7 +368,8 @@ def run(args, cfg) -> int:
         audit = read_json(args.audit, "audit")
         if audit.get("format") != "andrea.audit/1":
             raise AndreaError(f"{args.audit}: not an audit (format {audit.get('format')!r})")
-    be, why = select_backend(cfg["train"]["backend"])
+    settings = Settings.from_dict(cfg)
+    be, why = select_backend(settings.train.backend)
     lm = load_model(run_dir, args.tokenizer, cfg)
     if audit is not None and audit.get("tokenizer_sha256") != lm.tokenizer.sha256:
         raise AndreaError(f"{args.audit}: made with tokenizer {str(audit.get('tokenizer_sha256'))[:12]}..., "
@@ -378,10 +380,10 @@ def run(args, cfg) -> int:
     for src, sh in val.items():
         if sh.vocab_size != tok.vocab_size:
             raise AndreaError(f"{sh.path}: vocab_size {sh.vocab_size} in the shard, {tok.vocab_size} in {args.tokenizer}")
-    eng = Engine(lm.config, batch_size=int(cfg["train"]["batch_size"]), backend=be)
+    eng = Engine(lm.config, batch_size=settings.train.batch_size, backend=be)
     _, w = read_weights(lm.checkpoint, eng.n_params)
     be.copy_from_host(eng.w, w)
-    max_b = int(cfg["eval"]["max_batches"])
+    max_b = settings.eval.max_batches
     with Progress(console=console) as progress:
         ho = heldout(eng, val, byte_len, tok.eot_id, max_b, progress)
         train_sh = val_shards(tokens, "train") if (tokens / "train").is_dir() else {}
@@ -395,7 +397,7 @@ def run(args, cfg) -> int:
     bad = sum(1 for e in hist["events"] if e.get("kind") in ("bad_step", "nan", "skip"))
     state = lm.state or {}
     ev = {
-        "format": FORMAT, "run": args.run, "profile": cfg["profile"], "checkpoint": lm.checkpoint.name,
+        "format": FORMAT, "run": args.run, "profile": settings.profile, "checkpoint": lm.checkpoint.name,
         "step": lm.step, "tokenizer_sha256": tok.sha256, "backend": be.name,
         "heldout": ho, "unigram": uni,
         "train": {"records": len(train), "final_loss": float(np.mean([float(r["loss"]) for r in tail])) if tail else None,
