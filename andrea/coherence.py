@@ -2,7 +2,7 @@
 
     from andrea.coherence import scores, is_degenerate, CoherenceMonitor
     s = scores("the cat sat on the mat the cat sat on the mat")
-    is_degenerate(s, settings.coherence.max_repeat)    # True when any rate exceeds its limit (andrea.settings.MaxRepeat)
+    is_degenerate(s, settings.coherence.max_repeat)    # True when any rate exceeds its limit (a MaxRepeat)
     mon = CoherenceMonitor(settings.coherence)
 
 ``scores(text)`` (all in [0, 1]; a text too short to have an n-gram scores 0 for it):
