@@ -194,3 +194,21 @@ def test_snakemake_refuses_a_gpu_profile_first(scratch):
     r = subprocess.run([str(exe), "-n", "--cores", "1", "checkpoint_12m", "--config", "train={backend: numpy}"],
                        cwd=scratch, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_dvc_plots_page_reads_offline(scratch):
+    """`dvc plots show` uses workflow/plots.html (.dvc/config): no script from the network, the
+    data inline, and a local stand-in for vegaEmbed that draws it."""
+    dvc_stages(scratch, "tiny", "embedded")  # a DVC repo without git: the committed config, plus no_scm
+    (scratch / ".dvc/config").write_text((ROOT / ".dvc/config").read_text().replace("[core]", "[core]\n    no_scm = true"))
+    (scratch / "reports/tiny").mkdir(parents=True)
+    (scratch / "reports/tiny/loss.csv").write_text("step,loss\n1,7.0\n2,6.5\n3,6.1\n")
+    (scratch / "reports/tiny/val_loss.csv").write_text("step,val_loss\n2,6.9\n3,6.4\n")
+    exe = Path(sys.executable).with_name("dvc")
+    r = subprocess.run([str(exe), "plots", "show", "-o", "out"], cwd=scratch, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    page = (scratch / "out/index.html").read_text()
+    assert "function vegaEmbed" in page and "in-training estimate" in page
+    assert not re.search(r"<script[^>]+src=", page), "a script loaded from elsewhere"
+    assert "cdn." not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert '"val_loss": "6.4"' in page or '"val_loss": 6.4' in page
