@@ -87,6 +87,9 @@ def fill(text: str, variant: str, corpus: str) -> str:
 
 
 def within(path: str, roots: list[str]) -> bool:
+    """`path` is one of `roots` or inside one; Snakemake's marker of a run folder (runs/V/main.done,
+    see workflow/rules/train.smk) stands for that folder."""
+    path = path.removesuffix(".done") if path.startswith("runs/") else path
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
@@ -110,6 +113,8 @@ def test_snakemake_jobs_are_table_stages(scratch, target, profile, source):
         for p in data_in:
             assert within(p, [fill(i, profile, source) for i in st.inputs]), f"rule {st.name}: input {p} not in table"
         outs = [fill(o.path, profile, source) for o in st.outputs]
+        if any(o.persist for o in st.outputs):  # a run folder: Snakemake must never delete model.bin
+            assert job["output"] == [f"{outs[0]}.done"], f"rule {st.name}: only the marker is an output"
         for p in job["output"]:
             assert within(p, outs), f"rule {st.name}: output {p} not in the table"
 
@@ -212,3 +217,27 @@ def test_dvc_plots_page_reads_offline(scratch):
     assert not re.search(r"<script[^>]+src=", page), "a script loaded from elsewhere"
     assert "cdn." not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
     assert '"val_loss": "6.4"' in page or '"val_loss": 6.4' in page
+
+
+def test_a_kernel_edit_marks_the_training_stages_changed(scratch):
+    """A real DVC lock (outputs faked, committed with `dvc commit`), then one line added to a .cu
+    file: `dvc status` reports exactly the stages that run the CUDA code as changed."""
+    stages = dvc_stages(scratch, "tiny", "embedded")
+    for st in stages:
+        for out in st["outs"]:
+            p = scratch / out
+            if p.suffix:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(f"{out}\n")
+            else:
+                p.mkdir(parents=True, exist_ok=True)
+                (p / "part").write_text(f"{out}\n")
+    exe = str(Path(sys.executable).with_name("dvc"))
+    r = subprocess.run([exe, "commit", "-f", "-q"], cwd=scratch, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "up to date" in subprocess.run([exe, "status"], cwd=scratch, capture_output=True, text=True).stdout
+    with open(scratch / "andrea/cuda/optim.cu", "a") as f:
+        f.write("// a kernel edit\n")
+    out = subprocess.run([exe, "status"], cwd=scratch, capture_output=True, text=True).stdout
+    changed = set(re.findall(r"^(\w+):", out, re.M))
+    assert changed == {"warmup", "train", "audit", "eval"}, out
