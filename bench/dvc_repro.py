@@ -40,10 +40,14 @@ def one_run(where: Path) -> dict:
     wall = time.time() - t0
     if r.returncode != 0:
         sys.exit(f"{where}: {' '.join(CMD)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return read_run(where, wall, r.stdout + r.stderr)
+
+
+def read_run(where: Path, wall: float, log: str) -> dict:
     lock = yaml.safe_load((where / "dvc.lock").read_text())
     outs = {o["path"]: o["md5"] for st in lock["stages"].values() for o in st.get("outs", [])}
     status = subprocess.run(["git", "status", "--porcelain"], cwd=where, capture_output=True, text=True).stdout
-    warnings = [ln for ln in (r.stdout + r.stderr).splitlines() if re.match(r"\s*(WARNING|ERROR)", ln)]
+    warnings = [ln for ln in log.splitlines() if re.match(r"\s*(WARNING|ERROR)", ln)]
     return {"dir": where, "wall_s": wall, "outs": outs, "git_status": status.split("\n")[:-1], "warnings": warnings}
 
 
@@ -66,20 +70,27 @@ def only_wall_clock(a: Path, b: Path) -> bool:
         return drop_wall_clock(json.loads(a.read_text())) == drop_wall_clock(json.loads(b.read_text()))
     except (ValueError, UnicodeDecodeError):
         pass
-    # reports that print the tokens/s figure (eval.md / eval.html): compare with numbers after it masked
-    mask = lambda p: re.sub(r"(tokens/s[^0-9]{0,40})[0-9][0-9.,]*", r"\1#", p.read_text())
+    # reports that print the tokens/s figure (eval.md / eval.html): mask its table cell and, in the
+    # HTML, the "Throughput" section (a chart of tokens/s over steps)
+    def mask(p: Path) -> str:
+        text = re.sub(r"<section>\s*<h2>Throughput</h2>.*?</section>", "<section>#</section>", p.read_text(), flags=re.S)
+        return re.sub(r"(tokens/s\s*(?:\|\s*|</td>\s*<td>))[0-9][0-9.,]*", r"\1#", text)
     return mask(a) == mask(b)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", type=Path, help="keep the two clones under this folder")
+    ap.add_argument("--compare", action="store_true", help="only compare the runs already kept in --keep")
     args = ap.parse_args()
     base = args.keep or Path(tempfile.mkdtemp(prefix="andrea-repro-"))
     base.mkdir(parents=True, exist_ok=True)
     runs = []
     for i in (1, 2):
         dest = base / f"run{i}"
+        if args.compare:
+            runs.append(read_run(dest, float("nan"), ""))
+            continue
         shutil.rmtree(dest, ignore_errors=True)
         print(f"run {i}: {' '.join(CMD)} in a fresh clone {dest}", flush=True)
         runs.append(one_run(dest))
