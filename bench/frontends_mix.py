@@ -5,9 +5,9 @@ Snakemake again, in a fresh clone; prints what each step ran and whether anythin
     python bench/frontends_mix.py --temp          # the DVC step as `dvc exp run --temp`
     python bench/frontends_mix.py --keep /tmp/mix
 
-Checked: the DVC step trains nothing (no `step N/M` progress line), Snakemake afterwards
-retrains nothing, no `.stale-*` folder appears, no run folder loses its model.bin, and
-`git status` after all three shows only what DVC records in git (params.yaml, dvc.lock).
+Checked: Snakemake's checkpoints come out of the DVC step unchanged (same sha256), Snakemake
+afterwards retrains nothing, no `.stale-*` folder appears, no run folder loses its model.bin,
+and `git status` after all three shows only what DVC records in git (params.yaml, dvc.lock).
 Exit 1 when one of those fails. A plain `dvc exp run` in a clone with no dvc.lock fails the
 first check: before its first run DVC removes the outputs it has no record of ("No file hash
 info found ... It won't be created") and rebuilds them; `--temp` (and `--queue`) run the
@@ -17,6 +17,7 @@ experiment in a copy and leave the workspace's outputs alone.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -46,6 +47,9 @@ def main() -> int:
     subprocess.run(["git", "clone", "-q", str(ROOT), str(where)], check=True)
     env = {**os.environ, "PYTHONPATH": str(where), "PYTHONUNBUFFERED": "1"}
     bad = []
+    bins = ("runs/tiny/warmup/model.bin", "runs/tiny/main/model.bin")
+    sha = lambda: {b: hashlib.sha256((where / b).read_bytes()).hexdigest() if (where / b).is_file() else None
+                   for b in bins}
     for name, cmd in STEPS:
         t0 = time.time()
         r = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
@@ -60,7 +64,12 @@ def main() -> int:
               f"{trained} training progress lines; {nothing} 'nothing to do'; {len(warnings)} warnings")
         for w in warnings[:3]:
             print(f"    {w}")
-        if name != "snakemake" and trained:
+        if name == "snakemake":
+            made = sha()
+        elif name.startswith("dvc"):
+            if sha() != made:
+                bad.append(f"{name} replaced Snakemake's checkpoints")
+        elif trained:
             bad.append(f"{name} retrained")
     stale = sorted(p.name for p in (where / "runs/tiny").iterdir() if ".stale-" in p.name)
     missing = [p for p in ("runs/tiny/warmup/model.bin", "runs/tiny/main/model.bin") if not (where / p).is_file()]
