@@ -136,7 +136,9 @@ def test_training_depends_on_every_cuda_file():
                   if p.suffix in (".py", ".cu", ".cuh"))
     for name in ("warmup", "train", "audit", "eval"):
         assert set(cuda) <= set(stage_code(BY_NAME[name])), name
-    assert BY_NAME["warmup"].params == BY_NAME["train"].params == TRAJECTORY
+    from andrea.train import TRAJECTORY_SECTIONS
+
+    assert BY_NAME["warmup"].params == BY_NAME["train"].params == TRAJECTORY == TRAJECTORY_SECTIONS
     assert not any(p.startswith("andrea/cuda") for p in stage_code(BY_NAME["tokenizer"]))
 
 
