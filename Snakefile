@@ -4,7 +4,7 @@
 #
 #   snakemake --cores 1                   # default: the whole DAG for the `tiny` profile (CPU, ~3 min)
 #   snakemake --cores 1 train_120m        # ANDREA-120M trained, audited, evaluated (also train_12m, train_480m)
-#   snakemake --cores 1 checkpoint_120m   # only the trained checkpoint
+#   snakemake --cores 1 checkpoint_120m   # only the trained checkpoint (runs/andrea-120m/main/)
 #   snakemake --cores 1 train_120m --config hermes3='{source: embedded}'   # any key, every stage
 #   snakemake -n -p train_120m            # list what that would run, with the commands
 #
@@ -53,14 +53,14 @@ rule train_480m:
 
 rule checkpoint_12m:
     input:
-        "runs/andrea-12m/main/model.bin",
+        "runs/andrea-12m/main.done",
 
 
 rule checkpoint_120m:
     input:
-        "runs/andrea-120m/main/model.bin",
+        "runs/andrea-120m/main.done",
 
 
 rule checkpoint_480m:
     input:
-        "runs/andrea-480m/main/model.bin",
+        "runs/andrea-480m/main.done",

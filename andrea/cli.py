@@ -1,16 +1,20 @@
 """The ``andrea`` command line: one subcommand per pipeline stage.
 
     andrea --help
+    andrea --version
     andrea prep-megachat --help
     andrea train --phase warmup --profile tiny -S train.max_steps=50 ...
 
 Each stage lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args, cfg) -> int``; this file only knows the table below and imports the
 one module a call needs, so start-up stays fast. Every stage that reads params
-gets the same three options: ``--params`` (default ``params.yaml``), ``--profile``
-(an overlay from ``params/``, default: the ``profile`` key of the params file) and
-``-S/--set key=value`` (dotted keys, as in ``dvc exp run -S``). The merged config
-is validated against the schema before the stage starts.
+gets the same three options: ``--profile`` (compose the config from ``params/``:
+``params/config.yaml`` + ``params/profile/<PROFILE>.yaml``, as DVC's Hydra composition does),
+``--params`` (without ``--profile``: the effective config file to read as is, default
+``params.yaml``, which ``dvc exp run`` writes) and ``-S/--set key=value`` (dotted keys, as in
+``dvc exp run -S``; ``-S profile=P`` is ``--profile P``). The config is validated against the
+schema before the stage starts; stages that train refuse at once a config this machine cannot
+train (no CuPy for a bf16 or large profile).
 
 Exit codes: 0 ok; 2 bad input or unmet precondition; 3 invalid config;
 130 interrupted. Errors are one line on stderr, never a traceback.
@@ -23,6 +27,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 
+from andrea import __version__
 from andrea.errors import AndreaError
 
 
@@ -58,27 +63,37 @@ def _top_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="stages:\n" + "\n".join(f"  {name:<16} {c.help}" for name, c in COMMANDS.items()),
     )
+    p.add_argument("--version", action="version", version=f"andrea {__version__}")
     p.add_argument("stage", choices=sorted(COMMANDS), metavar="STAGE")
     return p
 
 
+def summary(doc: str | None, fallback: str) -> str:
+    """A stage's --help description: the first paragraph of its module docstring (the rest is
+    for readers of the code: usage examples, API notes), so every --help fits a screen."""
+    first = (doc or "").strip().split("\n\n", 1)[0].strip()
+    return first or fallback
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("params")
-    g.add_argument("--params", default="params.yaml", help="base params file (default: %(default)s)")
-    g.add_argument("--profile", default=None, help="overlay params/<PROFILE>.yaml (default: the params file's `profile` key)")
+    g.add_argument("--params", default="params.yaml",
+                   help="effective params file, read as is without --profile (default: %(default)s)")
+    g.add_argument("--profile", default=None,
+                   help="compose params/config.yaml + params/profile/<PROFILE>.yaml instead (tiny, andrea-12m, ...)")
     g.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one dotted key, e.g. -S bandit.coverage_bonus=1.3 (repeatable)")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        _top_parser().parse_args(argv or ["--help"])  # prints help or a clear "invalid choice" and exits
+    if not argv or argv[0] in ("-h", "--help", "--version") or argv[0] not in COMMANDS:
+        _top_parser().parse_args(argv or ["--help"])  # prints help/version or a clear "invalid choice" and exits
         return 2
     name, rest = argv[0], argv[1:]
     cmd = COMMANDS[name]
     module = importlib.import_module(cmd.module)
-    parser = argparse.ArgumentParser(prog=f"andrea {name}", description=(module.__doc__ or cmd.help).strip(),
+    parser = argparse.ArgumentParser(prog=f"andrea {name}", description=summary(module.__doc__, cmd.help),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
     if cmd.needs_config:

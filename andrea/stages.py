@@ -29,7 +29,9 @@ from andrea.errors import AndreaError
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DATA = (".cu", ".cuh", ".html", ".js", ".json")
 
-# The params a run's trajectory depends on: both training phases read exactly these.
+# The params a run's trajectory depends on: both training phases read exactly these. The same
+# tuple as andrea.train.TRAJECTORY_SECTIONS (which the run state's hash covers; a test keeps the
+# two equal), not imported from there so that reading this table stays cheap for the Snakefile.
 TRAJECTORY = ("seed", "model", "train", "curriculum", "bandit", "coherence")
 
 

@@ -87,6 +87,9 @@ def fill(text: str, variant: str, corpus: str) -> str:
 
 
 def within(path: str, roots: list[str]) -> bool:
+    """`path` is one of `roots` or inside one; Snakemake's marker of a run folder (runs/V/main.done,
+    see workflow/rules/train.smk) stands for that folder."""
+    path = path.removesuffix(".done") if path.startswith("runs/") else path
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
@@ -110,6 +113,8 @@ def test_snakemake_jobs_are_table_stages(scratch, target, profile, source):
         for p in data_in:
             assert within(p, [fill(i, profile, source) for i in st.inputs]), f"rule {st.name}: input {p} not in table"
         outs = [fill(o.path, profile, source) for o in st.outputs]
+        if any(o.persist for o in st.outputs):  # a run folder: Snakemake must never delete model.bin
+            assert job["output"] == [f"{outs[0]}.done"], f"rule {st.name}: only the marker is an output"
         for p in job["output"]:
             assert within(p, outs), f"rule {st.name}: output {p} not in the table"
 
@@ -131,7 +136,9 @@ def test_training_depends_on_every_cuda_file():
                   if p.suffix in (".py", ".cu", ".cuh"))
     for name in ("warmup", "train", "audit", "eval"):
         assert set(cuda) <= set(stage_code(BY_NAME[name])), name
-    assert BY_NAME["warmup"].params == BY_NAME["train"].params == TRAJECTORY
+    from andrea.train import TRAJECTORY_SECTIONS
+
+    assert BY_NAME["warmup"].params == BY_NAME["train"].params == TRAJECTORY == TRAJECTORY_SECTIONS
     assert not any(p.startswith("andrea/cuda") for p in stage_code(BY_NAME["tokenizer"]))
 
 
@@ -194,3 +201,45 @@ def test_snakemake_refuses_a_gpu_profile_first(scratch):
     r = subprocess.run([str(exe), "-n", "--cores", "1", "checkpoint_12m", "--config", "train={backend: numpy}"],
                        cwd=scratch, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_dvc_plots_page_reads_offline(scratch):
+    """`dvc plots show` uses workflow/plots.html (.dvc/config): no script from the network, the
+    data inline, and a local stand-in for vegaEmbed that draws it."""
+    dvc_stages(scratch, "tiny", "embedded")  # a DVC repo without git: the committed config, plus no_scm
+    (scratch / ".dvc/config").write_text((ROOT / ".dvc/config").read_text().replace("[core]", "[core]\n    no_scm = true"))
+    (scratch / "reports/tiny").mkdir(parents=True)
+    (scratch / "reports/tiny/loss.csv").write_text("step,loss\n1,7.0\n2,6.5\n3,6.1\n")
+    (scratch / "reports/tiny/val_loss.csv").write_text("step,val_loss\n2,6.9\n3,6.4\n")
+    exe = Path(sys.executable).with_name("dvc")
+    r = subprocess.run([str(exe), "plots", "show", "-o", "out"], cwd=scratch, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    page = (scratch / "out/index.html").read_text()
+    assert "function vegaEmbed" in page and "in-training estimate" in page
+    assert not re.search(r"<script[^>]+src=", page), "a script loaded from elsewhere"
+    assert "cdn." not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert '"val_loss": "6.4"' in page or '"val_loss": 6.4' in page
+
+
+def test_a_kernel_edit_marks_the_training_stages_changed(scratch):
+    """A real DVC lock (outputs faked, committed with `dvc commit`), then one line added to a .cu
+    file: `dvc status` reports exactly the stages that run the CUDA code as changed."""
+    stages = dvc_stages(scratch, "tiny", "embedded")
+    for st in stages:
+        for out in st["outs"]:
+            p = scratch / out
+            if p.suffix:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(f"{out}\n")
+            else:
+                p.mkdir(parents=True, exist_ok=True)
+                (p / "part").write_text(f"{out}\n")
+    exe = str(Path(sys.executable).with_name("dvc"))
+    r = subprocess.run([exe, "commit", "-f", "-q"], cwd=scratch, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "up to date" in subprocess.run([exe, "status"], cwd=scratch, capture_output=True, text=True).stdout
+    with open(scratch / "andrea/cuda/optim.cu", "a") as f:
+        f.write("// a kernel edit\n")
+    out = subprocess.run([exe, "status"], cwd=scratch, capture_output=True, text=True).stdout
+    changed = set(re.findall(r"^(\w+):", out, re.M))
+    assert changed == {"warmup", "train", "audit", "eval"}, out

@@ -25,7 +25,9 @@ Writes in OUT:
   eval.md       the same tables in Markdown
   metrics.json  DVC metrics (nested numbers only)
   loss.csv      DVC plot: train loss history, columns step,loss (from model.loss.json)
-  val_loss.csv  DVC plot: held-out loss during training, columns step,val_loss
+  val_loss.csv  DVC plot: the in-training held-out estimate (train.eval_batches batches per
+                source at every train.eval_every steps), columns step,val_loss; metrics.json's
+                val_loss is the full eval above (up to eval.max_batches batches per source)
 """
 
 from __future__ import annotations
@@ -244,7 +246,8 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
     src_head = ["source", "loss (nats/token)", "bits/byte", "bytes/token", "tokens", "windows"]
     tr = ev["train"]
     summary_rows = [["checkpoint", f"{ev['checkpoint']} (step {ev['step']})"],
-                    ["held-out loss", R.fmt(ho["overall"]["loss"])], ["held-out bits/byte", R.fmt(ho["overall"]["bpb"])],
+                    ["held-out loss, full eval (metrics.json val_loss)", R.fmt(ho["overall"]["loss"])],
+                    ["held-out bits/byte, full eval", R.fmt(ho["overall"]["bpb"])],
                     ["unigram baseline bits/byte", R.fmt(uni["bpb"])],
                     ["final train loss (mean of the last 5% of logged steps)", R.fmt(tr.get("final_loss"))],
                     ["median tokens/s", R.fmt(tr.get("tokens_per_s"))],
@@ -268,7 +271,8 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
         ("Train loss per source (EMA 0.9 over each source's steps)",
          R.line_chart(ema_by_source(hist["train"]), title="train loss per source", xlabel="step", ylabel="loss (nats)",
                       colours=cmap)),
-        ("Held-out loss during training",
+        ("Held-out loss during training: the in-training estimate (train.eval_batches batches per source; "
+         "val_loss.csv), not the full eval above",
          R.line_chart({"overall": series(hist["val"], "loss"), **val_by_source(hist["val"])},
                       title="held-out loss", xlabel="step", ylabel="loss (nats)", colours=cmap)),
         ("Bandit pull shares over time",

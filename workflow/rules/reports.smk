@@ -4,8 +4,8 @@
 rule audit:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
-        model="runs/{variant}/main/model.bin",
-        warmup="runs/{variant}/warmup/model.bin",
+        model="runs/{variant}/main.done",
+        warmup="runs/{variant}/warmup.done",
         code=code("audit"),
     output:
         json="reports/{variant}/audit.json",
@@ -27,7 +27,7 @@ rule eval:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         tokens="data/tokens/{variant}",
-        model="runs/{variant}/main/model.bin",
+        model="runs/{variant}/main.done",
         audit="reports/{variant}/audit.json",
         code=code("eval"),
     output:

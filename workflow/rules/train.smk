@@ -4,6 +4,11 @@
 # Training takes every core Snakemake was given (--cores): the NumPy engine splits each batch over
 # that many threads (Snakemake passes the count as OPENBLAS_NUM_THREADS / OMP_NUM_THREADS).
 # Progress (a line per train.log_every steps: step, loss, tok/s, ETA) goes to the terminal and the log.
+#
+# The output Snakemake tracks is a marker beside the run folder (runs/<variant>/<phase>.done,
+# touched when the command succeeds), not model.bin: Snakemake deletes a job's outputs before it
+# runs, and a run folder must never lose its checkpoint (to a rerun, or to a folder DVC trained
+# with the same params: the command resumes it and has nothing to do). DVC tracks the folder.
 
 
 rule warmup:
@@ -12,7 +17,7 @@ rule warmup:
         tokens="data/tokens/{variant}",
         code=code("warmup"),
     output:
-        "runs/{variant}/warmup/model.bin",
+        touch("runs/{variant}/warmup.done"),
     conda:
         "../envs/andrea.yaml"
     log:
@@ -30,10 +35,10 @@ rule train:
     input:
         tokenizer="data/tokenizer/{variant}/tokenizer.json",
         tokens="data/tokens/{variant}",
-        warmup="runs/{variant}/warmup/model.bin",
+        warmup="runs/{variant}/warmup.done",
         code=code("train"),
     output:
-        "runs/{variant}/main/model.bin",
+        touch("runs/{variant}/main.done"),
     conda:
         "../envs/andrea.yaml"
     log:
