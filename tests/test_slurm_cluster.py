@@ -66,3 +66,22 @@ def test_tiny_dag_through_slurm_and_a_preempted_training_resumes():
             shutil.rmtree(state, ignore_errors=True)
         else:  # the logs, both copies of the tree and sacct's records, for a look
             print(f"kept {state}")
+
+
+def test_the_reasons_to_skip_are_named(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert _cannot_run() == "needs root: it installs slurm-wlm and starts slurmctld/slurmd"
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "pip install -e '.[slurm]'" in _cannot_run()
+
+
+def test_the_script_skips_with_exit_77_when_not_root(tmp_path):
+    """The script's own guard, run as an unprivileged user where the machine has one."""
+    if shutil.which("setpriv") is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to drop to another uid")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(SCRIPT), "up"],
+                         env={**os.environ, "ANDREA_SLURM_STATE": str(tmp_path / "s")}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 77, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "SKIP: needs root (installs packages, starts slurmctld/slurmd as root), uid is 65534"
