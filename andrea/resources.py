@@ -4,7 +4,7 @@ executor plugin (SLURM: workflow/profiles/slurm) requests the right allocation p
 
     from andrea.resources import stage_resources
     stage_resources("train", cfg, phase="warmup")
-    # {'threads': 8, 'mem_mb': 1024, 'runtime': 15, 'gpu': 0}   (tiny: NumPy engine, 8 threads)
+    # {'threads': 8, 'mem_mb': 799, 'runtime': 11, 'gpu': 0}   (tiny: the NumPy engine on 8 threads)
 
     python -m andrea.resources                      # the table for every profile in params/
 
@@ -58,6 +58,8 @@ SAFETY = 1.5
 OVERHEAD_MIN = 10
 UNIGRAM_MB = 80                  # train's unigram baseline counts (10M tokens as int64, per shard)
 MEAN_DOC_BYTES = 16 << 10        # assumed mean document size in an Arrow batch
+AUDIT_PROMPTS = 64               # at most this many fixed prompts (andrea/prompts)
+EVAL_SOURCES = 16                # at most this many val shards (megachat.sources)
 
 
 def _vocab(cfg: dict) -> int:
@@ -175,12 +177,12 @@ def stage_resources(stage: str, cfg: dict, phase: str | None = None, corpus: str
         res = _model_job(cfg, tokens * flops_per_token(cfg))
     elif stage == "eval":
         t = cfg["train"]
-        tokens = int(cfg["eval"]["max_batches"]) * int(t["batch_size"]) * int(cfg["model"]["context"]) * 16
-        res = _model_job(cfg, tokens * flops_per_token(cfg) / 3)  # forward only, over up to 16 sources
+        tokens = int(cfg["eval"]["max_batches"]) * int(t["batch_size"]) * int(cfg["model"]["context"]) * EVAL_SOURCES
+        res = _model_job(cfg, tokens * flops_per_token(cfg) / 3)  # forward only: a third of a training step
         res["runtime"] += 20  # the judge: timeouts and retries over the network
     else:  # audit: sampling the fixed prompts, one token at a time over the whole context
         a = cfg["audit"]
-        tokens = 64 * int(a["samples_per_prompt"]) * int(a["max_new_tokens"]) * int(cfg["model"]["context"])
+        tokens = AUDIT_PROMPTS * int(a["samples_per_prompt"]) * int(a["max_new_tokens"]) * int(cfg["model"]["context"])
         res = _model_job(cfg, tokens * flops_per_token(cfg) / 3)
         if not uses_gpu(cfg):  # one thread (as today); the weights of two checkpoints and a KV cache
             res.update(threads=1, mem_mb=BASE_MB + _mb(8 * _n_params(cfg)),
