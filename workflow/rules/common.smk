@@ -10,6 +10,7 @@ import sys
 
 from andrea.config import check_backend, default_profile, get, load_config
 from andrea.errors import ConfigError
+from andrea.resources import rule_resources, rule_threads  # threads/mem_mb/runtime/gpu per job (SLURM)
 from andrea.stages import BY_NAME, stage_code
 
 VARIANTS = ["tiny", "andrea-12m", "andrea-120m", "andrea-480m"]

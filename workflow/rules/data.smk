@@ -12,6 +12,8 @@ rule pull_hermes3:
         "../envs/andrea.yaml"
     log:
         "logs/pull_hermes3/{corpus}.log",
+    resources:
+        **rule_resources("pull-hermes3", lambda w: DATA[w.corpus]),
     params:
         cfg=params_hash("pull_hermes3"),
         set=SET,
@@ -34,6 +36,8 @@ rule prep_megachat:
         "../envs/andrea.yaml"
     log:
         "logs/prep_megachat/{corpus}.log",
+    resources:
+        **rule_resources("prep-megachat", lambda w: DATA[w.corpus]),
     params:
         cfg=params_hash("prep_megachat"),
         set=SET,

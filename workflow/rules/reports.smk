@@ -14,6 +14,9 @@ rule audit:
         "../envs/andrea.yaml"
     log:
         "logs/audit/{variant}.log",
+    resources:
+        **rule_resources("audit", lambda w: CFG[w.variant]),
+    threads: rule_threads("audit", lambda w: CFG[w.variant])
     params:
         cfg=params_hash("audit"),
         set=SET,
@@ -40,7 +43,9 @@ rule eval:
         "../envs/andrea.yaml"
     log:
         "logs/eval/{variant}.log",
-    threads: workflow.cores
+    resources:
+        **rule_resources("eval", lambda w: CFG[w.variant]),
+    threads: rule_threads("eval", lambda w: CFG[w.variant])
     params:
         cfg=params_hash("eval"),
         set=SET,

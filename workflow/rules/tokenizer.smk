@@ -12,6 +12,8 @@ rule tokenizer:
         "../envs/andrea.yaml"
     log:
         "logs/tokenizer/{variant}.log",
+    resources:
+        **rule_resources("tokenizer", lambda w: CFG[w.variant]),
     params:
         cfg=params_hash("tokenizer"),
         set=SET,
@@ -34,6 +36,8 @@ rule diet_alignment:
         "../envs/andrea.yaml"
     log:
         "logs/diet_alignment/{variant}.log",
+    resources:
+        **rule_resources("diet-alignment", lambda w: CFG[w.variant]),
     params:
         cfg=params_hash("diet_alignment"),
         set=SET,

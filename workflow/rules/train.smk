@@ -1,8 +1,8 @@
 # Training: curriculum warmup, then the main run from the warmup checkpoint. A run folder left by
 # other params is moved aside (<out>.stale-<hash>) and training starts over; the same params resume
 # (so a folder DVC trained with the same params is picked up, not redone).
-# Training takes every core Snakemake was given (--cores): the NumPy engine splits each batch over
-# that many threads (Snakemake passes the count as OPENBLAS_NUM_THREADS / OMP_NUM_THREADS).
+# Training asks for the threads, memory, runtime and GPU that andrea/resources.py derives from the
+# params (capped by --cores locally; sbatch's --cpus-per-task/--mem/-t/--gpus under the SLURM profile).
 # Progress (a line per train.log_every steps: step, loss, tok/s, ETA) goes to the terminal and the log.
 #
 # The output Snakemake tracks is a marker beside the run folder (runs/<variant>/<phase>.done,
@@ -22,7 +22,9 @@ rule warmup:
         "../envs/andrea.yaml"
     log:
         "logs/warmup/{variant}.log",
-    threads: workflow.cores
+    resources:
+        **rule_resources("train", lambda w: CFG[w.variant], phase="warmup"),
+    threads: rule_threads("train", lambda w: CFG[w.variant], phase="warmup")
     params:
         cfg=params_hash("warmup"),
         set=SET,
@@ -43,7 +45,9 @@ rule train:
         "../envs/andrea.yaml"
     log:
         "logs/train/{variant}.log",
-    threads: workflow.cores
+    resources:
+        **rule_resources("train", lambda w: CFG[w.variant], phase="main"),
+    threads: rule_threads("train", lambda w: CFG[w.variant], phase="main")
     params:
         cfg=params_hash("train"),
         set=SET,
