@@ -330,6 +330,37 @@ class LoadedModel:
     state: dict | None
 
 
+def find_tokenizer(run: str | Path, state: dict | None, given: str | Path | None = None) -> Path:
+    """The tokenizer.json of a run: ``given`` if set; else the standard layout
+    ``data/tokenizer/<variant>/tokenizer.json`` (under the working directory, then beside the
+    ``runs/`` folder holding the run), variant = the run state's profile. A found file must
+    have the run's ``tokenizer_sha256``."""
+    if given is not None:
+        return Path(given)
+    run_dir = Path(run)
+    run_dir = run_dir if run_dir.is_dir() else run_dir.parent
+    if state is None:
+        raise AndreaError(f"{run_dir}: no model.state.json to find the tokenizer from; pass --tokenizer")
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    variant = saved.get("profile") or run_dir.resolve().parent.name
+    rel = Path("data") / "tokenizer" / str(variant) / "tokenizer.json"
+    cands = [rel]
+    up = run_dir.resolve().parents
+    if len(up) >= 2 and up[0].parent.name == "runs":
+        cands.append(up[1].parent / rel)          # <root>/runs/<variant>/<phase> -> <root>/data/...
+    want = state.get("tokenizer_sha256")
+    for c in cands:
+        if c.is_file():
+            import hashlib
+            got = hashlib.sha256(c.read_bytes()).hexdigest()
+            if want and got != want:
+                raise AndreaError(f"{c}: sha256 {got[:12]}... is not the run's tokenizer_sha256 {want[:12]}... "
+                                  f"({run_dir}/model.state.json); pass the run's --tokenizer")
+            return c
+    raise AndreaError(f"{run_dir}: tokenizer not found at {' or '.join(str(c) for c in cands)} (variant "
+                      f"{variant!r} from the run state); pass --tokenizer")
+
+
 def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=None) -> LoadedModel:
     """Load a checkpoint, its tokenizer and config for inference, refusing any mismatch clearly."""
     from andrea import runs
