@@ -27,7 +27,8 @@ from dataclasses import replace
 import numpy as np
 
 from andrea.errors import AndreaError
-from andrea.generate import add_run_arguments, add_sampling_arguments, generate, load_model, options_from, resolve_run
+from andrea.generate import (add_decode_arguments, add_run_arguments, add_sampling_arguments, fast_model, generate,
+                             load_model, options_from, resolve_run)
 from andrea.reports.audit import answer_stops
 
 COMMANDS = {
@@ -50,6 +51,7 @@ def add_arguments(p) -> None:
     add_run_arguments(p)
     p.add_argument("--system", default=None, help="system prompt for the conversation")
     add_sampling_arguments(p)
+    add_decode_arguments(p)
 
 
 def fit_turns(turns: list[dict], tok, budget: int) -> list[dict]:
@@ -132,7 +134,7 @@ def run(args, cfg) -> int:
 
     run_path, cfg, tok_path = resolve_run(args, cfg)
     be, _ = select_backend(args.backend or cfg["train"]["backend"])
-    lm = load_model(run_path, tok_path, cfg, be)
+    lm = fast_model(load_model(run_path, tok_path, cfg, be), be, args.decode_precision)
     tok = lm.tokenizer
     opts = replace(options_from(args, cfg["audit"]), stop_strings=answer_stops())
     seed = cfg["seed"] if args.seed is None else args.seed

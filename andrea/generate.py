@@ -387,6 +387,21 @@ def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=N
     return LoadedModel(InferenceModel(mc, flat, be), tok, mc, int(step), ckpt, state)
 
 
+def fast_model(lm: LoadedModel, backend, precision: str = "fp32") -> LoadedModel:
+    """On the CuPy backend, the same weights run by the CUDA-graph decoder (andrea/cuda/decode.py:
+    one graph per token, the surface of InferenceModel); elsewhere, or for a shape it does not
+    take (head size not dividing 128), ``lm`` unchanged. fp32 gives the eager path's tokens."""
+    if getattr(backend, "name", "") != "cupy":
+        return lm
+    from andrea.cuda.decode import GraphDecoder
+
+    try:
+        lm.model = GraphDecoder(lm.config, lm.model.params, precision=precision)
+    except AndreaError as e:
+        print(f"(CUDA-graph decode not used: {e})", file=sys.stderr)
+    return lm
+
+
 def options_from(args, section: dict) -> SamplingOptions:
     """SamplingOptions from CLI flags, falling back to a params section (audit/coherence)."""
     def pick(name, key, default):
@@ -409,6 +424,11 @@ def add_sampling_arguments(p) -> None:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: the params' seed)")
     g.add_argument("--backend", choices=["auto", "numpy", "cupy"], default=None,
                    help="array backend for inference (default: the params' train.backend)")
+
+
+def add_decode_arguments(p) -> None:
+    p.add_argument("--decode-precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="on the GPU: the CUDA-graph decoder's compute precision (default: %(default)s)")
 
 
 def add_run_arguments(p) -> None:
@@ -453,6 +473,7 @@ def add_arguments(p) -> None:
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object per sample")
     add_sampling_arguments(p)
+    add_decode_arguments(p)
 
 
 def run(args, cfg) -> int:
@@ -460,7 +481,7 @@ def run(args, cfg) -> int:
 
     run_path, cfg, tok_path = resolve_run(args, cfg)
     be, _ = select_backend(args.backend or cfg["train"]["backend"])
-    lm = load_model(run_path, tok_path, cfg, be)
+    lm = fast_model(load_model(run_path, tok_path, cfg, be), be, args.decode_precision)
     opts = options_from(args, cfg["audit"])
     prompts = list(args.prompt)
     if args.prompt_file:
