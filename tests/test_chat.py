@@ -140,3 +140,45 @@ def test_streamed_text_is_the_answer(tmp_path):
         assert (g.text or "").strip().startswith(streamed)
         s.finish(g.text or "")
         assert "".join(pieces) == (g.text or "").strip()
+
+
+def test_sample_and_chat_hand_the_weights_to_the_graph_decoder_on_cupy(laid_out, monkeypatch, capsys):
+    """The wiring of ``fast_model`` without a GPU: a backend named cupy gets the CUDA-graph
+    decoder, built from the loaded config, the very flat weight buffer and --decode-precision
+    (the decoder itself is checked against InferenceModel on the device: test_generate_decode_gpu.py)."""
+    import io
+    import types
+
+    import andrea.backends
+    import andrea.cuda.decode
+    from andrea.engine.backend import NumpyBackend
+    from andrea.generate import InferenceModel
+
+    made = []
+
+    class FakeCupy(NumpyBackend):
+        name = "cupy"
+
+    class FakeDecoder(InferenceModel):
+        def __init__(self, mc, params, precision):
+            made.append((mc, params, precision))
+            super().__init__(mc, params)
+
+    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (FakeCupy(), "stub"))
+    monkeypatch.setattr(andrea.cuda.decode, "GraphDecoder", FakeDecoder)
+    r, root = laid_out
+    run = str(root / "runs" / "tiny" / "main")
+    monkeypatch.chdir(ROOT)
+    args = ["--prompt", "the", "--max-new-tokens", "6", "--seed", "3", "--json"]
+    assert cli_main(["sample", run, *args, "--backend", "cupy", "--decode-precision", "bf16"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    (mc, params, prec), = made
+    assert prec == "bf16" and mc.d_model == r.cfg["model"]["d_model"] and params.shape == (r.engine.n_params,)
+    assert np.array_equal(params, r.engine.w)
+    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (NumpyBackend(), "stub"))
+    assert cli_main(["sample", run, *args, "--backend", "numpy"]) == 0
+    assert json.loads(capsys.readouterr().out) == got and len(made) == 1       # numpy: no decoder
+    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (FakeCupy(), "stub"))
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(isatty=lambda: False, readline=io.StringIO("hi\n").readline))
+    assert cli_main(["chat", run, "--backend", "cupy", "--max-new-tokens", "4"]) == 0
+    assert made[-1][2] == "fp32" and "andrea: " in capsys.readouterr().out
