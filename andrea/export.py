@@ -27,7 +27,8 @@ the longest match greedily, Unigram maximises a likelihood with its own tie orde
 would not give the same ids. The class is andrea's encoder in ~60 lines without andrea;
 ``tests/test_export.py`` checks it against andrea over the whole embedded val split.
 
-The run's own resolved config (``model.state.json`` "config") is the recipe; reports come
+The run's own resolved config (``model.state.json`` "config") is the recipe (no --profile:
+the run says what it is); reports come
 from ``reports/<variant>/`` (metrics.json of ``andrea eval``, audit.json of ``andrea audit``)
 and provenance from ``data/`` when they are there; the card says which were missing.
 """
@@ -271,7 +272,8 @@ def export(run: str | Path, out: str | Path, tokenizer: str | Path | None = None
                           "model.state.json (its config is the model card's recipe)")
     cfg = state.get("config") if isinstance(state.get("config"), dict) else cfg_fallback
     if cfg is None:
-        raise AndreaError(f"{runs.state_path_beside(ckpt)}: no 'config' in the run state; pass --profile of the run")
+        raise AndreaError(f"{runs.state_path_beside(ckpt)}: no 'config' in the run state (made before andrea "
+                          "recorded it?): the card's recipe would be unknown; re-train the run to export it")
     tok_path = find_tokenizer(run_dir, state, tokenizer)
     tok = load_tokenizer(tok_path)
     runs.check_for_inference(state, runs.state_path_beside(ckpt), cfg, tok)

@@ -200,7 +200,7 @@ def test_cli_finds_the_tokenizer_by_the_standard_layout_and_refuses_bad_runs(cor
     monkeypatch.chdir(tmp_path)                           # neither data/ nor reports/ here: found beside runs/
     _, run, w = make_run(root, tok_path, seed=1)
     out = tmp_path / "exp"
-    assert cli_main(["export", str(run), "--out", str(out), "--params", PARAMS]) == 0
+    assert cli_main(["export", str(run), "--out", str(out)]) == 0       # no params.yaml here: the run's config
     assert (out / "harris.json").read_bytes() == tok_path.read_bytes()
     assert "No `reports/tiny/metrics.json`" in (out / "README.md").read_text()
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -211,14 +211,19 @@ def test_cli_finds_the_tokenizer_by_the_standard_layout_and_refuses_bad_runs(cor
     w2[5] = np.nan
     ck.write_checkpoint(bad / "model.bin", 42, w2, np.zeros_like(w2), np.zeros_like(w2))
     shutil.copytree(tok_path.parent, tmp_path / "data" / "tokenizer" / "tiny")
-    assert cli_main(["export", str(bad), "--out", str(out), "--params", PARAMS]) == 2
+    assert cli_main(["export", str(bad), "--out", str(out)]) == 2
     assert "NaN or inf" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # another tokenizer at the standard place: named, refused
     (tmp_path / "data" / "tokenizer" / "tiny" / "tokenizer.json").write_text("{}")
-    assert cli_main(["export", str(bad), "--out", str(tmp_path / "e2"), "--params", PARAMS]) == 2
+    assert cli_main(["export", str(bad), "--out", str(tmp_path / "e2")]) == 2
     err = capsys.readouterr().err
     assert "tokenizer_sha256" in err and "data/tokenizer/tiny/tokenizer.json" in err and "Traceback" not in err
+    st = json.loads((bad / "model.state.json").read_text())
+    del st["config"]
+    (bad / "model.state.json").write_text(json.dumps(st))
+    with pytest.raises(AndreaError, match="no 'config' in the run state"):
+        export(bad, tmp_path / "e3", tokenizer=tok_path)
     (bad / "model.state.json").unlink()
     with pytest.raises(AndreaError, match="model.state.json"):
         export(bad, tmp_path / "e3", tokenizer=tok_path)
