@@ -51,6 +51,8 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("andrea.reports.evaluate", "held-out bits per byte, coherence, judge; eval.html + metrics.json"),
     "sample": Command("andrea.generate", "sample text from a checkpoint"),
     "chat": Command("andrea.chat", "chat with a checkpoint in the chat template"),
+    "export": Command("andrea.export", "a run as a transformers GPT-2 folder (safetensors, config, tokenizer, model card)",
+                      False),
     "dashboard": Command("andrea.reports.dashboard", "serve a live loss dashboard for a run on 127.0.0.1", False),
     "stages": Command("andrea.stages", "the pipeline's stage table; --write regenerates dvc.yaml and params.yaml", False),
 }

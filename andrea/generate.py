@@ -1,7 +1,10 @@
 """Text generation from an ANDREA model: a KV-cache forward, sampling, and ``andrea sample``.
 
-    andrea sample --profile tiny --run runs/tiny/main --tokenizer data/tokenizer/tiny/tokenizer.json \\
-                  --prompt "The list type" --max-new-tokens 64 --temperature 0.8 --top-k 40 --seed 1
+    andrea sample runs/tiny/main --prompt "The list type" --max-new-tokens 64 --temperature 0.8 --top-k 40 --seed 1
+
+(the profile and tokenizer come from the run folder: its model.state.json's config, and
+data/tokenizer/<variant>/tokenizer.json checked by the recorded sha256; --profile and
+--tokenizer override them).
 
 In code (the curriculum's coherence check calls this on the training weights):
 
@@ -330,6 +333,42 @@ class LoadedModel:
     state: dict | None
 
 
+def find_tokenizer(run: str | Path, state: dict | None, given: str | Path | None = None) -> Path:
+    """The tokenizer.json of a run: ``given`` if set; else the standard layout
+    ``data/tokenizer/<variant>/tokenizer.json`` beside the ``runs/`` folder holding the run
+    (``<root>/runs/<variant>/<phase>``), then under the working directory; variant = the run
+    state's profile. The file must have the run's recorded ``tokenizer_sha256``."""
+    import hashlib
+
+    if given is not None:
+        return Path(given)
+    run_dir = Path(run)
+    run_dir = run_dir if run_dir.is_dir() else run_dir.parent
+    if state is None:
+        raise AndreaError(f"{run_dir}: no model.state.json to find the tokenizer from; pass --tokenizer")
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    variant = saved.get("profile") or run_dir.resolve().parent.name
+    rel = Path("data") / "tokenizer" / str(variant) / "tokenizer.json"
+    cands = []
+    up = run_dir.resolve().parents
+    if len(up) >= 2 and up[1].name == "runs":
+        cands.append(up[2] / rel if len(up) >= 3 else rel)
+    cands.append(rel)
+    want = state.get("tokenizer_sha256")
+    wrong = []
+    for c in cands:
+        if c.is_file():
+            got = hashlib.sha256(c.read_bytes()).hexdigest()
+            if not want or got == want:
+                return c
+            wrong.append(f"{c} (sha256 {got[:12]}...)")
+    if wrong:
+        raise AndreaError(f"{run_dir}/model.state.json: tokenizer_sha256 {str(want)[:12]}... matches none of "
+                          f"{', '.join(wrong)}; pass the run's --tokenizer")
+    raise AndreaError(f"{run_dir}: tokenizer not found at {' or '.join(str(c) for c in cands)} (variant "
+                      f"{variant!r} from the run state); pass --tokenizer")
+
+
 def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=None) -> LoadedModel:
     """Load a checkpoint, its tokenizer and config for inference, refusing any mismatch clearly."""
     from andrea import runs
@@ -346,6 +385,21 @@ def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=N
     be = backend if backend is not None else NumpyBackend()
     flat = be.xp.asarray(weights) if be.xp is not np else weights
     return LoadedModel(InferenceModel(mc, flat, be), tok, mc, int(step), ckpt, state)
+
+
+def fast_model(lm: LoadedModel, backend, precision: str = "fp32") -> LoadedModel:
+    """On the CuPy backend, the same weights run by the CUDA-graph decoder (andrea/cuda/decode.py:
+    one graph per token, the surface of InferenceModel); elsewhere, or for a shape it does not
+    take (head size not dividing 128), ``lm`` unchanged. fp32 gives the eager path's tokens."""
+    if getattr(backend, "name", "") != "cupy":
+        return lm
+    from andrea.cuda.decode import GraphDecoder
+
+    try:
+        lm.model = GraphDecoder(lm.config, lm.model.params, precision=precision)
+    except AndreaError as e:
+        print(f"(CUDA-graph decode not used: {e})", file=sys.stderr)
+    return lm
 
 
 def options_from(args, section: dict) -> SamplingOptions:
@@ -372,21 +426,62 @@ def add_sampling_arguments(p) -> None:
                    help="array backend for inference (default: the params' train.backend)")
 
 
+def add_decode_arguments(p) -> None:
+    p.add_argument("--decode-precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="on the GPU: the CUDA-graph decoder's compute precision (default: %(default)s)")
+
+
+def add_run_arguments(p) -> None:
+    """RUN (positional, or --run) and --tokenizer (default: found from the run, see ``find_tokenizer``)."""
+    import argparse
+
+    p.add_argument("run", nargs="?", default=None, help="run folder (holding model.bin) or a checkpoint file")
+    p.add_argument("--run", dest="run_opt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json the run was trained with (default: "
+                   "data/tokenizer/<variant>/tokenizer.json, checked against the run's tokenizer_sha256)")
+
+
+def resolve_run(args, cfg) -> tuple[str, dict, Path]:
+    """(run, config, tokenizer path) of a sample/chat call. Without ``--profile`` (or ``-S profile=``)
+    the config is the run's own (``model.state.json`` "config", with the ``-S`` overrides applied),
+    so ``andrea chat runs/tiny/main`` needs no other argument."""
+    import copy
+
+    from andrea import runs
+    from andrea.config import apply_override
+
+    run = args.run if args.run is not None else getattr(args, "run_opt", None)
+    if run is None:
+        raise AndreaError("no run given: pass the run folder, e.g. `andrea chat runs/tiny/main`")
+    ckpt = runs.find_checkpoint(run)
+    state = runs.read_state_beside(ckpt)
+    overrides = list(getattr(args, "overrides", []) or [])
+    saved = state.get("config") if isinstance(state, dict) else None
+    picks_profile = getattr(args, "profile", None) is not None or any(
+        o.split("=", 1)[0].strip() == "profile" for o in overrides)
+    if isinstance(saved, dict) and not picks_profile:
+        cfg = copy.deepcopy(saved)
+        for o in overrides:
+            apply_override(cfg, o)
+    return str(run), cfg, find_tokenizer(ckpt.parent, state, args.tokenizer)
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--run", required=True, help="run folder (holding model.bin) or a checkpoint file")
-    p.add_argument("--tokenizer", required=True, help="tokenizer.json the run was trained with")
+    add_run_arguments(p)
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable); default: start from EOT")
     p.add_argument("--prompt-file", default=None, help="read one prompt from this file ('-' = stdin)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object per sample")
     add_sampling_arguments(p)
+    add_decode_arguments(p)
 
 
 def run(args, cfg) -> int:
     from andrea.backends import select_backend
 
+    run_path, cfg, tok_path = resolve_run(args, cfg)
     be, _ = select_backend(args.backend or cfg["train"]["backend"])
-    lm = load_model(args.run, args.tokenizer, cfg, be)
+    lm = fast_model(load_model(run_path, tok_path, cfg, be), be, args.decode_precision)
     opts = options_from(args, cfg["audit"])
     prompts = list(args.prompt)
     if args.prompt_file:

@@ -1,18 +1,29 @@
-"""Benchmark: KV-cache generation against re-running the whole window for every new token.
+"""Benchmark: generation tokens/s, batch 1, greedy, against anchors measured in the same run.
 
-    python bench/generate.py                        # tiny profile shape, NumPy backend
-    python bench/generate.py --shape 12m --backend cupy --tokens 256
+    python bench/generate.py                                   # NumPy: KV cache vs no cache, every shape
+    python bench/generate.py --backend cupy --tokens 256       # GPU: ours vs transformers on the export
 
-Both paths use the same InferenceModel and weights; the anchor ("no cache") resets the
-cache and feeds the whole sequence for each new token, which is what generation costs
-without one. Prints tokens/s of each and the ratio cache / no-cache measured in the same
-run (greedy, so both produce the same tokens; the script checks that they do).
+NumPy (``--backend numpy``): the KV cache (``InferenceModel``) against re-running the whole
+window for every new token (the anchor), at each shape of ``--shapes``.
+
+GPU (``--backend cupy``): per shape, the same random weights (seeded) run by
+- ``graph``: ``andrea.cuda.decode.GraphDecoder`` (one CUDA graph per token, arg-max on the
+  device), in bf16 and fp32;
+- ``eager``: ``InferenceModel`` on CuPy (fp32, one launch per op: the previous path);
+- ``transformers``: the weights exported by ``andrea.export`` (``hf_tensors`` + ``hf_config``,
+  the functions ``andrea export`` writes with, saved as model.safetensors + config.json) and
+  loaded with ``AutoModelForCausalLM.from_pretrained``, eager ``generate`` (greedy, KV cache),
+  in bf16 and fp32: the anchor. Ratios are ours / transformers at the same precision.
+Every path produces the same number of tokens; the fp32 paths' first tokens are compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -37,37 +48,124 @@ def no_cache(im: InferenceModel, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def host_weights(mc: ModelConfig) -> np.ndarray:
+    eng = Engine(mc, batch_size=1, backend=select_backend("numpy")[0])
+    eng.init_weights(seed=1)
+    w = eng.w.copy()
+    w += 0.02 * np.random.default_rng(3).standard_normal(w.size).astype(np.float32)   # less flat than init
+    return w
+
+
+def timed(fn, sync):
+    fn()                                    # warm up (compiles, captures, allocates)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t0
+
+
+def bench_numpy(name: str, mc: ModelConfig, n: int, plen: int) -> None:
+    be, _ = select_backend("numpy")
+    im = InferenceModel(mc, host_weights(mc), be)
+    prompt = list(np.random.default_rng(2).integers(0, mc.vocab_size, plen))
+    greedy = SamplingOptions(max_new_tokens=n, temperature=0, stop_at_eot=False)
+    a, t_cache = timed(lambda: generate(im, prompt, greedy, 0).ids, be.synchronize)
+    b, t_full = timed(lambda: no_cache(im, prompt, n), be.synchronize)
+    same = sum(x == y for x, y in zip(a, b))
+    print(f"| {name} | numpy | fp32 | kv-cache | {n / t_cache:.1f} | {t_full / t_cache:.2f}x vs no cache "
+          f"({n / t_full:.1f} tok/s; same tokens {same}/{n}) |", flush=True)
+
+
+def export_folder(mc: ModelConfig, w: np.ndarray, root: Path) -> Path:
+    from safetensors.numpy import save_file
+
+    from andrea.export import hf_config, hf_tensors
+
+    out = root / "export"
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf_tensors(mc, w), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(mc, mc.vocab_size - 1)))
+    return out
+
+
+def bench_cupy(name: str, mc: ModelConfig, n: int, plen: int, hf: bool) -> None:
+    import cupy as cp
+
+    from andrea.cuda.decode import GraphDecoder
+
+    be, _ = select_backend("cupy")
+    w = host_weights(mc)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, mc.vocab_size - 1, plen)]
+    sync = cp.cuda.Device().synchronize
+    rows, ids = {}, {}
+    wd = cp.asarray(w)
+    for prec in ("bf16", "fp32"):
+        dec = GraphDecoder(mc, wd, precision=prec)
+        ids[("graph", prec)], t = timed(lambda: dec.greedy(prompt, n), sync)
+        rows[("graph", prec)] = n / t
+        del dec
+    im = InferenceModel(mc, wd, be)
+    greedy = SamplingOptions(max_new_tokens=n, temperature=0, stop_at_eot=False)
+    ids[("eager", "fp32")], t = timed(lambda: generate(im, prompt, greedy, 0).ids, sync)
+    rows[("eager", "fp32")] = n / t
+    del im
+    if hf:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = export_folder(mc, w, Path(tmp))
+            for prec, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dt).cuda().eval()
+                x = torch.tensor([prompt], device="cuda")
+
+                def run():
+                    with torch.no_grad():
+                        o = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+                    return o[0, len(prompt):].tolist()
+
+                ids[("transformers", prec)], t = timed(run, torch.cuda.synchronize)
+                rows[("transformers", prec)] = n / t
+                del model
+                torch.cuda.empty_cache()
+    ref = ids[("eager", "fp32")]
+    for (impl, prec), tps in rows.items():
+        got = ids[(impl, prec)]
+        agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        anchor = rows.get(("transformers", prec))
+        ratio = f"{tps / anchor:.2f}x transformers {prec}" if anchor and impl != "transformers" else "anchor" \
+            if impl == "transformers" else "-"
+        print(f"| {name} | cupy | {prec} | {impl} | {tps:.1f} | {ratio} | first {agree}/{n} tokens = eager fp32 |",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    ap.add_argument("--backend", choices=["numpy", "cupy", "auto"], default="numpy")
-    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--shapes", default="tiny,12m,120m", help="comma-separated: " + ", ".join(SHAPES))
+    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens (default: 256 on cupy, 32 on numpy)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt length in tokens")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
     args = ap.parse_args()
-    mc = SHAPES[args.shape]
-    be, why = select_backend(args.backend)
-    host = Engine(mc, batch_size=1, backend=select_backend("numpy")[0])
-    host.init_weights(seed=1)
-    w = be.xp.asarray(host.w) if be.name != "numpy" else host.w
-    im = InferenceModel(mc, w, be)
-    prompt = list(np.random.default_rng(2).integers(0, mc.vocab_size, args.prompt))
-    n = min(args.tokens, mc.context - args.prompt)
-    greedy = SamplingOptions(max_new_tokens=n, temperature=0, stop_at_eot=False)
-    generate(im, prompt, SamplingOptions(max_new_tokens=4, temperature=0, stop_at_eot=False), 0)   # warm up
-    be.synchronize()
-    t0 = time.perf_counter()
-    a = generate(im, prompt, greedy, 0).ids
-    be.synchronize()
-    t_cache = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    b = no_cache(im, prompt, n)
-    be.synchronize()
-    t_full = time.perf_counter() - t0
-    same = sum(x == y for x, y in zip(a, b))
-    print(f"shape {args.shape} ({mc}), backend {be.name} ({why}), prompt {args.prompt}, {n} new tokens")
-    print(f"kv-cache : {n / t_cache:10.1f} tokens/s")
-    print(f"no cache : {n / t_full:10.1f} tokens/s   (anchor)")
-    print(f"ratio    : {t_full / t_cache:10.2f}x   (same greedy tokens: {same}/{n})")
+    hf = not args.no_transformers
+    if args.backend == "cupy" and hf:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            print(f"(transformers anchor skipped: {e})")
+            hf = False
+    print("| shape | backend | precision | path | tokens/s | ratio | check |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.shapes.split(","):
+        mc = SHAPES[name]
+        n = min(args.tokens or (256 if args.backend == "cupy" else 32), mc.context - args.prompt)
+        if args.backend == "numpy":
+            bench_numpy(name, mc, n, args.prompt)
+        else:
+            bench_cupy(name, mc, n, args.prompt, hf)
 
 
 if __name__ == "__main__":
