@@ -428,7 +428,7 @@ def add_sampling_arguments(p) -> None:
 
 def add_decode_arguments(p) -> None:
     p.add_argument("--decode-precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="on the GPU: the CUDA-graph decoder's compute precision (default: %(default)s)")
+                   help="GPU decoder precision (default: %(default)s)")
 
 
 def add_run_arguments(p) -> None:
