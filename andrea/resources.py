@@ -4,9 +4,9 @@ executor plugin (SLURM: workflow/profiles/slurm) requests the right allocation p
 
     from andrea.resources import stage_resources
     stage_resources("train", cfg, phase="warmup")
-    # {'threads': 8, 'mem_mb': 799, 'runtime': 11, 'gpu': 0}   (tiny: the NumPy engine on 8 threads)
+    # {'threads': 8, 'mem_mb': 796, 'runtime': 11, 'gpu': 0}   (tiny: the NumPy engine on 8 threads)
 
-    python -m andrea.resources                      # the table for every profile in params/
+    python -m andrea.resources                      # the table for every profile in params/profile/
 
 In a rule (``CFG`` = the merged params per profile, as in workflow/rules/common.smk)::
 
@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Callable
 
-from andrea.errors import ConfigError
+from andrea.errors import AndreaError, ConfigError
 
 MIB = 1 << 20
 STAGES = ("pull-hermes3", "prep-megachat", "tokenizer", "diet-alignment", "train", "audit", "eval")
@@ -87,19 +88,23 @@ def numpy_threads(cfg: dict) -> int:
     return max(1, min(int(cfg["train"]["batch_size"]), NUMPY_MAX_THREADS))
 
 
+def numpy_slots(batch_size: int, threads: int) -> list[tuple[int, int]]:
+    """The batch slices of a NumPy engine whose pool has ``threads`` threads: the contiguous
+    ranges of andrea/engine/pool.py's row_ranges (tests/test_resources.py checks they match)."""
+    n = max(1, min(int(threads), int(batch_size)))
+    return [(batch_size * i // n, batch_size * (i + 1) // n) for i in range(n)]
+
+
 def numpy_planned_bytes(cfg: dict, threads: int) -> int:
-    """Engine.planned_bytes of the NumPy engine whose pool has ``threads`` threads (no allocation)."""
-    from andrea.engine import ops_numpy
-    from andrea.engine.model import activation_plan, param_layout
+    """Engine.planned_bytes of the NumPy engine whose pool has ``threads`` threads: the same
+    plan (andrea.engine.engine.engine_plan), computed without allocating."""
+    from andrea.engine.backend import NumpyBackend
+    from andrea.engine.engine import engine_plan
 
     mc, B = model_config(cfg), int(cfg["train"]["batch_size"])
-    T, C, H, V = mc.context, mc.d_model, mc.n_head, mc.vocab_size
-    n = max(1, min(int(threads), B))
-    slots = [(B * i // n, B * (i + 1) // n) for i in range(n)]
-    plan = activation_plan(mc, B, [ops_numpy.work_elems(b1 - b0, T, C, H, V) for b0, b1 in slots],
-                           ops_numpy.att_shape(B, H, T))
-    item = 4  # float32
-    return 4 * param_layout(mc).n_params * item + sum(
+    _, plan = engine_plan(mc, B, NumpyBackend, numpy_slots(B, threads))
+    item = 4  # float32, as Engine's nbytes: int32 index buffers, float64 statistics
+    return 4 * _n_params(cfg) * item + sum(
         b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else item) for b in plan)
 
 
@@ -216,12 +221,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m andrea.resources", description=__doc__.split("\n\n")[0])
     p.add_argument("--params", default="params.yaml")
-    p.add_argument("--profile", action="append", help="a profile (repeatable; default: every params/*.yaml)")
+    p.add_argument("--profile", action="append",
+                   help="a profile (repeatable; default: every params/profile/*.yaml)")
     args = p.parse_args(argv)
-    profiles = args.profile or sorted(f.stem for f in (Path(args.params).parent / "params").glob("*.yaml"))
+    profiles = args.profile or sorted(f.stem for f in (Path(args.params).parent / "params" / "profile").glob("*.yaml"))
+    try:
+        cfgs = {prof: load_config(args.params, prof) for prof in profiles}
+    except AndreaError as e:
+        print(f"python -m andrea.resources: {e}", file=sys.stderr)
+        return e.exit_code
     print(f"{'profile':<12} {'stage':<16} {'threads':>7} {'mem_mb':>8} {'runtime':>8} {'gpu':>4}")
-    for prof in profiles:
-        cfg = load_config(args.params, prof)
+    for prof, cfg in cfgs.items():
         for stage in STAGES:
             for phase in (("warmup", "main") if stage == "train" else (None,)):
                 r = stage_resources(stage, cfg, phase)

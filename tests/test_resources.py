@@ -15,11 +15,11 @@ from andrea.engine import ops_numpy
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.engine import Engine
 from andrea.errors import ConfigError
-from andrea.resources import (STAGES, model_config, numpy_planned_bytes, rule_resources, rule_threads,
-                              stage_resources, train_steps)
+from andrea.resources import (STAGES, main, model_config, numpy_planned_bytes, numpy_slots, rule_resources,
+                              rule_threads, stage_resources, train_steps)
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = sorted(p.stem for p in (ROOT / "params").glob("*.yaml"))
+PROFILES = sorted(p.stem for p in (ROOT / "params" / "profile").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,21 @@ def test_numpy_plan_is_the_engines_planned_bytes(cfgs):
     cfg = cfgs["tiny"]
     eng = Engine(model_config(cfg), int(cfg["train"]["batch_size"]), NumpyBackend())
     assert numpy_planned_bytes(cfg, ops_numpy.n_threads()) == eng.planned_bytes
+
+
+def test_numpy_slots_are_the_pools_batch_slices(cfgs):
+    for B in (1, 3, int(cfgs["tiny"]["train"]["batch_size"]), 64):
+        assert numpy_slots(B, ops_numpy.n_threads()) == NumpyBackend.row_slots(B)
+
+
+def test_the_table_covers_every_profile_and_refuses_an_unknown_one(capsys):
+    assert main(["--params", str(ROOT / "params.yaml")]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert sorted({r.split()[0] for r in rows}) == PROFILES and len(PROFILES) >= 2
+    assert len(rows) == len(PROFILES) * (len(STAGES) + 1)
+    assert main(["--params", str(ROOT / "params.yaml"), "--profile", "nope"]) == 3
+    out = capsys.readouterr()
+    assert out.out == "" and "profile 'nope'" in out.err and "known: " in out.err
 
 
 def test_more_threads_plan_more_scratch(cfgs):
@@ -121,14 +136,14 @@ def test_a_snakemake_rule_declares_them(tmp_path, cfgs):
         from andrea.resources import rule_resources, rule_threads
         CFG = {{"tiny": load_config({str(ROOT / "params.yaml")!r}, "tiny")}}
 
-        rule train_main:
-            output: "runs/{{variant}}/main/model.bin"
+        rule train:
+            output: "runs/{{variant}}/main.done"
             threads: rule_threads("train", lambda w: CFG[w.variant], phase="main")
             resources:
                 **rule_resources("train", lambda w: CFG[w.variant], phase="main"),
             shell: "touch {{output}}"
         """))
-    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "64", "runs/tiny/main/model.bin"],
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "64", "runs/tiny/main.done"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr + out.stdout
     want = stage_resources("train", cfgs["tiny"], "main")

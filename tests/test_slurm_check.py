@@ -12,14 +12,14 @@ check_run = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check_run)
 
 LOG = """\
-rule train_main:
-    output: runs/tiny/main/model.bin
+rule train:
+    output: runs/tiny/main.done
     jobid: 6
     threads: 2
     resources: tmpdir=/tmp, runtime=12, gpu=0, mem_mb=799, mem=799 MB, mem_mib=762
 Shell command: andrea train ...
 Job 6 has been submitted with SLURM jobid 7 (log: x/7.log).
-rule audit_samples:
+rule audit:
     jobid: 8
     resources: tmpdir=/tmp, runtime=13, gpu=0, mem_mb=522, mem=522 MB, mem_mib=498
 Job 8 has been submitted with SLURM jobid 8 (log: x/8.log).
@@ -43,7 +43,7 @@ def test_a_clean_run_passes():
 def test_a_job_that_ran_outside_slurm_is_caught():
     log = LOG.replace("Job 8 has been submitted with SLURM jobid 8 (log: x/8.log).\n", "")
     problems, _ = check_run.check_jobs(log, SACCT, JOBCOMP)
-    assert problems == ["audit_samples: never submitted with sbatch"]
+    assert problems == ["audit: never submitted with sbatch"]
 
 
 @pytest.mark.parametrize("sacct,jobcomp,want", [
@@ -55,7 +55,7 @@ def test_a_job_that_ran_outside_slurm_is_caught():
 ])
 def test_what_slurm_did_must_match_what_the_rule_declared(sacct, jobcomp, want):
     problems, _ = check_run.check_jobs(LOG, sacct, jobcomp)
-    assert len(problems) == 1 and want in problems[0] and problems[0].startswith("train_main:")
+    assert len(problems) == 1 and want in problems[0] and problems[0].startswith("train:")
 
 
 def test_memory_in_slurms_units():

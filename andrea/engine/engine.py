@@ -80,6 +80,23 @@ class StepResult:
     ok: bool             # False: the update was skipped, the weights are untouched
 
 
+def engine_plan(mc: ModelConfig, batch_size: int, backend, slots, n_partials: int = 64
+                ) -> tuple[PlanPolicy, list[Buffer]]:
+    """The policy and activation plan of an Engine on ``backend`` whose batch runs as the row
+    ranges ``slots`` at once: each slice has its own scratch and, after the first, its own
+    gradient buffer; activations are rows of the shared buffers. Engine.__init__ allocates it;
+    andrea/resources.py sizes a cluster job by it without allocating."""
+    T, C, H, V = mc.context, mc.d_model, mc.n_head, mc.vocab_size
+    scratch = [Buffer(f"work.{i}", (backend.work_elems(b1 - b0, T, C, H, V),), "work")
+               for i, (b0, b1) in enumerate(slots)]
+    scratch += [Buffer("mask", (T, T), "const"), Buffer("partials", (n_partials,), "stat", "float64")]
+    if len(slots) > 1:
+        scratch.append(Buffer("slot_grads", (len(slots) - 1, param_layout(mc).n_params), "slot_grads", "acc"))
+    policy = PlanPolicy(att_shape=tuple(backend.att_shape(batch_size, H, T)), loss_saved=(batch_size * T, V),
+                        scratch=tuple(scratch))
+    return policy, activation_plan(mc, batch_size, policy)
+
+
 class Engine:
     def __init__(self, mc: ModelConfig, batch_size: int, backend, dtype: str = "float32",
                  n_partials: int = 64):
@@ -89,20 +106,11 @@ class Engine:
         self.dtype = np.dtype(dtype)
         self.layout = param_layout(mc)
         self.n_params = self.layout.n_params
-        C, H, V, T = mc.d_model, mc.n_head, mc.vocab_size, self.T
         # Batch slices that run at once, one per thread of the backend (NumPy: its pool; a
         # device backend: one slice). Each slice has its own scratch and, after the first,
         # its own gradient buffer; activations are rows of the shared buffers.
         self.slots = backend.row_slots(self.B)
-        S = len(self.slots)
-        scratch = [Buffer(f"work.{i}", (backend.work_elems(b1 - b0, T, C, H, V),), "work")
-                   for i, (b0, b1) in enumerate(self.slots)]
-        scratch += [Buffer("mask", (T, T), "const"), Buffer("partials", (n_partials,), "stat", "float64")]
-        if S > 1:
-            scratch.append(Buffer("slot_grads", (S - 1, self.n_params), "slot_grads", "acc"))
-        self.policy = PlanPolicy(att_shape=tuple(backend.att_shape(self.B, H, T)), loss_saved=(self.N, V),
-                                 scratch=tuple(scratch))
-        self.plan = activation_plan(mc, self.B, self.policy)
+        self.policy, self.plan = engine_plan(mc, self.B, backend, self.slots, n_partials)
 
         # --- parameters, gradients, Adam moments: four flat buffers
         n = self.n_params
