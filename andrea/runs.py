@@ -3,18 +3,24 @@
     from andrea import runs
     rf = runs.RunFolder("runs/tiny/warmup")
     rf.bin, rf.state, rf.loss, rf.samples        # model.bin, model.{state,loss,samples}.json
+    rf.perf                                      # model.perf.jsonl: wall-clock, not tracked
     with rf.writing() as notes:                  # the one writer: lock, finish or drop an interrupted
         rf.commit(step, w, m, v, state, loss, samples)   # checkpoint, stale temps; then land 4 files as one
     state = rf.read_state(); runs.check_resume(state, rf.state, ...)
     step, w, m, v = rf.read_checkpoint(state, n_params)  # checked against its state (step, sha256)
     runs.find_checkpoint(run) / runs.find_checkpoints(run, extra) / runs.read_state_beside(ckpt)
     runs.check_for_inference(state, where, cfg, tokenizer) / runs.read_history(path)
+    rf.append_perf([{"step", "phase", "time", "tokens_per_s"}, ...]); runs.read_perf(path)
 
 This module alone knows a run folder; training, generation, audit, eval and the dashboard
 call it. The files users, DVC and Snakemake see are always the four at the top of the
 folder: ``model.bin`` (the binary format of andrea/engine/checkpoint.py, unchanged),
 ``model.state.json`` (everything else a resume needs, format ``andrea.state/1``),
-``model.loss.json`` (the history, ``andrea.loss/1``) and ``model.samples.json``.
+``model.loss.json`` (the history, ``andrea.loss/1``) and ``model.samples.json``. They hold
+only what the params determine, so the same params give the same bytes. What the machine
+determines (when a step ended, tokens/s) goes to a fifth file beside them, ``model.perf.jsonl``
+(one JSON line per logged step, appended best effort, outside the checkpoint unit and its
+checks; ``.dvcignore`` keeps it out of DVC's hash of the folder). The dashboard reads it.
 
 How a checkpoint lands (a redo log of one entry; a kill -9 at any moment is safe):
   1. the four files are written into ``.checkpoint.pending/`` and fsynced, with the folder;
@@ -55,6 +61,8 @@ from andrea.errors import AndreaError
 from andrea.fsutil import atomic_write_bytes, fsync_dir, json_text, read_json
 
 BIN, STATE, LOSS, SAMPLES = "model.bin", "model.state.json", "model.loss.json", "model.samples.json"
+PERF = "model.perf.jsonl"       # wall-clock sidecar: never hashed by DVC, never checked, best effort
+WALL_CLOCK = ("time", "tokens_per_s")   # train-record fields older versions wrote into model.loss.json
 FILES = (BIN, STATE, LOSS, SAMPLES)
 PENDING, COMMITTED = ".checkpoint.pending", ".checkpoint.commit"
 STATE_FORMAT = "andrea.state/1"
@@ -109,6 +117,7 @@ class RunFolder:
         self.dir = Path(out)
         self.bin, self.state = self.dir / BIN, self.dir / STATE
         self.loss, self.samples = self.dir / LOSS, self.dir / SAMPLES
+        self.perf = self.dir / PERF
         self.committed_step: int | None = None     # the step of the pair at the top, once known
         self._lock: int | None = None
 
@@ -244,11 +253,25 @@ class RunFolder:
             k += 1
             dest = self.dir.with_name(f"{self.dir.name}.stale-{config_hash}-{k}")
         dest.mkdir(parents=True)
-        for p in self.files():
+        for p in self.files() + [self.perf]:
             if p.exists():
                 p.replace(dest / p.name)
         self.committed_step = None
         return dest
+
+    def append_perf(self, records: list[dict]) -> None:
+        """Append wall-clock records (one JSON line each) to ``model.perf.jsonl``. Best effort: a
+        failed write loses throughput figures only, never the run, so it is ignored."""
+        if not records:
+            return
+        try:
+            with open(self.perf, "a+b") as f:
+                f.seek(0, os.SEEK_END)
+                torn = f.tell() > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+                text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in records)
+                f.write((("\n" if torn else "") + text).encode("utf-8"))   # a killed write's torn line ends
+        except (OSError, ValueError):
+            pass
 
     # ------------------------------------------------------------ reading the pair
     def _split(self, what: str) -> SplitPair:
@@ -425,6 +448,25 @@ def read_history(path: str | Path) -> dict:
         raise AndreaError(f"{path}: loss history is unreadable: not UTF-8") from None
     except ValueError as e:
         raise AndreaError(f"{path}: loss history is unreadable: {e}") from None
+
+
+def read_perf(path: str | Path) -> dict[int, dict]:
+    """``model.perf.jsonl`` as ``{step: record}`` (a later line for a step wins: a resume redoes
+    the steps a crash logged past its checkpoint). Best effort: a missing file is ``{}``; a
+    line that is not a record with an integer step (a write torn by a kill) is skipped."""
+    out: dict[int, dict] = {}
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            r = _HISTORY_DECODER.decode(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int):
+            out[r["step"]] = r
+    return out
 
 
 def read_samples(path: str | Path) -> list:

@@ -166,7 +166,9 @@ class History:
 
     def load(self, folder: runs.RunFolder) -> None:
         d = runs.read_history(folder.loss)
-        self.train, self.val, self.pulls, self.events = d["train"], d["val"], d["pulls"], d["events"]
+        # a folder of an older version has wall-clock fields in its train records: not carried on
+        self.train = [{k: v for k, v in r.items() if k not in runs.WALL_CLOCK} for r in d["train"]]
+        self.val, self.pulls, self.events = d["val"], d["pulls"], d["events"]
         self.samples = list(runs.read_samples(folder.samples))
 
     def loss_doc(self) -> dict:
@@ -221,6 +223,7 @@ class Trainer:
         self.on_mismatch = on_mismatch
         self._signals: list[int] = []
         self._last_loss_write = 0.0
+        self._perf: list[dict] = []     # wall-clock records not yet in model.perf.jsonl (runs.PERF)
         self._unigram_logp: np.ndarray | None = None
 
     # ------------------------------------------------------------------ state
@@ -245,8 +248,8 @@ class Trainer:
         return state, step
 
     def _slices(self) -> int:
-        """Batch slices per step (the NumPy engine: one per pool thread; a device engine: 1).
-        The bits of a step depend on it, so the run state records it."""
+        """Batch slices per step (the NumPy engine: ``pool.BATCH_SLICES``, whatever the thread
+        count; a device engine: 1). The bits of a step depend on it, so the run state records it."""
         return len(getattr(self.engine, "slices", (None,)))
 
     def _curriculum(self, phase: str):
@@ -276,9 +279,9 @@ class Trainer:
             self.hist.events.append({"step": step, "kind": "resume", "detail": f"resumed from {self.folder.bin}"})
             was = state.get("batch_slices", self._slices())
             if was != self._slices():
-                note = (f"the run so far split each batch over {was} CPU thread(s), this process over "
+                note = (f"the run so far split each batch into {was} slice(s), this version into "
                         f"{self._slices()}: the continuation is sound but not bit-identical to a straight run "
-                        f"(set OPENBLAS_NUM_THREADS={was} for that)")
+                        "(a run folder of an older version, which split by the thread count)")
                 self.console.print(f"note: {note}")
                 self.hist.events.append({"step": step, "kind": "threads", "detail": note})
             return f"resuming {self.phase} at step {step}"
@@ -304,6 +307,7 @@ class Trainer:
             self.step = step
             self.hist.load(init)
             self.hist.truncate(step)
+            self._perf = [r for s, r in sorted(runs.read_perf(init.perf).items()) if s < step]   # the warmup's
             self.hist.events.append({"step": step, "kind": "phase", "detail": f"main starts from {init.bin}"})
             return stale + f"main phase from {init.bin} at step {step}"
         self.engine.init_weights(self.seed)
@@ -340,17 +344,25 @@ class Trainer:
             "bad_steps": dict(self.bad), "halt": self.halt,
             "backend": self.engine.be.name, "precision": self.settings.train.precision,
             "batch_slices": self._slices(),
-            "saved_because": why, "time": time.time(), "config": self.cfg,
+            "saved_because": why, "config": self.cfg,
         }
         extra = getattr(self.engine, "extra_state", None)
         if callable(extra):
             state["engine"] = extra()
         self.folder.commit(self.step, *host, state=state, loss=self.hist.loss_doc(), samples=self.hist.samples_doc())
         self._last_loss_write = time.time()
+        self._flush_perf()
 
     def write_history(self) -> None:
         self.folder.write_history(self.hist.loss_doc(), self.hist.samples_doc())
         self._last_loss_write = time.time()
+        self._flush_perf()
+
+    def _flush_perf(self) -> None:
+        """Wall-clock figures (time, tokens/s) go beside the run files, never into them: the
+        tracked files hold only what the params determine (andrea/runs.py)."""
+        self.folder.append_perf(self._perf)
+        self._perf = []
 
     # ------------------------------------------------------------------ eval
     def _unigram(self) -> np.ndarray:
@@ -499,8 +511,9 @@ class Trainer:
                         raise AndreaError(f"{self.folder.state}: halted at step {self.step}: {self.halt['reason']}")
                 if s % log_every == 0 or self.step == self.end or not res.ok:
                     self.hist.train.append({"step": s, "phase": self.phase, "loss": _num(res.loss), "lr": lr,
-                                            "grad_norm": _num(res.grad_norm), "tokens_per_s": round(tps, 1),
-                                            "source": src, "time": time.time()})
+                                            "grad_norm": _num(res.grad_norm), "source": src})
+                    self._perf.append({"step": s, "phase": self.phase, "time": round(time.time(), 3),
+                                       "tokens_per_s": round(tps, 1)})
                     if live:
                         prog.update(task, completed=self.step, loss=f"{res.loss:.4f}", lr=f"{lr:.2e}",
                                     tps=f"{tps_ema:,.0f}", src=src)

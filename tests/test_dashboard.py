@@ -73,6 +73,32 @@ def test_history_reparses_only_on_change(tmp_path):
     assert h.load()[0] is None and "unreadable" in h.load()[1]
 
 
+def test_tokens_per_s_come_from_the_perf_sidecar(tmp_path):
+    """The tracked history has no wall clock (andrea/runs.py); the served train records get
+    tokens/s and time from model.perf.jsonl by step (a torn last line is skipped, a redone step's
+    later line wins), and the page follows the sidecar as it grows."""
+    from andrea import runs
+
+    doc = history(6)
+    for r in doc["train"]:
+        del r["tokens_per_s"], r["time"]
+    atomic_write_json(tmp_path / "model.loss.json", doc)
+    h = History(tmp_path)
+    assert all("tokens_per_s" not in r for r in h.load()[0]["train"])      # no sidecar yet: no figure
+    rf = runs.RunFolder(tmp_path)
+    rf.append_perf([{"step": s, "phase": "warmup", "time": 100.0 + s, "tokens_per_s": 1000.0 + s} for s in range(4)])
+    rf.append_perf([{"step": 3, "phase": "warmup", "time": 200.0, "tokens_per_s": 42.0}])
+    with open(rf.perf, "a") as f:
+        f.write('{"step": 4, "tokens_')                                   # a write torn by a kill
+    got = {r["step"]: r for r in h.load()[0]["train"]}
+    assert [got[s]["tokens_per_s"] for s in range(3)] == [1000.0, 1001.0, 1002.0]
+    assert got[3]["tokens_per_s"] == 42.0 and got[3]["time"] == 200.0
+    assert "tokens_per_s" not in got[4] and "tokens_per_s" not in got[5]
+    assert got[0]["loss"] == doc["train"][0]["loss"]
+    rf.append_perf([{"step": 5, "phase": "main", "time": 300.0, "tokens_per_s": 7.0}])   # after the torn line
+    assert h.load()[0]["train"][5]["tokens_per_s"] == 7.0
+
+
 @pytest.fixture
 def server(tmp_path):
     srv = make_server(tmp_path, 0, interval_s=0.25)

@@ -30,7 +30,8 @@ from andrea.errors import AndreaError
 from andrea.train import Trainer
 from train_helpers import ROOT, andrea_cmd, child_env, make_data, micro_cfg, micro_overrides, run_cli
 
-FILES = {"model.bin", "model.state.json", "model.loss.json", "model.samples.json"}
+FILES = {"model.bin", "model.state.json", "model.loss.json", "model.samples.json",
+         "model.perf.jsonl"}          # the wall-clock sidecar (andrea/runs.py PERF) belongs to the folder
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from andrea import runs
 from andrea.engine import checkpoint as ck
 from andrea.errors import AndreaError
 from andrea.train import Hook, Trainer
@@ -43,8 +44,11 @@ def test_warmup_then_main_writes_run_files_and_learns(data, tmp_path):
     assert [r["step"] for r in loss["train"]] == list(range(80))              # warmup history carried over
     assert [r["phase"] for r in loss["train"]] == ["warmup"] * 20 + ["main"] * 60
     assert "py-code" in {r["source"] for r in loss["train"][20:]}
-    for r in loss["train"]:
-        assert set(r) >= {"step", "phase", "loss", "lr", "grad_norm", "tokens_per_s", "source", "time"}
+    for r in loss["train"]:                          # only what the params determine: no wall clock
+        assert set(r) == {"step", "phase", "loss", "lr", "grad_norm", "source"}
+    assert "time" not in json.loads((tmp_path / "m" / "model.state.json").read_text())
+    perf = runs.read_perf(tmp_path / "m" / runs.PERF)     # the sidecar has them, warmup's carried over
+    assert sorted(perf) == list(range(80)) and all(perf[s]["tokens_per_s"] > 0 and perf[s]["time"] > 0 for s in perf)
     val = loss["val"][-1]
     assert val["step"] == 80 and set(val["per_source"]) == {"chat-system", "py-code", "py-topics"}
     assert val["loss"] < val["unigram"] - 0.3, "held-out loss should beat the unigram baseline"
@@ -210,7 +214,7 @@ def test_on_mismatch_restart_moves_the_old_run_aside(data, tmp_path):
     stale = [p for p in tmp_path.iterdir() if p.name.startswith("w.stale-")]
     assert len(stale) == 1 and (stale[0] / "model.bin").read_bytes() == old
     assert {p.name for p in stale[0].iterdir()} == {"model.bin", "model.state.json", "model.loss.json",
-                                                     "model.samples.json"}
+                                                     "model.samples.json", "model.perf.jsonl"}  # its timings too
     st = json.loads((out / "model.state.json").read_text())
     assert st["step"] == 4 and st["config"]["bandit"]["coverage_bonus"] == 1.5
     # a run of the same config is resumed (here: already complete), never moved

@@ -14,7 +14,7 @@ which also has ``make_engine(mc, B, precision)``: its own fused engine with the 
     precisions: tuple[str, ...]        the train.precision values it supports
     att_shape(B, H, T) -> tuple        what attn_forward saves per layer
     work_elems(B, T, C, H, V) -> int   scratch the ops need
-    row_slots(B) -> [(b0, b1), ...]    batch slices the engine runs at once (one per thread)
+    row_slots(B) -> [(b0, b1), ...]    the engine's batch slices (NumPy: BATCH_SLICES, fixed)
     run_parallel(fn, n)                fn(0), ..., fn(n - 1) at once (or in turn), then return
     to_host(a) -> numpy.ndarray        (a copy for a device array; the array itself on numpy)
     copy_from_host(dst, src)           dst (device) <- src (host numpy), same shape
@@ -28,7 +28,7 @@ from types import ModuleType
 
 import numpy as np
 
-from andrea.engine import ops_numpy
+from andrea.engine import ops_numpy, pool
 
 
 class NumpyBackend:
@@ -47,7 +47,7 @@ class NumpyBackend:
 
     @staticmethod
     def row_slots(B: int) -> list[tuple[int, int]]:
-        return ops_numpy.row_ranges(B)
+        return pool.batch_slices(B)
 
     @staticmethod
     def run_parallel(fn, n: int) -> None:

@@ -2,9 +2,16 @@
 BLAS single-threaded meanwhile (the op pairs of ``andrea/engine/ops_numpy.py`` split their rows
 through ``split_batch``; the engine hands whole batch slices to ``run_parallel``).
 
-    from andrea.engine.pool import row_ranges, run_parallel
+    from andrea.engine.pool import batch_slices, row_ranges, run_parallel
+    batch_slices(16)                     # [(0, 8), (8, 16)]: BATCH_SLICES, whatever the threads
     row_ranges(16)                       # [(0, 8), (8, 16)] on 2 threads
-    run_parallel(lambda i: work(i), 2)   # work(0) here, work(1) on the pool, then return
+    run_parallel(lambda i: work(i), 4)   # work(0), work(2) here, work(1), work(3) on the pool
+
+The engine's batch slices are fixed (``BATCH_SLICES``, never the thread count): each slice's
+parameter gradients go to its own buffer, summed in slice order, so the trained bits are the
+same on 1 thread or 64. The threads only execute the slices: thread j runs slices j, j + n,
+... (n = the threads used), each inline with BLAS single-threaded, and with fewer threads
+than slices they run in turn.
 
 Row ranges run on one persistent pool, with BLAS single-threaded meanwhile. A multi-threaded
 BLAS splits each GEMM across its threads and pays a thread handshake per call (the attention
@@ -23,6 +30,10 @@ import threading
 
 _POOL: tuple | None = None          # (pid, n_threads, workers, BLAS controllers)
 MAX_THREADS = 64                    # scratch for per-thread partial sums is sized for this many
+# The engine's batch slices: the trained bits follow this number, never the thread count (the
+# state records it as batch_slices). 2 keeps a 2-core box busy and costs ~nothing on 1 thread
+# (bench/engine_cpu.py); more would only pay on more cores.
+BATCH_SLICES = 2
 _LOCAL = threading.local()          # .inline: this thread is running one range of a parallel call
 _POOL_LOCK = threading.Lock()       # one caller at a time hands work to the pool
 
@@ -88,15 +99,27 @@ def row_ranges(B: int) -> list[tuple[int, int]]:
     return [(B * i // n, B * (i + 1) // n) for i in range(n)]
 
 
+def batch_slices(B: int, n: int = BATCH_SLICES) -> list[tuple[int, int]]:
+    """The engine's fixed batch slices: n contiguous ranges covering [0, B) (fewer when B < n),
+    the same whatever the thread count."""
+    n = max(1, min(n, B))
+    return [(B * i // n, B * (i + 1) // n) for i in range(n)]
+
+
 def run_parallel(fn, n: int) -> None:
-    """Call fn(0), ..., fn(n - 1) at once, fn(i) on pool thread i (the caller takes fn(0)),
-    each running its ops inline, with BLAS single-threaded meanwhile. More calls than pool
-    threads, a call from inside a parallel call, or a call while another thread holds the
-    pool run in turn on this thread (same bits: each call's work does not depend on where
-    it runs)."""
-    if n < 2 or getattr(_LOCAL, "inline", False) or n > _pool()[1] or not _POOL_LOCK.acquire(blocking=False):
+    """Call fn(0), ..., fn(n - 1), each running its ops inline (unsplit), with BLAS
+    single-threaded meanwhile: on k = min(n, pool threads) threads, thread j takes fn(j),
+    fn(j + k), ... (the caller is thread 0). One pool thread, a call from inside a parallel
+    call, or a call while another thread holds the pool run them in turn on this thread, still
+    inline (same bits: each call's work does not depend on where or with what it runs)."""
+    if n < 1:
+        return
+    if getattr(_LOCAL, "inline", False):
         for i in range(n):
             fn(i)
+        return
+    if n < 2 or _pool()[1] < 2 or not _POOL_LOCK.acquire(blocking=False):
+        _run_here(fn, n)
         return
     try:
         _run_on_pool(fn, n)
@@ -104,24 +127,41 @@ def run_parallel(fn, n: int) -> None:
         _POOL_LOCK.release()
 
 
+def _run_here(fn, n: int) -> None:
+    """fn(0), ..., fn(n - 1) in turn on this thread, inline. BLAS keeps its threads: only the
+    pool's holder changes them (process-wide), and a pool of one thread has one BLAS thread."""
+    _LOCAL.inline = True
+    try:
+        for i in range(n):
+            fn(i)
+    finally:
+        _LOCAL.inline = False
+
+
 def _run_on_pool(fn, n: int) -> None:
     _, size, workers, ctl = _pool()
+    k = min(n, size)
     saved = [c.num_threads for c in ctl]
     for c in ctl:
         c.set_num_threads(1)
+
+    def turn(j: int) -> None:
+        for i in range(j, n, k):
+            fn(i)
+
     try:
-        for i in range(1, n):
-            workers[i - 1].start(fn, (i,))
+        for j in range(1, k):
+            workers[j - 1].start(turn, (j,))
         _LOCAL.inline = True
         try:
-            fn(0)
+            turn(0)
         finally:
             _LOCAL.inline = False
-            for w in workers[:n - 1]:
+            for w in workers[:k - 1]:
                 w.wait()
     finally:
-        for c, k in zip(ctl, saved):
-            c.set_num_threads(k)
+        for c, k_ in zip(ctl, saved):
+            c.set_num_threads(k_)
 
 
 def split_batch(fn, B: int) -> None:

@@ -6,7 +6,9 @@ that follows the run's ``model.loss.json`` while it trains.
 The page (``dashboard.html`` beside this file: plain JS + inline SVG, no external asset,
 nothing fetched from the network) polls ``/data`` every ``--interval`` seconds and draws
 train loss per source (EMA), learning rate, tokens/s and the bandit's pull shares, plus the
-run's events. ``/data?train=I&train_last=S&...`` returns only the records after the first
+run's events. Tokens/s (and each step's wall-clock time) come from the run's
+``model.perf.jsonl`` (andrea/runs.py: the tracked history holds no wall-clock field), merged
+into the train records it serves by step; an older run's own fields are kept. ``/data?train=I&train_last=S&...`` returns only the records after the first
 I of each list (``train``, ``val``, ``pulls``, ``events``); when the history no longer
 extends what the page holds (a resume rewrote it, or the run folder was replaced), the
 answer has ``reset: true`` and the full lists. The training loop replaces the file
@@ -48,7 +50,8 @@ class History:
     """``model.loss.json`` of a run, parsed again only when the file changes."""
 
     def __init__(self, run: Path):
-        self.path = runs.RunFolder(run).loss
+        rf = runs.RunFolder(run)
+        self.path, self.perf = rf.loss, rf.perf
         self._key = None
         self._data: dict | None = None
         self._why = NOT_YET
@@ -61,16 +64,33 @@ class History:
             except FileNotFoundError:
                 self._key, self._data, self._why = None, None, NOT_YET
                 return None, self._why
-            key = (st.st_mtime_ns, st.st_size, st.st_ino)
+            key = (st.st_mtime_ns, st.st_size, st.st_ino, _stat_key(self.perf))
             if key != self._key:
                 try:
-                    self._data, self._why = runs.read_history(self.path), ""
+                    self._data, self._why = with_perf(runs.read_history(self.path), runs.read_perf(self.perf)), ""
                 except AndreaError as e:
                     self._data, self._why = None, str(e)
                 except OSError as e:
                     self._data, self._why = None, f"{self.path}: loss history is unreadable: {e.strerror or e}"
                 self._key = key
             return self._data, self._why
+
+
+def _stat_key(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def with_perf(data: dict, perf: dict[int, dict]) -> dict:
+    """The history with each train record's ``tokens_per_s`` and ``time`` from the sidecar."""
+    if perf:
+        data = {**data, "train": [{**r, **{k: perf[r["step"]][k] for k in runs.WALL_CLOCK if k in perf[r["step"]]}}
+                                  if isinstance(r.get("step"), int) and r["step"] in perf else r
+                                  for r in data["train"]]}
+    return data
 
 
 def _same_step(a, b: str) -> bool:

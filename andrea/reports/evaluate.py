@@ -206,6 +206,12 @@ def _r(v, nd: int = 6):
     return None if v is None else round(float(v), nd)
 
 
+# The eval outputs are DVC-tracked, so they hold only what the params determine (the same params
+# give the same bytes); wall-clock figures live beside the run (andrea/runs.py, model.perf.jsonl).
+THROUGHPUT = ("not in this report: throughput is a property of the machine, not of the params; "
+              "see the live dashboard (andrea dashboard <run folder>) and the training log")
+
+
 def build_metrics(ev: dict) -> dict:
     """metrics.json for ``dvc metrics show``: nested numbers only (no strings, no nulls)."""
     ho = ev["heldout"]
@@ -214,9 +220,8 @@ def build_metrics(ev: dict) -> dict:
                "unigram_bpb": _r(ev["unigram"]["bpb"]), "step": ev["step"],
                "per_source": {s: {"loss": _r(p["loss"]), "bpb": _r(p["bpb"])} for s, p in ho["per_source"].items()}}
     tr = ev["train"]
-    for k in ("final_loss", "tokens_per_s"):
-        if tr.get(k) is not None:
-            m["train_" + k] = _r(tr[k], 4)
+    if tr.get("final_loss") is not None:                # no throughput: DVC tracks this file (THROUGHPUT)
+        m["train_final_loss"] = _r(tr["final_loss"], 4)
     m["train_bad_steps"] = int(tr["bad_steps"])
     m["halted"] = 1 if ev.get("halt") else 0
     if ev.get("coherence"):
@@ -250,7 +255,7 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
                     ["held-out bits/byte, full eval", R.fmt(ho["overall"]["bpb"])],
                     ["unigram baseline bits/byte", R.fmt(uni["bpb"])],
                     ["final train loss (mean of the last 5% of logged steps)", R.fmt(tr.get("final_loss"))],
-                    ["median tokens/s", R.fmt(tr.get("tokens_per_s"))],
+                    ["throughput (tokens/s)", THROUGHPUT],
                     ["skipped (NaN/inf) steps", R.fmt(tr.get("bad_steps"))],
                     ["halt", ev["halt"]["reason"] if ev.get("halt") else "none"]]
     coh = ev.get("coherence")
@@ -280,8 +285,6 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
                       y_min=0.0, y_max=1.0, colours=cmap)),
         ("Learning rate", R.line_chart({"lr": series(hist["train"], "lr")}, title="learning rate", xlabel="step",
                                        ylabel="lr")),
-        ("Throughput", R.line_chart({"tokens/s": series(hist["train"], "tokens_per_s")}, title="tokens per second",
-                                    xlabel="step", ylabel="tokens/s")),
         ("Bits per byte per source (final checkpoint, held-out)",
          R.bar_chart({**{s: ho["per_source"][s]["bpb"] for s in srcs}, "overall": ho["overall"]["bpb"],
                       "unigram": uni["bpb"]}, title="held-out bits per byte", ylabel="bits/byte", colours=cmap)),
@@ -305,7 +308,7 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
 
     md = [f"# {title}", "", R.md_table(["item", "value"], summary_rows), "", "## Held-out loss and bits per byte", "",
           R.md_table(src_head, src_rows), "",
-          "Figures (loss per source, bandit pull shares, learning rate, throughput, bits/byte per source) are in eval.html.",
+          "Figures (loss per source, bandit pull shares, learning rate, bits/byte per source) are in eval.html.",
           "", "## Coherence (audit, final checkpoint)", ""]
     if coh:
         md += [R.md_table(coh_head, coh_rows), ""]
@@ -397,7 +400,6 @@ def run(args, cfg) -> int:
     hist = load_history(run_dir)
     train = hist["train"]
     tail = [r for r in train[-max(1, len(train) // 20):] if _num(r.get("loss")) is not None]
-    tps = [float(r["tokens_per_s"]) for r in train if _num(r.get("tokens_per_s"))]
     bad = sum(1 for e in hist["events"] if e.get("kind") in ("bad_step", "nan", "skip"))
     state = lm.state or {}
     ev = {
@@ -405,7 +407,7 @@ def run(args, cfg) -> int:
         "step": lm.step, "tokenizer_sha256": tok.sha256, "backend": be.name,
         "heldout": ho, "unigram": uni,
         "train": {"records": len(train), "final_loss": float(np.mean([float(r["loss"]) for r in tail])) if tail else None,
-                  "tokens_per_s": float(np.median(tps)) if tps else None, "bad_steps": bad},
+                  "bad_steps": bad},
         "halt": state.get("halt"),
         "coherence": audit["final"]["summary"] if audit else None,
         "coherence_by_domain": audit["final"]["by_domain"] if audit else {},
