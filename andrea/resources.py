@@ -4,7 +4,7 @@ executor plugin (SLURM: workflow/profiles/slurm) requests the right allocation p
 
     from andrea.resources import stage_resources
     stage_resources("train", cfg, phase="warmup")
-    # {'threads': 8, 'mem_mb': 796, 'runtime': 11, 'gpu': 0}   (tiny: the NumPy engine on 8 threads)
+    # {'threads': 2, 'mem_mb': 768, 'runtime': 13, 'gpu': 0}   (tiny: the NumPy engine's two batch slices)
 
     python -m andrea.resources                      # the table for every profile in params/profile/
 
@@ -20,9 +20,9 @@ retried job (profile ``retries``) asks for more after an out-of-memory or time-l
 
 How the figures are made (estimates with the assumptions named here, not measurements):
 
-* train on the NumPy engine: memory = Engine.planned_bytes for the thread count (the same
-  activation plan, computed without allocating) + the interpreter; threads = one per batch
-  slice, at most ``NUMPY_MAX_THREADS``.
+* train on the NumPy engine: memory = Engine.planned_bytes (the same activation plan, computed
+  without allocating) + the interpreter; threads = one per batch slice (the slices are fixed,
+  andrea/engine/pool.py's BATCH_SLICES: more threads would idle, fewer run the slices in turn).
 * train with backend auto | cupy: one GPU (auto means "the GPU where there is one"; set
   train.backend=numpy for a CPU node). Host memory holds the fp32 weights, m and v the
   checkpoint reads back, plus the CUDA context; the engine's arena lives on the GPU.
@@ -45,7 +45,6 @@ from andrea.errors import AndreaError, ConfigError
 MIB = 1 << 20
 STAGES = ("pull-hermes3", "prep-megachat", "tokenizer", "diet-alignment", "train", "audit", "eval")
 
-NUMPY_MAX_THREADS = 8            # batch slices for the NumPy engine on a cluster node
 GPU_HOST_THREADS = 4             # a GPU job's host side: batches, checkpoints, logging
 BASE_MB = 512                    # Python + NumPy + pyarrow + the andrea modules, measured ~200 MB
 CUDA_BASE_MB = 3072              # + CuPy and the CUDA context on the host
@@ -84,25 +83,26 @@ def uses_gpu(cfg: dict) -> bool:
     return cfg["train"]["backend"] != "numpy"
 
 
+def numpy_slots(batch_size: int) -> list[tuple[int, int]]:
+    """The NumPy engine's batch slices (fixed, whatever the thread count: the bits depend on them)."""
+    from andrea.engine.pool import batch_slices
+
+    return batch_slices(int(batch_size))
+
+
 def numpy_threads(cfg: dict) -> int:
-    return max(1, min(int(cfg["train"]["batch_size"]), NUMPY_MAX_THREADS))
+    """One thread per batch slice: the most the NumPy engine can use."""
+    return len(numpy_slots(cfg["train"]["batch_size"]))
 
 
-def numpy_slots(batch_size: int, threads: int) -> list[tuple[int, int]]:
-    """The batch slices of a NumPy engine whose pool has ``threads`` threads: the contiguous
-    ranges of andrea/engine/pool.py's row_ranges (tests/test_resources.py checks they match)."""
-    n = max(1, min(int(threads), int(batch_size)))
-    return [(batch_size * i // n, batch_size * (i + 1) // n) for i in range(n)]
-
-
-def numpy_planned_bytes(cfg: dict, threads: int) -> int:
-    """Engine.planned_bytes of the NumPy engine whose pool has ``threads`` threads: the same
-    plan (andrea.engine.engine.engine_plan), computed without allocating."""
+def numpy_planned_bytes(cfg: dict) -> int:
+    """Engine.planned_bytes of the NumPy engine: the same plan (andrea.engine.engine.engine_plan),
+    computed without allocating."""
     from andrea.engine.backend import NumpyBackend
     from andrea.engine.engine import engine_plan
 
     mc, B = model_config(cfg), int(cfg["train"]["batch_size"])
-    _, plan = engine_plan(mc, B, NumpyBackend, numpy_slots(B, threads))
+    _, plan = engine_plan(mc, B, NumpyBackend, numpy_slots(B))
     item = 4  # float32, as Engine's nbytes: int32 index buffers, float64 statistics
     return 4 * _n_params(cfg) * item + sum(
         b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else item) for b in plan)
@@ -139,7 +139,7 @@ def _model_job(cfg: dict, flops: float) -> dict:
         return {"threads": GPU_HOST_THREADS, "mem_mb": CUDA_BASE_MB + _mb(16 * n),
                 "runtime": _minutes(flops, GPU_FLOPS[prec]), "gpu": 1}
     threads = numpy_threads(cfg)
-    return {"threads": threads, "mem_mb": BASE_MB + UNIGRAM_MB + _mb(numpy_planned_bytes(cfg, threads)),
+    return {"threads": threads, "mem_mb": BASE_MB + UNIGRAM_MB + _mb(numpy_planned_bytes(cfg)),
             "runtime": _minutes(flops, CPU_FLOPS_PER_THREAD * threads), "gpu": 0}
 
 

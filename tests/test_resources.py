@@ -11,11 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from andrea.config import load_config
-from andrea.engine import ops_numpy
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.engine import Engine
 from andrea.errors import ConfigError
-from andrea.resources import (STAGES, main, model_config, numpy_planned_bytes, numpy_slots, rule_resources,
+from andrea.resources import (STAGES, main, model_config, numpy_planned_bytes, numpy_slots, numpy_threads, rule_resources,
                               rule_threads, stage_resources, train_steps)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,12 +29,12 @@ def cfgs():
 def test_numpy_plan_is_the_engines_planned_bytes(cfgs):
     cfg = cfgs["tiny"]
     eng = Engine(model_config(cfg), int(cfg["train"]["batch_size"]), NumpyBackend())
-    assert numpy_planned_bytes(cfg, ops_numpy.n_threads()) == eng.planned_bytes
+    assert numpy_planned_bytes(cfg) == eng.planned_bytes
 
 
 def test_numpy_slots_are_the_pools_batch_slices(cfgs):
     for B in (1, 3, int(cfgs["tiny"]["train"]["batch_size"]), 64):
-        assert numpy_slots(B, ops_numpy.n_threads()) == NumpyBackend.row_slots(B)
+        assert numpy_slots(B) == NumpyBackend.row_slots(B)
 
 
 def test_the_table_covers_every_profile_and_refuses_an_unknown_one(capsys):
@@ -48,18 +47,22 @@ def test_the_table_covers_every_profile_and_refuses_an_unknown_one(capsys):
     assert out.out == "" and "profile 'nope'" in out.err and "known: " in out.err
 
 
-def test_more_threads_plan_more_scratch(cfgs):
+def test_the_plan_and_threads_follow_the_fixed_batch_slices(cfgs, monkeypatch):
+    from andrea.engine import pool
+
     cfg = cfgs["tiny"]
-    one, four = numpy_planned_bytes(cfg, 1), numpy_planned_bytes(cfg, 4)
-    assert four > one  # a slice after the first has its own gradients and scratch
-    assert numpy_planned_bytes(cfg, 10_000) == numpy_planned_bytes(cfg, cfg["train"]["batch_size"])
+    two, threads = numpy_planned_bytes(cfg), numpy_threads(cfg)
+    assert threads == pool.BATCH_SLICES
+    monkeypatch.setattr(pool, "BATCH_SLICES", 4)
+    monkeypatch.setattr(pool.batch_slices, "__defaults__", (4,))
+    assert numpy_threads(cfg) == 4 and numpy_planned_bytes(cfg) > two  # each slice: own gradients, scratch
 
 
 def test_tiny_train_runs_on_cpu_with_room_for_its_plan(cfgs):
     cfg = cfgs["tiny"]
     r = stage_resources("train", cfg, phase="warmup")
-    assert r["gpu"] == 0 and r["threads"] == min(int(cfg["train"]["batch_size"]), 8)
-    assert r["mem_mb"] * 2**20 > numpy_planned_bytes(cfg, r["threads"])
+    assert r["gpu"] == 0 and r["threads"] == len(NumpyBackend.row_slots(int(cfg["train"]["batch_size"])))
+    assert r["mem_mb"] * 2**20 > numpy_planned_bytes(cfg)
     assert isinstance(r["runtime"], int) and r["runtime"] > 0
 
 
