@@ -17,7 +17,7 @@ schema before the stage starts; stages that train refuse at once a config this m
 train (no CuPy for a bf16 or large profile).
 
 Exit codes: 0 ok; 2 bad input or unmet precondition; 3 invalid config;
-130 interrupted. Errors are one line on stderr, never a traceback.
+130 interrupted; 143 training stopped by SIGTERM after its checkpoint (run again to resume). Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ tokenizer (sha256), the same train shards (sizes) and the same trajectory config
 where only train.log_every / checkpoint_every / eval_every / eval_batches may differ
 (``trajectory_hash``). A finished run is left as it is.
 
-Signals: SIGTERM writes a checkpoint and exits 0; SIGUSR1 writes a checkpoint and goes
+Signals: SIGTERM writes a checkpoint and exits ``STOPPED`` (143, as a process ended by SIGTERM:
+the run is not finished, so Snakemake, DVC and a scheduler never take it for done; run the same
+command again to resume); SIGUSR1 writes a checkpoint and goes
 on. Both are caught from the first lines of the process (before numpy, the config, the data
 and the engine load); one that comes before the first step acts once the run is set up (a
 resumed run's checkpoint is already current and is left as it is). A full disk or another
@@ -82,6 +84,9 @@ from andrea.shards import Shard  # noqa: E402
 
 # The config sections that decide the trajectory of the weights (the data sections act
 # through the tokenizer and the shards, which are checked by sha256 and fingerprint) ...
+# Exit status of a run stopped by SIGTERM after its checkpoint landed: 128 + 15, what a shell and
+# SLURM report for a process the signal ended, so no front end marks the unfinished stage done.
+STOPPED = 143
 TRAJECTORY_SECTIONS = ("seed", "model", "train", "curriculum", "bandit", "coherence")
 # ... minus the keys that only change what is logged, or how often
 TRAJECTORY_FREE = (("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"),
@@ -455,7 +460,7 @@ class Trainer:
                 self.checkpoint("phase has no steps")
             return 0
         if self._early_signals():
-            return 0
+            return STOPPED
         return self._loop()
 
     def _early_signals(self) -> bool:
@@ -544,8 +549,8 @@ class Trainer:
                 if signal.SIGTERM in sigs:
                     self.hist.events.append({"step": self.step, "kind": "checkpoint", "detail": "SIGTERM"})
                     self.checkpoint("SIGTERM")
-                    c.print(f"SIGTERM: checkpoint at step {self.step}, exiting")
-                    return 0
+                    c.print(f"SIGTERM: checkpoint at step {self.step}, exiting (run again to resume)")
+                    return STOPPED
                 if self.step % ck_every == 0 and self.step < self.end:
                     self.checkpoint("periodic")
         rec = self.evaluate()

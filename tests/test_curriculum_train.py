@@ -44,7 +44,7 @@ def test_ucb1_run_resumes_bit_exactly_with_the_same_pulls(data, tmp_path):
     assert r.returncode == 0, r.stderr
     c = tmp_path / "c"
     rc, err = _run_with_signal(andrea_cmd("main", tok, tokens, c, ov, init=warm), signal.SIGTERM, K)
-    assert rc == 0, err
+    assert rc == 143, err  # stopped, not finished: no front end may mark it done
     stopped = ck.read_checkpoint(c / "model.bin", None)[0]
     assert K <= stopped < TOTAL
     r = run_cli("main", tok, tokens, c, ov, init=warm)
