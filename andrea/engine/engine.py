@@ -21,10 +21,12 @@ grad_norm -> skip the update if the mean loss or the norm is not finite -> clip 
 ``grad_clip`` by grad_scale -> AdamW. Nothing is allocated in it beyond Python scalars and
 O(N)-element reduction temporaries (tests/test_engine_alloc.py).
 
-Threads: the forward and the backward run once per batch slice (``backend.row_slots``: one
-per CPU thread on NumPy, one on a device), all slices at once (``backend.run_parallel``);
-every op in a slice sees only its rows. Slices after the first add their parameter
-gradients into their own buffer, summed into ``g`` in slice order after the backward.
+Threads: the forward and the backward run once per batch slice (``backend.row_slots``: the
+fixed ``pool.BATCH_SLICES`` on NumPy, whatever the thread count; one on a device), executed by
+the backend's threads (``backend.run_parallel``: at once, or in turn on fewer threads); every
+op in a slice sees only its rows. Slices after the first add their parameter gradients into
+their own buffer, summed into ``g`` in slice order after the backward, so the bits follow the
+slice count, never the thread count.
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ class Engine:
         self.dtype = np.dtype(dtype)
         self.layout = param_layout(mc)
         self.n_params = self.layout.n_params
-        # Batch slices that run at once, one per thread of the backend (NumPy: its pool; a
-        # device backend: one slice). Each slice has its own scratch and, after the first,
+        # Batch slices (NumPy: pool.BATCH_SLICES, fixed; a device backend: one), run by the
+        # backend's threads. Each slice has its own scratch and, after the first,
         # its own gradient buffer; activations are rows of the shared buffers.
         self.slots = backend.row_slots(self.B)
         self.policy, self.plan = engine_plan(mc, self.B, backend, self.slots, n_partials)
