@@ -22,8 +22,9 @@ Conventions (every op):
   least ``work_elems(B, T, C, H, V)`` long; ops carve views from it and leave garbage in
   it. ``adamw`` takes no work buffer: it consumes its ``g`` as scratch.
 - Every op is dtype-generic (float32 in training, float64 in the gradient checks).
-- Determinism: no op depends on anything but its arguments (same inputs, same thread
-  count -> same bits).
+- Determinism: no op depends on anything but its arguments: same inputs -> same bits, whatever
+  the thread count (element-wise splits give the same bits; reductions keep a fixed order;
+  tests/test_thread_bits.py trains at 1, 2 and 3 threads).
 
 (Over 500 lines on purpose: the op pairs are one contract, read and mirrored as a whole; the
 thread pool they split rows on is ``andrea/engine/pool.py``.)
