@@ -2,6 +2,9 @@
 
     andrea build-embedded --out data/embedded
 
+(Over 500 lines on purpose: one small reader per kind of CPython text, its rendering into the
+eight sources and the provenance, read top to bottom as one recipe of the committed corpus.)
+
 Everything comes from the running interpreter's standard library, read as files and
 parsed with ``ast`` (nothing is imported, so no module runs): the documentation topics
 of ``pydoc_data.topics``, module / class / function docstrings, the source code, the
