@@ -89,6 +89,14 @@ def test_outputs_equal_but_for_wall_clock_fields(tmp_path):
     assert problems == [] and "1 files byte-identical, 3 identical but for wall-clock fields, of 4" in lines[0]
 
 
+def test_the_wall_clock_sidecar_is_not_an_output(tmp_path):
+    a, b = _tree(tmp_path / "a", 1.0, b"w" * 8), _tree(tmp_path / "b", 1.0, b"w" * 8)
+    (a / "runs/tiny/main/model.perf.jsonl").write_text('{"step": 0, "time": 1.0, "tokens_per_s": 10.0}\n')
+    (b / "runs/tiny/main/model.perf.jsonl").write_text('{"step": 0, "time": 2.0, "tokens_per_s": 12.0}\n')
+    problems, lines = check_run.check_outputs(a, b)
+    assert problems == [] and "of 4" in lines[0]
+
+
 def test_different_weights_or_a_missing_file_fail(tmp_path):
     a, b = _tree(tmp_path / "a", 1.0, b"w" * 8), _tree(tmp_path / "b", 1.0, b"v" * 8)
     (b / "reports/tiny/eval.md").write_text("# eval\nval loss 3.95\n")

@@ -8,8 +8,9 @@
    COMPLETED with exit code 0:0.
 2. SLURM gave each job what its rule declared: --cpus-per-task = threads, --mem = mem_mb,
    the time limit = runtime (minutes).
-3. The outputs (data/ but the checked-in data/embedded, runs/, reports/) are the same files
-   with the same bytes in both copies; only wall-clock fields differ and are left out: the keys
+3. The outputs (data/ but the checked-in data/embedded, runs/, reports/; not the run folders'
+   wall-clock sidecar model.perf.jsonl) are the same files with the same bytes in both copies;
+   wall-clock fields that run folders made before that sidecar still carry are left out: the keys
    ``time``, ``tokens_per_s`` and ``train_tokens_per_s`` of JSON files, the tokens/s lines of
    Markdown reports, and the tokens/s cell and Throughput plot of HTML reports.
 Exit 0 when all hold; otherwise 1 and one line per problem.
@@ -28,7 +29,8 @@ VOLATILE_KEYS = {"time", "tokens_per_s", "train_tokens_per_s"}
 VOLATILE_LINE = re.compile(r"tokens/s|tok/s")
 VOLATILE_HTML = [(re.compile(r"<section><h2>Throughput</h2>.*?</section>", re.S), ""),
                  (re.compile(r"(tokens/s</td><td>)[\d.,]+"), r"\1#")]
-SKIP_NAMES = {".snakemake_timestamp"}
+# the wall-clock sidecar of a run folder (andrea/runs.py PERF; .dvcignore keeps it out of DVC's hashes too)
+SKIP_NAMES = {".snakemake_timestamp", "model.perf.jsonl"}
 
 
 def parse_log(text: str) -> dict[int, dict]:
