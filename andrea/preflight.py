@@ -25,8 +25,17 @@ from andrea.errors import ConfigError
 from andrea.shards import Shard
 
 
-def _sizes(shards: dict[str, Shard]) -> list[tuple[str, int, str]]:
+def _sizes(shards: dict[str, Shard]) -> list[tuple[int, str, str]]:
     return sorted((int(s.n_tokens), name, str(s.path)) for name, s in shards.items())
+
+
+def _below(sizes: list[tuple[int, str, str]], need: int) -> tuple | None:
+    """(tokens, name, path, "(and k more ...)") of the smallest train source under ``need`` tokens."""
+    under = [x for x in sizes if x[0] < need]
+    if not under:
+        return None
+    others = f" (and {len(under) - 1} more train source(s))" if len(under) > 1 else ""
+    return (*under[0], others)
 
 
 def check_data(train: dict[str, Shard], val: dict[str, Shard], batch_size: int, context: int) -> list[str]:
@@ -34,17 +43,15 @@ def check_data(train: dict[str, Shard], val: dict[str, Shard], batch_size: int, 
     B, T = int(batch_size), int(context)
     window, micro = T + 1, B * (T + 1)
     sizes = _sizes(train)
-    short = [(n, name, path) for n, name, path in sizes if n < window]
+    short = _below(sizes, window)
     if short:
-        n, name, path = short[0]
-        others = f" (and {len(short) - 1} more train source(s))" if len(short) > 1 else ""
+        n, name, path, others = short
         raise ConfigError(f"model.context={T}: one training window is {window} tokens, but train source {name} "
                           f"holds {n} ({path}){others}; lower model.context to at most {max(n - 1, 0)} "
                           "or add data to that source")
-    small = [(n, name, path) for n, name, path in sizes if n < micro]
+    small = _below(sizes, micro)
     if small:
-        n, name, path = small[0]
-        others = f" (and {len(small) - 1} more train source(s))" if len(small) > 1 else ""
+        n, name, path, others = small
         raise ConfigError(f"train.batch_size={B}: one microbatch takes {B} x (model.context+1={window}) = {micro:,} "
                           f"tokens from one source, but train source {name} holds {n:,} ({path}){others}; "
                           f"lower train.batch_size to at most {n // window} (use train.grad_accum for a larger step)")

@@ -164,7 +164,7 @@ def test_sample_and_chat_hand_the_weights_to_the_graph_decoder_on_cupy(laid_out,
             made.append((mc, params, precision))
             super().__init__(mc, params)
 
-    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (FakeCupy(), "stub"))
+    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (FakeCupy(), "test double"))
     monkeypatch.setattr(andrea.cuda.decode, "GraphDecoder", FakeDecoder)
     r, root = laid_out
     run = str(root / "runs" / "tiny" / "main")
@@ -175,10 +175,10 @@ def test_sample_and_chat_hand_the_weights_to_the_graph_decoder_on_cupy(laid_out,
     (mc, params, prec), = made
     assert prec == "bf16" and mc.d_model == r.cfg["model"]["d_model"] and params.shape == (r.engine.n_params,)
     assert np.array_equal(params, r.engine.w)
-    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (NumpyBackend(), "stub"))
+    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (NumpyBackend(), "test double"))
     assert cli_main(["sample", run, *args, "--backend", "numpy"]) == 0
     assert json.loads(capsys.readouterr().out) == got and len(made) == 1       # numpy: no decoder
-    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (FakeCupy(), "stub"))
+    monkeypatch.setattr(andrea.backends, "select_backend", lambda name: (FakeCupy(), "test double"))
     monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(isatty=lambda: False, readline=io.StringIO("hi\n").readline))
     assert cli_main(["chat", run, "--backend", "cupy", "--max-new-tokens", "4"]) == 0
     assert made[-1][2] == "fp32" and "andrea: " in capsys.readouterr().out
