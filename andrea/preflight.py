@@ -1,8 +1,11 @@
-"""Preflight: refuse a batch or context the token shards cannot feed, before any slow work.
+"""Preflight: refuse a batch or context the token shards cannot feed, and a batch the memory
+cannot hold, before any slow work or any allocation.
 
-    from andrea.preflight import check_data
+    from andrea.preflight import check_data, check_memory
     for w in check_data(train_shards, val_shards, batch_size=16, context=128):
         print("warning:", w)                 # raises ConfigError (exit 3) for what cannot work
+    check_memory(lambda b: planned_bytes_at(b), 64, (free_bytes, "GPU 0"), "cupy bf16 engine")
+                                             # raises AndreaError (exit 2) when the plan does not fit
 
 ``andrea train`` calls it once the shards are open and before the engine allocates its
 buffers. Training draws one microbatch of ``batch_size`` windows of ``context + 1`` tokens
@@ -17,12 +20,31 @@ from a single source (andrea/curriculum/sampler.py), so:
   source, and a refusal when it is true of every val shard (no held-out loss at all).
 
 Every message carries the numbers. Shards are read only through their headers.
+
+Memory (``check_memory``): the engines call it with their own plan (``Engine``: the plan
+``engine_plan`` gives; ``GpuEngine``: its arena, ``andrea.cuda.engine.arena_layout``) and
+their backend's ``free_memory()`` (CuPy: ``cudaMemGetInfo`` of the current device; NumPy:
+``host_free_memory``, MemAvailable capped by the cgroup's memory.max), right after
+``check_data`` and before they allocate anything, so ``andrea train`` (and the Snakemake and DVC
+jobs that run it) stop with one line and exit 2 instead of an out-of-memory traceback or a
+kill. A plan fits when planned x ``HEADROOM`` (1.25, the rule andrea/resources.py sizes jobs by:
+the CUDA context, cuBLAS's workspace and the interpreter live outside the plan) <= the free bytes; the
+refusal gives both numbers and the largest batch that fits, found by search over the planner.
+``python -m andrea.memory`` prints the same plans as tables (docs/ANDREA.md).
 """
 
 from __future__ import annotations
 
-from andrea.errors import ConfigError
+from pathlib import Path
+from typing import Callable
+
+from andrea.errors import AndreaError, ConfigError
 from andrea.shards import Shard
+
+# The one headroom rule, on every computed memory figure: a plan needs HEADROOM x its bytes.
+# andrea/resources.py sizes cluster jobs with it; check_memory and the tables of docs/ANDREA.md
+# apply it to free memory.
+HEADROOM = 1.25
 
 
 def _sizes(shards: dict[str, Shard]) -> list[tuple[int, str, str]]:
@@ -68,3 +90,87 @@ def check_data(train: dict[str, Shard], val: dict[str, Shard], batch_size: int, 
         warnings.append(f"model.context={T}: {len(dropped)} of {len(vsizes)} val shards are shorter than one window "
                         f"of {window} tokens and are left out of the held-out loss: {listed}")
     return warnings
+
+
+# ----------------------------------------------------------------------------------- memory
+def fmt_bytes(n: float) -> str:
+    """1.50 GiB, 312.0 MiB: what the refusal and the tables print."""
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def fits(planned: int, free: int) -> bool:
+    """The one rule: a plan fits when it and its headroom (``HEADROOM``) are at most ``free``."""
+    return planned * HEADROOM <= free
+
+
+def largest_batch(planned_of: Callable[[int], int], free: int) -> int:
+    """The largest batch B with ``fits(planned_of(B), free)``, 0 when not even B = 1 fits.
+    ``planned_of`` must not decrease with B (every planned buffer grows with the batch):
+    doubling, then bisection."""
+    if not fits(planned_of(1), free):
+        return 0
+    lo, hi = 1, 2
+    while fits(planned_of(hi), free):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:                           # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(planned_of(mid), free) else (lo, mid)
+    return lo
+
+
+def check_memory(planned_of: Callable[[int], int], batch_size: int, free: tuple[int, str] | None,
+                 engine: str) -> None:
+    """AndreaError (exit 2, one line) when the plan of ``batch_size`` does not fit ``free``
+    = (bytes, where), the answer of a backend's ``free_memory()`` (None: unknown, no check).
+    ``planned_of(B)`` is the engine's planned bytes at batch B, computed without allocating."""
+    if free is None:
+        return
+    nbytes, where = free
+    B, need = int(batch_size), planned_of(int(batch_size))
+    if fits(need, nbytes):
+        return
+    fit = largest_batch(planned_of, nbytes)
+    head = (f"train.batch_size={B}: the {engine} plans {fmt_bytes(need)} ({fmt_bytes(need * HEADROOM)} with the "
+            f"x{HEADROOM} headroom) but {where} has {fmt_bytes(nbytes)} free")
+    if fit:
+        k = -(-B // fit)
+        raise AndreaError(f"{head}; the largest batch that fits is {fit}: set -S train.batch_size={fit} "
+                          f"(and multiply train.grad_accum by {k} to keep about the same tokens per step)")
+    one = planned_of(1)
+    raise AndreaError(f"{head}; even train.batch_size=1 needs {fmt_bytes(one)} ({fmt_bytes(one * HEADROOM)} "
+                      f"with the headroom): use a smaller model (model.d_model, model.n_layer), a 16-bit "
+                      f"train.precision on the GPU, or a device with more memory")
+
+
+def host_free_memory(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/proc/self/cgroup",
+                     cgroup_root: str | Path = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """(bytes, where) the NumPy engine can get on Linux: MemAvailable of /proc/meminfo, capped
+    by this process's cgroup memory limit when it has one (v2 memory.max, v1
+    memory.limit_in_bytes: a SLURM job's --mem, a container's limit). The limit is taken whole
+    (what the process already holds is covered by the headroom), so the check refuses only what
+    cannot fit. None where neither is readable (not Linux): no check."""
+    best = None
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                best = (int(line.split()[1]) * 1024, "this host (MemAvailable)")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        lines = Path(cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:                          # "0::/path" (v2) or "4:memory:/path" (v1)
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not (parts[:2] == ["0", ""] or "memory" in parts[1].split(",")):
+            continue
+        v2 = parts[1] == ""
+        folder = Path(cgroup_root) / ("" if v2 else "memory") / parts[2].strip().lstrip("/")
+        try:
+            text = (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+            limit = int(text) if text != "max" else None
+        except (OSError, ValueError):
+            continue
+        if limit is not None and limit < 1 << 60 and (best is None or limit < best[0]):   # v1 "no limit" is ~2^63
+            best = (limit, f"this process's cgroup (memory limit {fmt_bytes(limit)})")
+    return best

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from andrea.errors import AndreaError, ConfigError
+from andrea.preflight import HEADROOM  # 1.25 on every computed memory figure: the memory preflight's rule
 
 MIB = 1 << 20
 STAGES = ("pull-hermes3", "prep-megachat", "tokenizer", "diet-alignment", "train", "audit", "eval")
@@ -48,7 +49,6 @@ STAGES = ("pull-hermes3", "prep-megachat", "tokenizer", "diet-alignment", "train
 GPU_HOST_THREADS = 4             # a GPU job's host side: batches, checkpoints, logging
 BASE_MB = 512                    # Python + NumPy + pyarrow + the andrea modules, measured ~200 MB
 CUDA_BASE_MB = 3072              # + CuPy and the CUDA context on the host
-HEADROOM = 1.25                  # on every computed memory figure
 # Throughput assumptions (sustained FLOP/s). CPU: ~40 GFLOP/s per thread was seen on the
 # tiny run of this machine; 10 leaves room for slower nodes. GPU: the H200 bench of the CuPy
 # engine does ~250 TFLOP/s at 120M bf16; 100 (bf16/fp16) and 20 (fp32) cover A100-class cards.
@@ -99,13 +99,9 @@ def numpy_planned_bytes(cfg: dict) -> int:
     """Engine.planned_bytes of the NumPy engine: the same plan (andrea.engine.engine.engine_plan),
     computed without allocating."""
     from andrea.engine.backend import NumpyBackend
-    from andrea.engine.engine import engine_plan
+    from andrea.engine.engine import engine_bytes
 
-    mc, B = model_config(cfg), int(cfg["train"]["batch_size"])
-    _, plan = engine_plan(mc, B, NumpyBackend, numpy_slots(B))
-    item = 4  # float32, as Engine's nbytes: int32 index buffers, float64 statistics
-    return 4 * _n_params(cfg) * item + sum(
-        b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else item) for b in plan)
+    return engine_bytes(model_config(cfg), int(cfg["train"]["batch_size"]), NumpyBackend)
 
 
 def flops_per_token(cfg: dict) -> float:

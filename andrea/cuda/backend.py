@@ -76,6 +76,20 @@ class CupyBackend:
     def synchronize(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()
 
+    def free_memory(self) -> tuple[int, str]:
+        """(bytes, where) a new arena can get on the current device: cudaMemGetInfo's free after
+        CuPy's pool has handed its cached free blocks back (what the pool does itself before it
+        fails an allocation), capped by the pool's limit when one is set."""
+        xp = self.xp
+        pool = xp.get_default_memory_pool()
+        pool.free_all_blocks()
+        free, total = (int(x) for x in xp.cuda.runtime.memGetInfo())
+        limit = int(pool.get_limit())
+        if limit:
+            free = min(free, max(limit - int(pool.total_bytes()), 0))
+        dev = xp.cuda.runtime.getDevice()
+        return free, f"GPU {dev} ({total / (1 << 30):.1f} GiB in all{', pool limit' if limit else ''})"
+
     def make_engine(self, mc: ModelConfig, batch_size: int, precision: str = "fp32", cuda_graph: bool = True):
         return GpuEngine(self, mc, batch_size, precision=precision, cuda_graph=cuda_graph)
 

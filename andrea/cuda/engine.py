@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
 from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
 from andrea.errors import AndreaError
+from andrea.preflight import check_memory
 
 FP16_SCALE0, FP16_GROWTH_EVERY, FP16_SCALE_MAX = 2.0 ** 12, 1000, 2.0 ** 24
 
@@ -147,15 +149,52 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
                       cast_branch=precision != "fp32", scratch=scratch)
 
 
+@dataclass(frozen=True)
+class Arena:
+    """The GPU engine's one allocation, planned: ``spec`` lists (name, shape, dtype) of w, g, m, v,
+    every buffer of ``plan`` and (bf16/fp16) the 16-bit weight copy ``wlow``; ``offsets`` are
+    byte offsets (each entry 256-byte aligned); ``nbytes`` the arena's size (512-byte rounded)."""
+
+    policy: PlanPolicy
+    plan: list
+    spec: list
+    offsets: dict
+    nbytes: int
+
+
+def arena_layout(mc: ModelConfig, batch_size: int, precision: str) -> Arena:
+    """The arena GpuEngine(mc, batch_size, precision) allocates, computed without CuPy or a GPU
+    (andrea/memory.py itemises it; the memory preflight searches batch sizes with it)."""
+    B, n = int(batch_size), param_layout(mc).n_params
+    policy = gpu_policy(mc, B, precision)
+    plan = activation_plan(mc, B, policy)
+    low = np.float32 if precision == "fp32" else np.uint16
+    dtypes = {"act": low, "acc": np.float32, "int32": np.int32, "float64": np.float64}
+    spec = [("w", (n,), np.float32), ("g", (n,), np.float32), ("m", (n,), np.float32), ("v", (n,), np.float32)]
+    spec += [(b.name, b.shape, dtypes[b.dtype]) for b in plan]
+    if precision != "fp32":
+        spec.append(("wlow", (n,), low))
+    offs, off = {}, 0
+    for name, shape, dt in spec:
+        offs[name] = off
+        off += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
+    return Arena(policy, plan, spec, offs, -(-off // 512) * 512)
+
+
 class GpuEngine:
     """The training step on the GPU in fp32 | bf16 | fp16 with fp32 master weights, m and v.
     Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
 
     def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True):
-        """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses."""
+        """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses.
+        A plan larger than the device's free memory (``backend.free_memory()``, with the
+        preflight's headroom) is refused before CuPy allocates anything (andrea/preflight.py)."""
         if precision not in SUFFIX:
             raise AndreaError(f"train.precision: {precision!r} is not supported by the cupy engine "
                               f"(fp32 | bf16 | fp16; fp8 is not implemented)")
+        arena = arena_layout(mc, batch_size, precision)
+        check_memory(lambda b: arena_layout(mc, b, precision).nbytes, int(batch_size), backend.free_memory(),
+                     f"cupy {precision} engine")
         xp = cp()
         self.cp, self.mc, self.B, self.prec = xp, mc, int(batch_size), precision
         self.be = backend
@@ -164,23 +203,11 @@ class GpuEngine:
         self.n_params = self.layout.n_params
         self.T, self.N = mc.context, self.B * mc.context
         attn_impl(precision, mc.d_model // mc.n_head, 3 * mc.d_model)  # refuse an unsupported head size now
-        low = np.float32 if precision == "fp32" else np.uint16
         self.lowtype = LOWTYPE[precision]
         self.loss_scale = FP16_SCALE0 if precision == "fp16" else 1.0
         self.good_steps = 0
-        n = self.n_params
-        self.policy = gpu_policy(mc, self.B, precision)
-        self.plan = activation_plan(mc, self.B, self.policy)
-        dtypes = {"act": low, "acc": np.float32, "int32": np.int32, "float64": np.float64}
-        spec = [("w", (n,), np.float32), ("g", (n,), np.float32), ("m", (n,), np.float32), ("v", (n,), np.float32)]
-        spec += [(b.name, b.shape, dtypes[b.dtype]) for b in self.plan]
-        if precision != "fp32":
-            spec.append(("wlow", (n,), low))
-        offs, off = {}, 0
-        for name, shape, dt in spec:
-            offs[name] = off
-            off += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
-        self.planned_bytes = -(-off // 512) * 512
+        self.policy, self.plan, spec, offs = arena.policy, arena.plan, arena.spec, arena.offsets
+        self.planned_bytes = arena.nbytes
         pool = xp.get_default_memory_pool()
         before = pool.used_bytes()
         self.arena = xp.empty(self.planned_bytes, dtype=np.uint8)

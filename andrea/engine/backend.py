@@ -19,6 +19,8 @@ which also has ``make_engine(mc, B, precision)``: its own fused engine with the 
     to_host(a) -> numpy.ndarray        (a copy for a device array; the array itself on numpy)
     copy_from_host(dst, src)           dst (device) <- src (host numpy), same shape
     synchronize()                      wait for queued work (no-op on numpy)
+    free_memory() -> (bytes, where) | None   what a new engine can allocate there, and where that
+                                       is (NumPy: andrea.preflight.host_free_memory; None: unknown)
 
 """
 
@@ -64,3 +66,9 @@ class NumpyBackend:
     @staticmethod
     def synchronize() -> None:
         return None
+
+    @staticmethod
+    def free_memory() -> tuple[int, str] | None:
+        from andrea.preflight import host_free_memory  # noqa: PLC0415 - preflight imports the shards
+
+        return host_free_memory()

@@ -7,6 +7,7 @@ training step (``train_step``: the one microbatch loop; the GPU engine borrows i
     eng = Engine(ModelConfig(1281, 128, 4, 4, 128), batch_size=16, backend=NumpyBackend())
     eng.init_weights(seed=1337)
     print(eng.describe())                                   # true parameter count + planned bytes
+    engine_bytes(mc, 16, NumpyBackend())                    # the same planned bytes, nothing allocated
     res = eng.train_step([(x, y)], lr=3e-3, t=1, hp=Hyper())   # x, y: int32 (B, T) host arrays
     loss = eng.forward(x, y)                                # evaluation only (no grads touched)
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from andrea.engine import recipe
 from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
+from andrea.preflight import check_memory
 from andrea.settings import TrainSettings
 
 
@@ -99,6 +101,20 @@ def engine_plan(mc: ModelConfig, batch_size: int, backend, slots, n_partials: in
     return policy, activation_plan(mc, batch_size, policy)
 
 
+def buffer_bytes(b: Buffer, itemsize: int) -> int:
+    """Bytes of a planned buffer in an engine whose float is ``itemsize`` bytes (int32 index
+    buffers, float64 statistics)."""
+    return b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else itemsize)
+
+
+def engine_bytes(mc: ModelConfig, batch_size: int, backend, dtype: str = "float32", n_partials: int = 64) -> int:
+    """``Engine(mc, batch_size, backend, dtype, n_partials).planned_bytes`` without allocating:
+    w, g, m, v and the plan of ``engine_plan``. The memory preflight searches batch sizes with it."""
+    _, plan = engine_plan(mc, int(batch_size), backend, backend.row_slots(int(batch_size)), n_partials)
+    item = np.dtype(dtype).itemsize
+    return 4 * param_layout(mc).n_params * item + sum(buffer_bytes(b, item) for b in plan)
+
+
 class Engine:
     def __init__(self, mc: ModelConfig, batch_size: int, backend, dtype: str = "float32",
                  n_partials: int = 64):
@@ -113,6 +129,9 @@ class Engine:
         # its own gradient buffer; activations are rows of the shared buffers.
         self.slots = backend.row_slots(self.B)
         self.policy, self.plan = engine_plan(mc, self.B, backend, self.slots, n_partials)
+        # refuse a plan the backend's memory cannot hold, before allocating anything (exit 2)
+        check_memory(lambda b: engine_bytes(mc, b, backend, dtype, n_partials), self.B, backend.free_memory(),
+                     f"{backend.name} {self.dtype.name} engine")
 
         # --- parameters, gradients, Adam moments: four flat buffers
         n = self.n_params
@@ -160,7 +179,7 @@ class Engine:
         return out
 
     def _nbytes(self, b: Buffer) -> int:
-        return b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else self.dtype.itemsize)
+        return buffer_bytes(b, self.dtype.itemsize)
 
     @property
     def planned_bytes(self) -> int:
