@@ -138,8 +138,8 @@ def check_memory(planned_of: Callable[[int], int], batch_size: int, free: tuple[
                           f"(and multiply train.grad_accum by {k} to keep about the same tokens per step)")
     one = planned_of(1)
     raise AndreaError(f"{head}; even train.batch_size=1 needs {fmt_bytes(one)} ({fmt_bytes(one * HEADROOM)} "
-                      f"with the headroom): use a smaller model (model.d_model, model.n_layer), a 16-bit "
-                      f"train.precision on the GPU, or a device with more memory")
+                      f"with the headroom): use a smaller model (model.d_model, model.n_layer) or a device "
+                      f"with more memory")
 
 
 def host_free_memory(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/proc/self/cgroup",

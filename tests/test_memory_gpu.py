@@ -11,6 +11,7 @@ search and the text of the refusal are tested without a GPU in tests/test_memory
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -49,7 +50,8 @@ def test_an_absurd_batch_is_refused_with_nothing_allocated_and_the_named_batch_i
         assert eng.planned_bytes == arena_layout(MC, fit, "bf16").nbytes == eng.allocated_bytes
     finally:
         del eng
-        pool.free_all_blocks()
+        gc.collect()
+        pool.free_all_blocks()                                          # the next tests get the memory back
 
 
 def test_train_refuses_a_model_the_gpu_cannot_hold_with_exit_2(tmp_path):
