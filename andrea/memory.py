@@ -20,9 +20,12 @@ tokenizer config (256 bytes + tokenizer.n_morphemes + end-of-text).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from andrea.errors import AndreaError
 
@@ -64,11 +67,11 @@ def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy") -> dic
 
     arena = arena_layout(mc, B, precision)
     kind = {b.name: b.kind for b in arena.plan}
-    ends = sorted(arena.offsets.values())[1:] + [arena.nbytes]    # each entry with its alignment padding
-    for (name, _, _), end in zip(arena.spec, ends):
+    for name, shape, dt in arena.spec:                 # each entry with its 256-byte alignment
         key = {"w": "master", "wlow": "copy", "g": "grads", "m": "adam", "v": "adam"}.get(name)
         key = key or {"saved": "saved", "dgrad": "dgrad"}.get(kind.get(name), "work")
-        out[key] += end - arena.offsets[name]
+        out[key] += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
+    out["work"] += arena.nbytes - sum(out.values())    # the arena's own 512-byte rounding
     return out
 
 

@@ -12,10 +12,12 @@ same refusal on a real device: tests/test_memory_gpu.py.
 
 from __future__ import annotations
 
+import math
 import re
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from andrea.cuda.engine import GpuEngine, arena_layout
@@ -98,6 +100,9 @@ def test_the_gpu_items_sum_to_the_arena(prec):
     assert sum(items.values()) == arena.nbytes
     n = param_layout(MC).n_params
     pad = lambda b: -(-b // 256) * 256  # noqa: E731
+    name, shape, dt = arena.spec[-1]                          # the entries tile the arena up to its rounding
+    end = arena.offsets[name] + pad(math.prod(shape) * np.dtype(dt).itemsize)
+    assert 0 <= arena.nbytes - end < 512 and arena.nbytes % 512 == 0
     assert items["master"] == items["grads"] == pad(4 * n) and items["adam"] == 2 * pad(4 * n)
     assert items["copy"] == (0 if prec == "fp32" else pad(2 * n))
     assert all(items[k] > 0 for k in ("saved", "dgrad", "work"))
