@@ -11,6 +11,10 @@ training step (``train_step``: the one microbatch loop; the GPU engine borrows i
     res = eng.train_step([(x, y)], lr=3e-3, t=1, hp=Hyper())   # x, y: int32 (B, T) host arrays
     loss = eng.forward(x, y)                                # evaluation only (no grads touched)
 
+Memory: the constructor first compares its plan (``engine_bytes``) with ``backend.free_memory()``
+and refuses one that does not fit (andrea/preflight.py ``check_memory``: AndreaError, exit 2,
+naming the largest batch that does) before it allocates anything.
+
 Shapes: B = batch_size (one microbatch), T = context, C = d_model, H = n_head, V = vocab,
 N = B * T. Saved activations and activation gradients are (N, C)-row buffers from the plan
 in ``andrea/engine/model.py``; the attention ops see the same memory as (B, T, C).
