@@ -30,6 +30,7 @@ rebuilt from the last ``context // 2`` tokens and generation goes on from there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -40,7 +41,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from andrea.engine import recipe
+from andrea.engine import pool, recipe
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
@@ -247,11 +248,14 @@ class InferenceModel:
             raise AndreaError(f"forward: token id outside [0, {self.mc.vocab_size})")
         self.be.copy_from_host(self.idx[:n], ids)
         z = self._views(n, slice(0, n) if all_logits else slice(n - 1, n))
-        self.ops.embed_forward(z.emb3, z.idx, z.wte, z.wpe)
-        for s in z.layers:
-            recipe.block_forward(self.cached_ops, s, z.branch, None, self.mc.n_head, self.work)
-        self.pos += n
-        recipe.head_forward(self.ops, z, with_targets=False)
+        # one row does not split over the op pool, so on NumPy its GEMVs would run on BLAS's own
+        # threads, a handshake per call: one thread is faster (bench/generate.py, numpy rows)
+        with pool.blas_single_threaded() if n == 1 and self.xp is np else contextlib.nullcontext():
+            self.ops.embed_forward(z.emb3, z.idx, z.wte, z.wpe)
+            for s in z.layers:
+                recipe.block_forward(self.cached_ops, s, z.branch, None, self.mc.n_head, self.work)
+            self.pos += n
+            recipe.head_forward(self.ops, z, with_targets=False)
         return z.logits
 
 

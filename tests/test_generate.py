@@ -208,3 +208,32 @@ def test_kv_cache_matches_the_engine_forward():
     got = np.concatenate([im.forward(ids[0, :7], all_logits=True).copy(),
                           np.stack([im.forward([t])[0].copy() for t in ids[0, 7:]])])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_row_forward_runs_blas_on_one_thread_and_restores_it():
+    from threadpoolctl import ThreadpoolController
+
+    from andrea.engine import ops_numpy
+
+    ctl = ThreadpoolController().select(user_api="blas")
+    before = [c.num_threads for c in ctl.lib_controllers]
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ops_numpy, name)
+            if name != "mlp_forward":
+                return fn
+
+            def wrapped(*a, **k):
+                seen.append(max(c.num_threads for c in ctl.lib_controllers))
+                return fn(*a, **k)
+            return wrapped
+
+    im = InferenceModel(MC, random_params(MC))
+    im.ops = Spy()
+    im.cached_ops._ops = im.ops
+    im.forward([1, 2, 3])                    # several rows: the op pool splits them (its own rule)
+    im.forward([4])                          # one row: BLAS on one thread
+    assert seen[-MC.n_layer:] == [1] * MC.n_layer
+    assert [c.num_threads for c in ctl.lib_controllers] == before
