@@ -5,38 +5,128 @@
     ids = dec.greedy(prompt_ids, n_new)                 # arg-max on the device, no host sync per token
     generate(dec, prompt_ids, opts, rng, eot_id=...)    # any sampling: it has InferenceModel's surface
 
-The step is the recipe's block (``andrea/engine/recipe.py``: ln1, qkv, attention, out, residual,
-ln2, MLP, residual) run with ``FastOps`` (the GPU engine's op set) on one row, with static
-shapes: the token and its position live on the device (``state``), so the embedding, the
-cache write and the attention over positions 0..pos read them there (``decode.cu``) and
-every launch has the same arguments at every step. Two graphs are captured once: ``logits``
+The step is the recipe's model (``andrea/engine/recipe.py``: per block ln1, qkv, attention, out,
+residual, ln2, MLP, residual; then lnf and the tied head) on one row, fused into 5 launches per
+block (``decode.cu``): LayerNorm + qkv matmul writing k, v straight into the cache; attention over
+the cache split into blocks of positions with an in-order combine; out matmul + residual add;
+LayerNorm + fc matmul + GELU; proj matmul + residual add. The matmuls read a transposed copy
+of the weights in the compute dtype (W^T, one warp per output row, 16-byte loads: decode is a
+weight-streaming GEMV). Static shapes: the token and its position live on the device (``state``),
+so every launch has the same arguments at every step. Two graphs are captured once: ``logits``
 (feed ``state[0]`` at ``state[1]``, write the logits (V,) fp32, advance the position) and
 ``greedy`` (the same, then the arg-max becomes the next ``state[0]`` and is appended to the
 device's id buffer). ``greedy`` copies the ids back once per chunk; other sampling reads the
 logits row to the host and uses ``andrea.generate``'s sampler (float64, seeded).
 
-Precision: fp32, bf16 or fp16 as the engine's ``FastOps``: the matmuls read a 16-bit copy of
-the weights with fp32 accumulation, the residual stream and LayerNorm statistics are fp32,
-the KV cache is in the compute dtype. The NumPy twin is ``InferenceModel`` (tests/test_decode_gpu.py).
+Precision: fp32, bf16 or fp16 storage with fp32 arithmetic, rounded where the engine's ``FastOps``
+rounds (LayerNorm outputs, matmul outputs, the GELU output, the KV cache); the residual stream and
+LayerNorm statistics are fp32. NumPy twins: the ``ref_*`` functions below, kernel by kernel
+(float64 arithmetic on the same rounded inputs), and ``InferenceModel`` for the whole step
+(tests/test_generate_decode_gpu.py, tests/test_generate_decode.py).
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 
-from andrea.cuda.engine import FastOps
-from andrea.cuda.kernels import SUFFIX, Blas, cp, k_cast
+from andrea.cuda.kernels import SUFFIX, cp, k_cast
 from andrea.cuda.loader import kernel
-from andrea.engine import recipe
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
 
 ATTN_THREADS = 128
+ATTN_CHUNK = 64            # positions per attention block (DEC_CH of decode.cu)
+LN_EPS = 1e-5
+MODE_QKV, MODE_GELU, MODE_LOGITS = 0, 1, 2
+GELU_K, GELU_A = math.sqrt(2.0 / math.pi), 0.044715
+VEC = {"fp32": 4, "bf16": 8, "fp16": 8}   # elements per 16-byte load
 
 
+# ------------------------------------------------------------------ NumPy twins of decode.cu
+def round_to(prec: str, a) -> np.ndarray:
+    """``a`` rounded to the storage type (bf16: round to nearest even), as float64; "fp64" keeps it."""
+    if prec == "fp64":
+        return np.asarray(a, dtype=np.float64)
+    a = np.asarray(a, dtype=np.float32)
+    if prec == "fp32":
+        return a.astype(np.float64)
+    if prec == "fp16":
+        return a.astype(np.float16).astype(np.float64)
+    u = a.view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    return (bits << 16).view(np.float32).astype(np.float64)
+
+
+def _gelu(u: np.ndarray) -> np.ndarray:
+    return u / (1.0 + np.exp(-2.0 * GELU_K * (u + GELU_A * u ** 3)))
+
+
+def ref_ln_gemv(prec: str, x, g, b, wT, mode: int) -> np.ndarray:
+    """k_dec_ln_gemv: acc = W^T round(LayerNorm(x) g + b); qkv: round(acc), gelu:
+    round(gelu(round(acc))), logits: acc (the qkv split into q and the caches is the caller's)."""
+    x = np.asarray(x, np.float64)
+    mu = x.mean()
+    h = round_to(prec, (x - mu) / np.sqrt(((x - mu) ** 2).mean() + LN_EPS) * g + b)
+    acc = np.asarray(wT, np.float64) @ h
+    if mode == MODE_LOGITS:
+        return acc
+    if mode == MODE_GELU:
+        return round_to(prec, _gelu(round_to(prec, acc)))
+    return round_to(prec, acc)
+
+
+def ref_gemv_res(prec: str, x, a, wT) -> np.ndarray:
+    """k_dec_gemv_res: x + round(W^T a)."""
+    return np.asarray(x, np.float64) + round_to(prec, np.asarray(wT, np.float64) @ np.asarray(a, np.float64))
+
+
+def ref_attn(prec: str, q, k, v, n: int, scale: float, chunk: int = ATTN_CHUNK) -> np.ndarray:
+    """k_dec_attn for one head: q (D,), k, v (>= n, D) -> y (D,) over positions 0..n-1, computed
+    as the kernel does: per chunk of positions its max m, l = sum exp(s - m) and sum exp(s - m) v,
+    then the combine in chunk order. Equal to softmax(q k^T scale) v up to rounding."""
+    k, v = np.asarray(k[:n], np.float64), np.asarray(v[:n], np.float64)
+    s = k @ (np.asarray(q, np.float64) * scale)
+    parts = []
+    for t0 in range(0, n, chunk):
+        sc = s[t0:t0 + chunk]
+        m = sc.max()
+        e = np.exp(sc - m)
+        parts.append((m, e.sum(), e @ v[t0:t0 + chunk]))
+    M = max(p[0] for p in parts)
+    w = [math.exp(p[0] - M) for p in parts]
+    L = sum(wi * p[1] for wi, p in zip(w, parts))
+    return round_to(prec, sum(wi * p[2] for wi, p in zip(w, parts)) / L)
+
+
+def ref_decode(mc: ModelConfig, params: np.ndarray, ids, prec: str = "fp32") -> np.ndarray:
+    """The logits (n, V) of feeding ``ids`` one by one from position 0 through the twins above,
+    wired as ``GraphDecoder._step`` (the CPU check of the step's wiring: tests/test_generate_decode.py)."""
+    lay = param_layout(mc)
+    w = {t.name: np.asarray(params[t.offset:t.offset + t.size], np.float64).reshape(t.shape) for t in lay.tensors}
+    wT = {k: round_to(prec, v.T) for k, v in w.items() if k.endswith(("w_qkv", "w_o", "w_fc", "w_proj"))}
+    head = round_to(prec, w["wte"])
+    L, H, T, C, D = mc.n_layer, mc.n_head, mc.context, mc.d_model, mc.head_dim
+    kc, vc = np.zeros((L, H, T, D)), np.zeros((L, H, T, D))
+    out = []
+    for pos, tok in enumerate(np.asarray(ids).reshape(-1).tolist()):
+        x = np.asarray(w["wte"][tok] + w["wpe"][pos], np.float32).astype(np.float64)
+        for l in range(L):
+            p = f"h.{l}."
+            qkv = ref_ln_gemv(prec, x, w[p + "ln1.g"], w[p + "ln1.b"], wT[p + "attn.w_qkv"], MODE_QKV)
+            kc[l, :, pos] = qkv[C:2 * C].reshape(H, D)
+            vc[l, :, pos] = qkv[2 * C:].reshape(H, D)
+            y = np.concatenate([ref_attn(prec, qkv[h * D:(h + 1) * D], kc[l, h], vc[l, h], pos + 1, 1 / math.sqrt(D))
+                                for h in range(H)])
+            x = ref_gemv_res(prec, x, y, wT[p + "attn.w_o"])
+            a = ref_ln_gemv(prec, x, w[p + "ln2.g"], w[p + "ln2.b"], wT[p + "mlp.w_fc"], MODE_GELU)
+            x = ref_gemv_res(prec, x, a, wT[p + "mlp.w_proj"])
+        out.append(ref_ln_gemv(prec, x, w["lnf.g"], w["lnf.b"], head, MODE_LOGITS))
+    return np.stack(out)
+
+
+# ------------------------------------------------------------------------------ the decoder
 class _Backend:
     """What ``andrea.generate.generate`` needs of a backend: ``to_host``."""
 
@@ -50,6 +140,12 @@ class _Backend:
         self.xp.cuda.get_current_stream().synchronize()
 
 
+def launch_geometry(N: int) -> tuple[int, int]:
+    """(blocks, threads) of the GEMV kernels: one warp per output row, 4 or 8 warps a block."""
+    warps = 4 if N <= 2048 else 8
+    return (N + warps - 1) // warps, 32 * warps
+
+
 class GraphDecoder:
     """KV-cache inference of ``mc`` on the flat fp32 parameters ``params`` (a CuPy array, kept
     as the fp32 master copy for the embeddings and LayerNorms), one CUDA graph per token."""
@@ -61,52 +157,47 @@ class GraphDecoder:
         lay = param_layout(mc)
         if params.shape != (lay.n_params,) or params.dtype != np.float32:
             raise AndreaError(f"decode: expected {lay.n_params} fp32 parameters for {mc}, got {params.shape} {params.dtype}")
-        if mc.head_dim > ATTN_THREADS or ATTN_THREADS % mc.head_dim:
-            raise AndreaError(f"decode: head size {mc.head_dim} must divide {ATTN_THREADS}")
+        ve = VEC[precision]
+        if mc.head_dim % ve or mc.d_model % ve or mc.head_dim > ve * ATTN_THREADS:
+            raise AndreaError(f"decode: head size {mc.head_dim} and width {mc.d_model} must be multiples of {ve} "
+                              f"({precision} 16-byte loads), the head size at most {ve * ATTN_THREADS}")
+        if 4 * 4 * mc.d_model > 48 * 1024:
+            raise AndreaError(f"decode: width {mc.d_model} > 3072 (the MLP input row is kept in 48 KB of shared memory)")
         self.mc, self.xp, self.prec, self.use_graph = mc, xp, precision, use_graph
         self.be = _Backend(xp)
         self.n_params = lay.n_params
         self.stream = xp.cuda.Stream(non_blocking=True)
         low = np.float32 if precision == "fp32" else np.uint16
         L, H, T, C, V, D = mc.n_layer, mc.n_head, mc.context, mc.d_model, mc.vocab_size, mc.head_dim
+        self.n_split = (T + ATTN_CHUNK - 1) // ATTN_CHUNK
         with self.stream:
             self.params = params
-            self.wlow = params if precision == "fp32" else xp.empty(lay.n_params, dtype=np.uint16)
             self.W = {t.name: params[t.offset:t.offset + t.size].reshape(t.shape) for t in lay.tensors}
-            self.WL = {t.name: self.wlow[t.offset:t.offset + t.size].reshape(t.shape) for t in lay.tensors}
+            # the matmul weights transposed, (out, in), in the compute dtype; the tied head wte is (V, C) already
+            self.WT = {f"h.{l}.{k}": xp.empty(self.W[f"h.{l}.{k}"].shape[::-1], dtype=low)
+                       for l in range(L) for k in ("attn.w_qkv", "attn.w_o", "mlp.w_fc", "mlp.w_proj")}
+            self.WT["wte"] = xp.empty((V, C), dtype=low)
             self.k_cache = xp.zeros((L, H, T, D), dtype=low)
             self.v_cache = xp.zeros((L, H, T, D), dtype=low)
             self.state = xp.zeros(4, dtype=np.int32)           # token, position, n ids out, unused
             self.out_ids = xp.zeros(T + 1, dtype=np.int32)
             self.x = xp.zeros((1, C), dtype=np.float32)         # residual stream
-            self.h = xp.zeros((1, C), dtype=low)                # LayerNorm output
-            self.mean = xp.zeros(1, dtype=np.float32)
-            self.rstd = xp.zeros(1, dtype=np.float32)
-            self.qkv = xp.zeros((1, 3 * C), dtype=low)
+            self.q = xp.zeros((1, C), dtype=low)
             self.y = xp.zeros((1, C), dtype=low)
-            self.branch = xp.zeros((1, C), dtype=low)
-            self.h_pre = xp.zeros((1, 4 * C), dtype=low)
             self.h_act = xp.zeros((1, 4 * C), dtype=low)
-            self.lnf = xp.zeros((1, C), dtype=low)
             self.logits = xp.zeros((1, V), dtype=np.float32)
-        self.ops = FastOps(precision, Blas(), {})
-        self.ops.attn_forward = self._attn                    # the recipe's attention op, on the cache
-        self.layers = []
-        for l in range(L):
-            p = f"h.{l}."
-            wts = {k.replace(".", "_"): (self.WL if k in recipe.MATMUL_WEIGHTS else self.W)[p + k]
-                   for k in recipe.BLOCK_WEIGHTS}
-            self.layers.append(SimpleNamespace(
-                x_in=self.x, x_mid=self.x, x_out=self.x, ln1=self.h, ln1_mean=self.mean, ln1_rstd=self.rstd,
-                ln2=self.h, ln2_mean=self.mean, ln2_rstd=self.rstd, qkv=self.qkv, qkv3=self.qkv,
-                att=(self.k_cache[l], self.v_cache[l]), atty=self.y, atty3=self.y, h_pre=self.h_pre,
-                h_act=self.h_act, **wts))
+            self.part = xp.zeros(H * self.n_split * (D + 2), dtype=np.float32)   # attention partials
+            self.ticket = xp.zeros(H, dtype=np.int32)
+        s = SUFFIX[precision]
         self._k_embed = kernel("decode.cu", "k_dec_embed")
-        self._k_attn = kernel("decode.cu", f"k_dec_attn_{SUFFIX[precision]}")
+        self._k_ln_gemv = kernel("decode.cu", f"k_dec_ln_gemv_{s}")
+        self._k_gemv_res = kernel("decode.cu", f"k_dec_gemv_res_{s}")
+        self._k_attn = kernel("decode.cu", f"k_dec_attn_{s}")
         self._k_argmax = kernel("decode.cu", "k_dec_argmax")
         self._k_advance = kernel("decode.cu", "k_dec_advance")
         self._scale = np.float32(1.0 / math.sqrt(D))
-        self._smem = 4 * (max(T, ATTN_THREADS) + D + 32)
+        G = ATTN_THREADS // (D // ve)
+        self._attn_smem = 4 * (D + ATTN_CHUNK + G * D + self.n_split + 32)
         self.refresh_weights()
         self.pos = 0
         self.graphs = {}
@@ -114,25 +205,52 @@ class GraphDecoder:
 
     # ------------------------------------------------------------------ the step
     def refresh_weights(self) -> None:
-        """Re-derive the 16-bit matmul copy from the fp32 parameters (after they change)."""
-        if self.prec != "fp32":
-            with self.stream:
-                k_cast(self.prec, self.wlow, self.params, self.n_params)
+        """Re-derive the transposed compute-dtype matmul copies from the fp32 parameters."""
+        xp = self.xp
+        with self.stream:
+            for name, dst in self.WT.items():
+                src = self.W[name] if name == "wte" else xp.ascontiguousarray(self.W[name].T)
+                if self.prec == "fp32":
+                    dst[...] = src
+                else:
+                    k_cast(self.prec, dst, xp.ascontiguousarray(src), src.size)
+        self.stream.synchronize()
 
-    def _attn(self, out, att, qkv, mask, n_head, work) -> None:
-        k_cache, v_cache = att
-        self._k_attn((n_head,), (ATTN_THREADS,), (qkv, k_cache, v_cache, out, self.state, np.int32(n_head),
-                                                  np.int32(self.mc.context), np.int32(self.mc.head_dim), self._scale),
-                     shared_mem=self._smem)
+    def ln_gemv(self, x, g, b, wT, mode: int, out, kc=None, vc=None) -> None:
+        """One k_dec_ln_gemv launch: LayerNorm(x) (C,) then W^T (N, C), the epilogue ``mode``."""
+        N, K = wT.shape
+        blocks, threads = launch_geometry(N)
+        self._k_ln_gemv((blocks,), (threads,), (x, g, b, wT, np.int32(N), np.int32(K), np.int32(mode), out,
+                                                 out if kc is None else kc, out if vc is None else vc, self.state,
+                                                 np.int32(self.mc.head_dim), np.int32(self.mc.context),
+                                                 np.float32(LN_EPS)), shared_mem=4 * K)
+
+    def gemv_res(self, a, wT, x) -> None:
+        """One k_dec_gemv_res launch: x (C,) += round(W^T a)."""
+        N, K = wT.shape
+        blocks, threads = launch_geometry(N)
+        self._k_gemv_res((blocks,), (threads,), (a, wT, np.int32(N), np.int32(K), x), shared_mem=4 * K)
+
+    def attn(self, k_cache, v_cache) -> None:
+        """One k_dec_attn launch: self.y = attention of self.q over positions 0..state[1]."""
+        mc = self.mc
+        self._k_attn((mc.n_head, self.n_split), (ATTN_THREADS,),
+                     (self.q, k_cache, v_cache, self.y, self.state, self.part, self.ticket, np.int32(mc.n_head),
+                      np.int32(mc.context), np.int32(mc.head_dim), self._scale), shared_mem=self._attn_smem)
 
     def _step(self, greedy: bool) -> None:
-        mc = self.mc
+        mc, W, WT = self.mc, self.W, self.WT
         self._k_embed((max(1, (mc.d_model + 255) // 256),), (256,),
-                      (self.W["wte"], self.W["wpe"], self.state, self.x, np.int32(mc.d_model)))
-        for s in self.layers:
-            recipe.block_forward(self.ops, s, self.branch, None, mc.n_head, None)
-        self.ops.layernorm_forward(self.lnf, self.mean, self.rstd, self.x, self.W["lnf.g"], self.W["lnf.b"])
-        self.ops.blas.mm(self.logits, self.lnf, self.WL["wte"], tb=True, lowtype=self.ops.lt)
+                      (W["wte"], W["wpe"], self.state, self.x, np.int32(mc.d_model)))
+        for l in range(mc.n_layer):
+            p = f"h.{l}."
+            self.ln_gemv(self.x, W[p + "ln1.g"], W[p + "ln1.b"], WT[p + "attn.w_qkv"], MODE_QKV, self.q,
+                         self.k_cache[l], self.v_cache[l])
+            self.attn(self.k_cache[l], self.v_cache[l])
+            self.gemv_res(self.y, WT[p + "attn.w_o"], self.x)
+            self.ln_gemv(self.x, W[p + "ln2.g"], W[p + "ln2.b"], WT[p + "mlp.w_fc"], MODE_GELU, self.h_act)
+            self.gemv_res(self.h_act, WT[p + "mlp.w_proj"], self.x)
+        self.ln_gemv(self.x, W["lnf.g"], W["lnf.b"], WT["wte"], MODE_LOGITS, self.logits)
         if greedy:
             self._k_argmax((1,), (1024,), (self.logits, np.int32(mc.vocab_size), self.state, self.out_ids, np.int32(1)))
         else:
