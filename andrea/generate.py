@@ -22,7 +22,9 @@ new token costs one position. It runs the model of ``andrea/engine/recipe.py`` (
 ``block_forward`` and ``head_forward`` as training) with the backend's own op functions
 (``backend.ops``); only the attention op is its own, against the cache. It runs on whatever
 array module the backend has (NumPy, or CuPy on the GPU); sampling runs on the host in
-float64 with a seeded ``numpy.random.Generator``, so the same seed gives the same text.
+float64 with a seeded ``numpy.random.Generator``, so the same seed gives the same text. On
+the GPU decoder (``fast_model``: ``andrea.cuda.decode.GraphDecoder``) the same rule runs on the
+device inside the token's CUDA graph, its counter RNG seeded by one draw of that Generator.
 ``generate_batch`` decodes many prompts together, each getting the tokens it gets alone.
 
 When a sequence outgrows the context (learned positions stop there), the cache is
@@ -370,6 +372,13 @@ def generate(model: InferenceModel, prompt_ids: Sequence[int], opts: SamplingOpt
     advances, so a caller can save it) or an int seed.
     """
     job = _start(prompt_ids, opts, rng, eot_id, tokenizer)
+    if hasattr(model, "sample_chunks"):               # the GPU graph decoder draws on the device
+        seed = int(job.rng.integers(0, 2 ** 63))      # one host draw seeds the device's counter RNG
+        for chunk in model.sample_chunks(job.seq, opts, seed, int(opts.max_new_tokens)):
+            for tok in chunk:
+                if _take(job, eot_id, tokenizer, on_token, tok) is None:
+                    return _finish(job, tokenizer)
+        return _finish(job, tokenizer)
     T = model.context
     keep = max(1, T // 2)
     model.reset()

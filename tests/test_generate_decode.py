@@ -60,3 +60,49 @@ def test_round_to_bf16_is_round_to_nearest_even():
     ulp = 2.0 ** -7                                     # bf16 spacing at 1
     x = np.array([one + ulp / 2, one + 1.5 * ulp, one + 0.49 * ulp, -3.0], np.float32)
     assert round_to("bf16", x).tolist() == [one, one + 2 * ulp, one, -3.0]
+
+
+def test_splitmix64_and_the_device_uniform():
+    from andrea.cuda.decode import ref_uniform, splitmix64
+
+    assert splitmix64(0) == 0xE220A8397B1DCDAF            # the published first output of splitmix64(0)
+    us = [ref_uniform(7, c) for c in range(2000)]
+    assert us == [ref_uniform(7, c) for c in range(2000)] and us != [ref_uniform(8, c) for c in range(2000)]
+    assert min(us) >= 0 and max(us) < 1 and abs(np.mean(us) - 0.5) < 0.02
+    assert all(u * 2 ** 24 == int(u * 2 ** 24) for u in us)  # 24-bit: exact in fp32 on the device
+
+
+def sampling_cases():
+    """Logit rows with the cases the rule has to get right: ties (at the top-k and top-p cuts),
+    NaN and -inf entries, a peaked row, a flat one; with the options that cut each way."""
+    rng = np.random.default_rng(0)
+    rows = [rng.standard_normal(301) * s for s in (0.5, 2.0, 6.0)]
+    tied = np.round(rng.standard_normal(301), 1)            # many exact ties
+    bad = rng.standard_normal(301)
+    bad[[3, 50]] = np.nan
+    bad[[7, 8]] = -np.inf
+    rows += [tied, bad, np.zeros(301)]
+    opts = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 40, 1.0), (1.0, 1, 1.0), (1.3, 0, 0.9), (0.8, 40, 0.95),
+            (1.0, 5, 0.3), (1.0, 300, 0.5), (1.0, 301, 1.0)]
+    return [(r.astype(np.float32), o) for r in rows for o in opts]
+
+
+def test_the_device_sampling_rule_is_the_host_samplers():
+    """ref_sample (k_dec_sample's twin) picks the token draw(next_token_probs(...)) picks with the
+    same uniform, wherever the draw is not within 1e-5 of a threshold."""
+    from copy import deepcopy
+
+    from andrea.cuda.decode import ref_sample
+    from andrea.generate import draw, next_token_probs
+
+    n, ambiguous = 0, 0
+    rng = np.random.default_rng(1)
+    for logits, (t, k, p) in sampling_cases():
+        for _ in range(40):
+            u = deepcopy(rng).random()                      # the uniform draw() is about to take
+            want = draw(next_token_probs(logits, t, k, p), rng)
+            got, amb = ref_sample(logits, t, k, p, u)
+            ambiguous += amb
+            n += 1
+            assert amb or got == want, (t, k, p, u, got, want)
+    assert ambiguous <= n // 50

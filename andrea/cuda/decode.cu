@@ -24,6 +24,17 @@
 // k_dec_argmax:         state[0] = argmax(logits (V,) fp32) (NaN as -inf; the first of ties); out[state[2]++] = it;
 //                       state[1] += advance
 // k_dec_advance:        state[1] += 1
+// k_dec_sample:         one token drawn from logits (V,) fp32 by andrea.generate's rule, on the device:
+//                       opts (4,) fp32 [temperature, top_p, top_k, 0]; rng (2,) uint64 [seed, counter];
+//                       the uniform is u = (splitmix64(seed + counter * golden) >> 40) / 2^24 and
+//                       counter += 1. temperature 0: the arg-max (first of ties). Else: top-k keeps the
+//                       logits >= the k-th largest (ties kept; exact, on order-preserving integer keys);
+//                       e = exp((logit - max) / temperature) over them, S = sum e; top-p keeps the most
+//                       likely tokens, ties in index order, up to the first whose mass reaches top_p S;
+//                       then the first index whose prefix sum (index order) of the kept e exceeds u W.
+//                       One block; thread t owns the contiguous indices [t per, (t+1) per); every sum
+//                       has a fixed order. Then as k_dec_argmax: state[0] = it, out[state[2]++] = it,
+//                       state[1] += advance. e (V,) fp32 is scratch. NumPy twin: ref_sample.
 
 #define DEC_CH 64        // positions per attention block
 #define DEC_PF 4         // 16-byte weight chunks per lane loaded before the LayerNorm prologue
@@ -301,4 +312,162 @@ extern "C" __global__ void k_dec_argmax(const float* __restrict__ logits, int V,
 
 extern "C" __global__ void k_dec_advance(int* state) {
     if (threadIdx.x == 0 && blockIdx.x == 0) state[1] += 1;
+}
+
+// ------------------------------------------------------------------------------ sampling
+__device__ __forceinline__ unsigned okey(float v) {          // order-preserving key; NaN sorts as -inf
+    if (v != v) v = -ANDREA_INF;
+    const unsigned u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float okey_value(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+template <typename V>
+__device__ __forceinline__ V block_reduce_any(V v, V* buf, int op) {   // op: 0 sum, 1 max, 2 min; fixed order
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const V w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = op == 0 ? v + w : op == 1 ? (w > v ? w : v) : (w < v ? w : v);
+    }
+    __syncthreads();
+    if (lane == 0) buf[wid] = v;
+    __syncthreads();
+    V r = buf[0];
+    for (int k = 1; k < nw; ++k) {
+        const V w = buf[k];
+        r = op == 0 ? r + w : op == 1 ? (w > r ? w : r) : (w < r ? w : r);
+    }
+    return r;
+}
+
+// exclusive prefix sum over the block in thread order (warp scans, then the warp totals in order);
+// *total gets the sum of all. `buf` holds 32 floats.
+__device__ __forceinline__ float block_exclusive_scan(float v, float* buf, float* total) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float w = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += w;
+    }
+    __syncthreads();
+    if (lane == 31) buf[wid] = inc;
+    __syncthreads();
+    float before = 0.0f, all = 0.0f;
+    for (int k = 0; k < nw; ++k) {
+        if (k == wid) before = all;
+        all += buf[k];
+    }
+    *total = all;
+    return before + inc - v;
+}
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) k_dec_sample(const float* __restrict__ logits, int V,
+        const float* __restrict__ opts, unsigned long long* __restrict__ rng, int* __restrict__ state,
+        int* __restrict__ out, float* __restrict__ e, int advance) {
+    __shared__ float fbuf[32];
+    __shared__ unsigned ubuf[32];
+    __shared__ int ibuf[32];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int per = (V + nt - 1) / nt, i0 = min(V, tid * per), i1 = min(V, i0 + per);
+    const float temp = opts[0], top_p = opts[1];
+    const int top_k = (int)opts[2];
+    const unsigned long long seed = rng[0], counter = rng[1];
+    const float u = (float)(splitmix64(seed + counter * 0x9E3779B97F4A7C15ull) >> 40) * (1.0f / 16777216.0f);
+    unsigned km = 0;
+    for (int i = i0; i < i1; ++i) km = max(km, okey(logits[i]));
+    km = block_reduce_any<unsigned>(km, ubuf, 1);
+    int tok = 0x7fffffff;
+    if (temp == 0.0f) {
+        for (int i = i0; i < i1 && tok == 0x7fffffff; ++i) if (okey(logits[i]) == km) tok = i;
+        tok = block_reduce_any<int>(tok, ibuf, 2);
+    } else {
+        unsigned thr = 0;                                   // top-k: the k-th largest key
+        if (top_k > 0 && top_k < V) {
+            for (int b = 31; b >= 0; --b) {
+                const unsigned c = thr | (1u << b);
+                int n = 0;
+                for (int i = i0; i < i1; ++i) n += okey(logits[i]) >= c;
+                if (block_reduce_any<int>(n, ibuf, 0) >= top_k) thr = c;
+            }
+        }
+        const float lmax = okey_value(km);
+        float cs = 0.0f;
+        for (int i = i0; i < i1; ++i) {
+            const float l = logits[i];
+            const float v = (okey(l) >= thr && l == l) ? expf((l - lmax) / temp) : 0.0f;
+            e[i] = v;
+            cs += v;
+        }
+        const float S = block_reduce_any<float>(cs, fbuf, 0);
+        unsigned tau = 0;                                   // top-p: the key of the last token kept
+        int keep_tied = 0x7fffffff;                         // tied at tau: keep those with index < keep_tied
+        if (top_p < 1.0f) {
+            const float target = top_p * S;
+            for (int b = 30; b >= 0; --b) {
+                const unsigned c = tau | (1u << b);
+                float m = 0.0f;
+                for (int i = i0; i < i1; ++i) if (__float_as_uint(e[i]) >= c) m += e[i];
+                if (block_reduce_any<float>(m, fbuf, 0) >= target) tau = c;
+            }
+            float mg = 0.0f;
+            int nt_own = 0;
+            for (int i = i0; i < i1; ++i) {
+                const unsigned k = __float_as_uint(e[i]);
+                if (k > tau) mg += e[i];
+                nt_own += k == tau;
+            }
+            const float mass_gt = block_reduce_any<float>(mg, fbuf, 0);
+            const int n_tied = block_reduce_any<int>(nt_own, ibuf, 0);
+            const float tv = __uint_as_float(tau);
+            int m_tied = n_tied;
+            if (n_tied > 1) m_tied = min(n_tied, max(1, (int)ceilf((target - mass_gt) / tv)));
+            if (m_tied < n_tied) {                          // the m_tied-th tied index, in index order
+                float all;
+                int seen = (int)block_exclusive_scan((float)nt_own, fbuf, &all);   // tied before this chunk
+                int cut = 0x7fffffff;
+                for (int i = i0; i < i1; ++i)
+                    if (__float_as_uint(e[i]) == tau && ++seen == m_tied) cut = i + 1;
+                keep_tied = block_reduce_any<int>(cut, ibuf, 2);
+            }
+        }
+#define KEPT(i) (__float_as_uint(e[i]) != 0u && (__float_as_uint(e[i]) > tau || (__float_as_uint(e[i]) == tau && (i) < keep_tied)))
+        float ws = 0.0f;                                    // kept weights of this chunk, index order
+        for (int i = i0; i < i1; ++i) if (KEPT(i)) ws += e[i];
+        float W;
+        const float pre = block_exclusive_scan(ws, fbuf, &W);
+        const float r = u * W;
+        float acc = pre;
+        int last = -1;
+        for (int i = i0; i < i1 && tok == 0x7fffffff; ++i) {
+            if (KEPT(i)) {
+                acc += e[i];
+                last = i;
+                if (acc > r) tok = i;
+            }
+        }
+        for (int i = i1 - 1; i >= i0 && last < 0; --i) if (KEPT(i)) last = i;
+#undef KEPT
+        tok = block_reduce_any<int>(tok, ibuf, 2);
+        const int lastk = block_reduce_any<int>(last, ibuf, 1);
+        if (tok == 0x7fffffff) tok = lastk < 0 ? 0 : lastk;  // float edge at the very top of the CDF
+    }
+    if (tid == 0) {
+        state[0] = tok;
+        out[state[2]] = tok;
+        state[2] += 1;
+        state[1] += advance;
+        rng[1] = counter + 1;
+    }
 }

@@ -40,6 +40,8 @@ ATTN_THREADS = 128
 ATTN_CHUNK = 64            # positions per attention block (DEC_CH of decode.cu)
 LN_EPS = 1e-5
 MODE_QKV, MODE_GELU, MODE_LOGITS = 0, 1, 2
+MODES = ("logits", "greedy", "sample")     # the graphs: what follows the logits (advance / arg-max / draw)
+SAMPLE_CHUNK = 32          # tokens drawn on the device per copy back to the host
 GELU_K, GELU_A = math.sqrt(2.0 / math.pi), 0.044715
 VEC = {"fp32": 4, "bf16": 8, "fp16": 8}   # elements per 16-byte load
 
@@ -98,6 +100,71 @@ def ref_attn(prec: str, q, k, v, n: int, scale: float, chunk: int = ATTN_CHUNK) 
     w = [math.exp(p[0] - M) for p in parts]
     L = sum(wi * p[1] for wi, p in zip(w, parts))
     return round_to(prec, sum(wi * p[2] for wi, p in zip(w, parts)) / L)
+
+
+GOLDEN = 0x9E3779B97F4A7C15
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    """One splitmix64 output for the state ``z`` (the state is first advanced by the golden gamma)."""
+    z = (z + GOLDEN) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def ref_uniform(seed: int, counter: int) -> float:
+    """k_dec_sample's uniform in [0, 1) for draw ``counter`` of the generation seeded ``seed``: a
+    counter-based RNG, so the stream depends only on (seed, counter), never on launch order."""
+    return (splitmix64((seed + counter * GOLDEN) & MASK64) >> 40) / float(1 << 24)
+
+
+def _okey(l: np.ndarray) -> np.ndarray:
+    """decode.cu's okey: an order-preserving uint32 key of float32 values."""
+    u = np.asarray(l, np.float32).view(np.uint32)
+    return np.where(u & 0x80000000, ~u, u | 0x80000000).astype(np.uint32)
+
+
+def ref_sample(logits, temperature: float, top_k: int, top_p: float, u: float, eps: float = 1e-5):
+    """k_dec_sample's rule in float64: (the token, whether the draw is ambiguous). The rule is
+    andrea.generate's (``draw(next_token_probs(...))`` with the uniform ``u``): temperature 0 the
+    first arg-max; top-k keeps logits >= the k-th largest; e = exp((l - max) / temperature); top-p
+    keeps the most likely (ties in index order) up to the first reaching top_p sum(e); the first
+    index whose prefix sum of the kept e exceeds u sum. ``ambiguous``: a sum the outcome turns on
+    lies within ``eps`` (relative) of its threshold, where fp32 on the device may decide otherwise."""
+    l = np.asarray(logits, np.float32).copy()
+    l[np.isnan(l)] = -np.inf
+    V = l.size
+    if temperature == 0:
+        return int(np.argmax(l)), False
+    keep = np.ones(V, dtype=bool)
+    if 0 < top_k < V:
+        keys = _okey(l)
+        keep = keys >= np.sort(keys)[V - top_k]
+    l64 = l.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        e = np.where(keep, np.exp((l64 - l64.max()) / temperature), 0.0)
+    e = np.nan_to_num(e, nan=0.0)
+    S = e.sum()
+    ambiguous = False
+    if top_p < 1.0:
+        target = np.float64(np.float32(top_p)) * S
+        order = np.argsort(-e, kind="stable")
+        csum = np.cumsum(e[order])
+        n_keep = int(np.searchsorted(csum, target, side="left")) + 1
+        ambiguous |= any(abs(csum[j] - target) <= eps * S for j in (n_keep - 2, n_keep - 1) if 0 <= j < V)
+        top = np.zeros(V, dtype=bool)
+        top[order[:n_keep]] = True
+        e = np.where(top, e, 0.0)
+    cdf = np.cumsum(e)
+    W = cdf[-1]
+    r = u * W
+    i = int(np.searchsorted(cdf, r, side="right"))
+    if i >= V or e[i] == 0:
+        i = int(np.flatnonzero(e)[-1])
+    ambiguous |= bool(np.any(np.abs(cdf[e > 0] - r) <= eps * W))
+    return i, ambiguous
 
 
 def ref_decode(mc: ModelConfig, params: np.ndarray, ids, prec: str = "fp32") -> np.ndarray:
@@ -188,6 +255,9 @@ class GraphDecoder:
             self.logits = xp.zeros((1, V), dtype=np.float32)
             self.part = xp.zeros(H * self.n_split * (D + 2), dtype=np.float32)   # attention partials
             self.ticket = xp.zeros(H, dtype=np.int32)
+            self.samp_opts = xp.zeros(4, dtype=np.float32)      # temperature, top_p, top_k, 0
+            self.rng_state = xp.zeros(2, dtype=np.uint64)       # seed, draws so far
+            self.escratch = xp.zeros(V, dtype=np.float32)
         s = SUFFIX[precision]
         self._k_embed = kernel("decode.cu", "k_dec_embed")
         self._k_ln_gemv = kernel("decode.cu", f"k_dec_ln_gemv_{s}")
@@ -195,6 +265,7 @@ class GraphDecoder:
         self._k_attn = kernel("decode.cu", f"k_dec_attn_{s}")
         self._k_argmax = kernel("decode.cu", "k_dec_argmax")
         self._k_advance = kernel("decode.cu", "k_dec_advance")
+        self._k_sample = kernel("decode.cu", "k_dec_sample")
         self._scale = np.float32(1.0 / math.sqrt(D))
         G = ATTN_THREADS // (D // ve)
         self._attn_smem = 4 * (D + ATTN_CHUNK + G * D + self.n_split + 32)
@@ -238,7 +309,7 @@ class GraphDecoder:
                      (self.q, k_cache, v_cache, self.y, self.state, self.part, self.ticket, np.int32(mc.n_head),
                       np.int32(mc.context), np.int32(mc.head_dim), self._scale), shared_mem=self._attn_smem)
 
-    def _step(self, greedy: bool) -> None:
+    def _step(self, mode: str) -> None:
         mc, W, WT = self.mc, self.W, self.WT
         self._k_embed((max(1, (mc.d_model + 255) // 256),), (256,),
                       (W["wte"], W["wpe"], self.state, self.x, np.int32(mc.d_model)))
@@ -251,34 +322,51 @@ class GraphDecoder:
             self.ln_gemv(self.x, W[p + "ln2.g"], W[p + "ln2.b"], WT[p + "mlp.w_fc"], MODE_GELU, self.h_act)
             self.gemv_res(self.h_act, WT[p + "mlp.w_proj"], self.x)
         self.ln_gemv(self.x, W["lnf.g"], W["lnf.b"], WT["wte"], MODE_LOGITS, self.logits)
-        if greedy:
+        if mode == "greedy":
             self._k_argmax((1,), (1024,), (self.logits, np.int32(mc.vocab_size), self.state, self.out_ids, np.int32(1)))
+        elif mode == "sample":
+            self.draw(advance=1)
         else:
             self._k_advance((1,), (32,), (self.state,))
+
+    def draw(self, advance: int = 0) -> None:
+        """One k_dec_sample launch: a token from ``self.logits`` by the options and RNG state set
+        with ``set_sampling`` into ``state[0]`` and the id buffer; the position moves by ``advance``."""
+        self._k_sample((1,), (1024,), (self.logits, np.int32(self.mc.vocab_size), self.samp_opts, self.rng_state,
+                                       self.state, self.out_ids, self.escratch, np.int32(advance)))
+
+    def set_sampling(self, temperature: float, top_k: int, top_p: float, seed: int, counter: int = 0) -> None:
+        """The device sampler's options and RNG state (seed, draws so far) for the next draws."""
+        with self.stream:
+            self.samp_opts.set(np.array([temperature, top_p, top_k, 0], dtype=np.float32), stream=self.stream)
+            self.rng_state.set(np.array([int(seed) & MASK64, counter], dtype=np.uint64), stream=self.stream)
+        self.stream.synchronize()
 
     def _capture(self) -> None:
         """One eager run of each step (modules load, cuBLAS sets up outside the capture), then capture."""
         with self.stream:
-            for greedy in (False, True):
+            self.samp_opts.set(np.array([1.0, 1.0, 0, 0], dtype=np.float32), stream=self.stream)
+            for mode in MODES:
                 self.state.fill(0)
-                self._step(greedy)
+                self._step(mode)
             self.stream.synchronize()
             if self.use_graph:
-                for greedy in (False, True):
+                for mode in MODES:
                     self.stream.begin_capture()
                     try:
-                        self._step(greedy)
+                        self._step(mode)
                     finally:
                         graph = self.stream.end_capture()
-                    self.graphs[greedy] = graph
+                    self.graphs[mode] = graph
             self.state.fill(0)
+            self.rng_state.fill(0)
         self.stream.synchronize()
 
-    def _launch(self, greedy: bool) -> None:
+    def _launch(self, mode: str) -> None:
         if self.use_graph:
-            self.graphs[greedy].launch(self.stream)
+            self.graphs[mode].launch(self.stream)
         else:
-            self._step(greedy)
+            self._step(mode)
 
     # ------------------------------------------------- InferenceModel's surface
     @property
@@ -304,7 +392,7 @@ class GraphDecoder:
             for t in ids.tolist():
                 host[:] = (t, self.pos, 0, 0)
                 self.state.set(host, stream=self.stream)
-                self._launch(False)
+                self._launch("logits")
                 self.pos += 1
             self.stream.synchronize()       # `host` is reused: the copies must have happened
         return self.logits
@@ -324,7 +412,7 @@ class GraphDecoder:
                 self._k_argmax((1,), (1024,), (self.logits, np.int32(self.mc.vocab_size), self.state,
                                                self.out_ids, np.int32(0)))
                 for _ in range(chunk - 1):
-                    self._launch(True)
+                    self._launch("greedy")
                 got = self.out_ids[:chunk].get(stream=self.stream).tolist()
             self.stream.synchronize()
             self.pos += chunk - 1
@@ -337,3 +425,34 @@ class GraphDecoder:
                 self.reset()
                 self.forward(seq[-keep:])
         return out[:n]
+
+    def sample_chunks(self, prompt, opts, seed: int, n: int):
+        """Yield the ids of ``n`` tokens after ``prompt`` drawn ON THE DEVICE (k_dec_sample, inside
+        the ``sample`` graph: opts' temperature, top_k and top_p; the counter RNG seeded ``seed``),
+        ``SAMPLE_CHUNK`` at a time (the caller stops early by not asking for more); past the context
+        the last ``context // 2`` tokens are re-fed, as ``andrea.generate.generate`` does."""
+        seq = [int(t) for t in np.asarray(prompt).reshape(-1)]
+        T, keep = self.mc.context, max(1, self.mc.context // 2)
+        self.set_sampling(opts.temperature, opts.top_k, opts.top_p, seed)
+        self.reset()
+        self.forward(seq if len(seq) <= T else seq[-keep:])
+        fresh, made = True, 0                 # fresh: the logits of a re-fed window, no token drawn from them yet
+        while made < n:
+            if self.pos >= T and not fresh:
+                self.reset()
+                self.forward(seq[-keep:])
+                fresh = True
+            k = min(n - made, SAMPLE_CHUNK, T - self.pos + (1 if fresh else 0))
+            launches = k - (1 if fresh else 0)
+            with self.stream:
+                self.state[2:3].fill(0)
+                if fresh:
+                    self.draw(advance=0)
+                for _ in range(launches):
+                    self._launch("sample")
+                got = self.out_ids[:k].get(stream=self.stream).tolist()
+            self.stream.synchronize()
+            self.pos += launches
+            fresh, made = False, made + k
+            seq += got
+            yield got
