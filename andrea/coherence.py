@@ -23,7 +23,8 @@ degenerate (any rate above ``coherence.max_repeat``) halt the run. ``observe_los
 halts a run whose loss diverges: its EMA (smoothing ``DIVERGE_EMA``, tracked after
 ``DIVERGE_WARM`` steps) rises above ``coherence.diverge_ratio`` x the lowest EMA seen.
 ``sample_check(step, model, tokenizer, seed)`` does the sampling itself with
-``andrea.generate`` on an ``InferenceModel`` built once over the training weights.
+``andrea.generate.generate_batch`` (all prompts together) on an ``InferenceModel`` built once
+over the training weights with a KV-cache slot per prompt.
 The monitor's state (streak, loss EMA, best) is JSON-able for ``.state.json``.
 Tests: ``pytest tests/test_coherence.py``.
 """
@@ -149,21 +150,24 @@ class CoherenceMonitor:
         """Sample every prompt with ``generate(prompt) -> continuation`` and ``check`` the texts."""
         return self.check(step, [(p, generate(p)) for p in prompts])
 
-    def sample_check(self, step: int, model, tokenizer, seed: int) -> dict:
+    def sample_check(self, step: int, model, tokenizer, seed: int, prompts: Sequence[str] = PROMPTS) -> dict:
         """Sample every prompt from an ``andrea.generate.InferenceModel`` and ``check`` the texts.
 
-        Sampling uses ``coherence.max_new_tokens`` / ``temperature`` / ``top_k`` and a
-        Generator seeded by ``(seed, step)``, so a check is reproducible and leaves no RNG
-        state behind; chat answers stop at the template's end tag.
+        Sampling uses ``coherence.max_new_tokens`` / ``temperature`` / ``top_k``; prompt i draws
+        from a Generator seeded by ``(seed, step, i)``, so a check is reproducible, leaves no RNG
+        state behind, and the prompts are decoded as one batch (``generate_batch``, up to the
+        model's ``slots`` at a time) with the texts each gets alone; chat answers stop at the
+        template's end tag.
         """
         from andrea.data.template import STOP_STRINGS
-        from andrea.generate import SamplingOptions, generate
+        from andrea.generate import SamplingOptions, generate_batch
 
         opts = SamplingOptions(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                                top_k=self.top_k, stop_strings=tuple(STOP_STRINGS))
-        rng = np.random.default_rng([int(seed), int(step)])
-        return self.run_check(step, lambda p: generate(model, tokenizer.encode(p), opts, rng,
-                                                       eot_id=tokenizer.eot_id, tokenizer=tokenizer).text)
+        jobs = [(tokenizer.encode(p), opts, np.random.default_rng([int(seed), int(step), i]))
+                for i, p in enumerate(prompts)]
+        gens = generate_batch(model, jobs, eot_id=tokenizer.eot_id, tokenizer=tokenizer)
+        return self.check(step, [(p, g.text) for p, g in zip(prompts, gens)])
 
     def observe_loss(self, step: int, loss: float) -> dict | None:
         """Fold one training loss in; returns ``{"reason", "step"}`` when the loss diverges."""

@@ -22,7 +22,10 @@ new token costs one position. It runs the model of ``andrea/engine/recipe.py`` (
 ``block_forward`` and ``head_forward`` as training) with the backend's own op functions
 (``backend.ops``); only the attention op is its own, against the cache. It runs on whatever
 array module the backend has (NumPy, or CuPy on the GPU); sampling runs on the host in
-float64 with a seeded ``numpy.random.Generator``, so the same seed gives the same text.
+float64 with a seeded ``numpy.random.Generator``, so the same seed gives the same text. On
+the GPU decoder (``fast_model``: ``andrea.cuda.decode.GraphDecoder``) the same rule runs on the
+device inside the token's CUDA graph, its counter RNG seeded by one draw of that Generator.
+``generate_batch`` decodes many prompts together, each getting the tokens it gets alone.
 
 When a sequence outgrows the context (learned positions stop there), the cache is
 rebuilt from the last ``context // 2`` tokens and generation goes on from there.
@@ -30,6 +33,7 @@ rebuilt from the last ``context // 2`` tokens and generation goes on from there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -40,7 +44,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from andrea.engine import recipe
+from andrea.engine import pool, recipe
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
@@ -123,6 +127,30 @@ class _CachedAttention:
         return getattr(self._ops, name)
 
 
+class _RowExact(_CachedAttention):
+    """NumPy ops for n independent one-token rows that give each row the bits of a one-row call:
+    the matmuls on (n, 1, .) stacked views (NumPy runs one BLAS gemv per row, as for one row),
+    LayerNorm and the tied head one row at a time (their row reductions are gemv/gemm over all
+    rows at once, whose bits depend on the row count); the rest is elementwise."""
+
+    def layernorm_forward(self, out, mean, rstd, x, g, b):
+        for i in range(x.shape[0]):
+            self._ops.layernorm_forward(out[i:i + 1], mean[i:i + 1], rstd[i:i + 1], x[i:i + 1], g, b)
+
+    def attn_qkv_forward(self, qkv, x, w_qkv):
+        self._ops.attn_qkv_forward(qkv[:, None], x[:, None], w_qkv)
+
+    def attn_out_forward(self, out, y, w_o):
+        self._ops.attn_out_forward(out[:, None], y[:, None], w_o)
+
+    def mlp_forward(self, out, h_pre, h_act, x, w_fc, w_proj):
+        self._ops.mlp_forward(out[:, None], h_pre[:, None], h_act[:, None], x[:, None], w_fc, w_proj)
+
+    def loss_forward(self, losses, logits, probs, x, wte, targets, work):
+        for i in range(x.shape[0]):
+            self._ops.loss_forward(losses[i:i + 1], logits[i:i + 1], probs[i:i + 1], x[i:i + 1], wte, targets, work)
+
+
 class InferenceModel:
     """The engine's model for inference, one position at a time, with a key/value cache.
 
@@ -132,7 +160,7 @@ class InferenceModel:
     op functions (default: NumPy). Every buffer is allocated here, once.
     """
 
-    def __init__(self, mc: ModelConfig, params, backend=None):
+    def __init__(self, mc: ModelConfig, params, backend=None, slots: int = 1):
         self.mc = mc
         self.be = backend if backend is not None else NumpyBackend()
         xp, ops = self.be.xp, self.be.ops
@@ -147,10 +175,18 @@ class InferenceModel:
         self.w = {t.name: params[t.offset:t.offset + t.size].reshape(t.shape) for t in layout.tensors}
         self.n_params = layout.n_params
         L, H, T, C, V, D = mc.n_layer, mc.n_head, mc.context, mc.d_model, mc.vocab_size, mc.head_dim
+        if int(slots) < 1:
+            raise AndreaError(f"InferenceModel: slots must be >= 1, got {slots}")
         f = self.dtype
-        # (L, H, T, D) keys and values of every position seen so far
-        self.k_cache = xp.zeros((L, H, T, D), dtype=f)
-        self.v_cache = xp.zeros((L, H, T, D), dtype=f)
+        # per slot (one sequence each), (L, H, T, D) keys and values of every position seen so far
+        self.slots = int(slots)
+        self.k_all = xp.zeros((self.slots, L, H, T, D), dtype=f)
+        self.v_all = xp.zeros((self.slots, L, H, T, D), dtype=f)
+        self.k_cache, self.v_cache = self.k_all[0], self.v_all[0]     # the selected slot's
+        self.slot, self.slot_pos = 0, [0] * self.slots
+        self.row_ops = _RowExact(ops, self._attn_rows) if xp is np else _CachedAttention(ops, self._attn_rows)
+        self._rows: list[tuple[int, int]] = []        # (slot, position) of each row of forward_rows
+        T = max(T, self.slots)                      # row buffers: a prompt's tokens or one row per slot
         self.idx = xp.zeros((T,), dtype=xp.int32)
         self.x = xp.zeros((T, C), dtype=f)          # residual stream of the new rows
         self.h = xp.zeros((T, C), dtype=f)          # LayerNorm output
@@ -161,12 +197,13 @@ class InferenceModel:
         self.branch = xp.zeros((T, C), dtype=f)     # sublayer output before the residual add
         self.h_pre = xp.zeros((T, 4 * C), dtype=f)
         self.h_act = xp.zeros((T, 4 * C), dtype=f)
-        self.att = xp.zeros((H * T * T,), dtype=f)  # scores (H, n, p + n), carved per call
+        self.att = xp.zeros((H * mc.context * mc.context,), dtype=f)  # scores (H, n, p + n), carved per call
         self.att_stat = xp.zeros((H * T,), dtype=f)
         self.logits = xp.zeros((T, V), dtype=f)
         self.probs = xp.zeros((T, V), dtype=f)
         self.losses = xp.zeros((T,), dtype=f)
         self.work = xp.zeros((T,), dtype=f)
+        T = mc.context
         mask = np.triu(np.full((T, T), -np.inf, dtype=np.float64), k=1).astype(f)
         self.mask = xp.asarray(mask)                # (T, T): 0 on/below the diagonal, -inf above
         self.pos = 0
@@ -183,17 +220,38 @@ class InferenceModel:
         return self.mc.context
 
     def reset(self) -> None:
-        """Forget the cache: the next ``forward`` starts at position 0."""
+        """Forget the selected slot's cache: the next ``forward`` starts at position 0."""
         self.pos = 0
+
+    def select(self, slot: int) -> None:
+        """Make ``slot`` the sequence that ``forward``, ``reset`` and ``pos`` act on."""
+        if not 0 <= slot < self.slots:
+            raise AndreaError(f"InferenceModel: slot {slot} outside [0, {self.slots})")
+        self.slot_pos[self.slot] = self.pos
+        self.slot, self.pos = slot, self.slot_pos[slot]
+        self.k_cache, self.v_cache = self.k_all[slot], self.v_all[slot]
+
+    def position(self, slot: int) -> int:
+        """How many positions ``slot``'s cache holds."""
+        return self.pos if slot == self.slot else self.slot_pos[slot]
 
     def attn_forward(self, out, att, qkv, mask, n_head: int, work) -> None:
         """The attention op of the recipe, against the cache: ``att`` is layer l's (k, v) cache
         (H, T, D) each; the n new rows (positions pos..pos+n-1) are appended, then attend to it."""
+        self._attend(out, att, qkv, n_head, self.pos)
+
+    def _attn_rows(self, out, att, qkv, mask, n_head: int, work) -> None:
+        """``forward_rows``' attention op: ``att`` is the layer index; row i (out (n, 1, C), qkv
+        (n, 1, 3C)) attends to its own slot's cache, as ``attn_forward`` of that row alone."""
+        for i, (slot, p) in enumerate(self._rows):
+            self._attend(out[i:i + 1], (self.k_all[slot, att], self.v_all[slot, att]), qkv[i:i + 1], n_head, p)
+
+    def _attend(self, out, att, qkv, n_head: int, p: int) -> None:
         xp = self.xp
         k_cache, v_cache = att
         H, D = n_head, self.mc.head_dim
         n = qkv.shape[1]
-        p, S = self.pos, self.pos + n
+        S = p + n
         qkv = qkv.reshape(n, 3, H, D)
         k_cache[:, p:S] = qkv[:, 1].transpose(1, 0, 2)
         v_cache[:, p:S] = qkv[:, 2].transpose(1, 0, 2)
@@ -234,6 +292,40 @@ class InferenceModel:
                 **{k.replace(".", "_"): w[p + k] for k in recipe.BLOCK_WEIGHTS}))
         return z
 
+    def forward_rows(self, slots: Sequence[int], ids: Sequence[int]):
+        """Feed one token to each of the (distinct) ``slots``, each at its own position, as one
+        batch; the logits (n, V) (a view of an internal buffer). Row i gives the bits that
+        ``select(slots[i]); forward([ids[i]])`` gives on NumPy (the matmuls run on (n, 1, .)
+        stacked views, one BLAS call per row; LayerNorm and the head row by row); on CuPy the
+        matmuls are one GEMM over the rows (equal up to fp32 summation order)."""
+        slots, ids = [int(s) for s in slots], np.asarray(ids, dtype=np.int32).reshape(-1)
+        n = len(slots)
+        if n == 0 or ids.size != n or len(set(slots)) != n:
+            raise AndreaError(f"forward_rows: need one token per distinct slot, got slots {slots} and {ids.size} ids")
+        self.slot_pos[self.slot] = self.pos
+        pos = [self.slot_pos[s] for s in slots]
+        if max(pos) >= self.mc.context or min(slots) < 0 or max(slots) >= self.slots:
+            raise AndreaError(f"forward_rows: slot outside [0, {self.slots}) or past the context of {self.mc.context}")
+        if ids.min() < 0 or ids.max() >= self.mc.vocab_size:
+            raise AndreaError(f"forward_rows: token id outside [0, {self.mc.vocab_size})")
+        self.be.copy_from_host(self.idx[:n], ids)
+        w, C = self.w, self.mc.d_model
+        z = self._views(n, slice(0, n))
+        for l, s in enumerate(z.layers):
+            s.att, s.qkv3, s.atty3 = l, s.qkv.reshape(n, 1, 3 * C), s.atty.reshape(n, 1, C)
+        self._rows = list(zip(slots, pos))
+        # BLAS on one thread as for ``forward`` of one row (the rows run in turn on this thread)
+        with pool.blas_single_threaded() if self.xp is np else contextlib.nullcontext():
+            for i, p in enumerate(pos):
+                self.ops.embed_forward(z.emb3[:, i:i + 1], self.idx[i:i + 1].reshape(1, 1), w["wte"], w["wpe"][p:])
+            for s in z.layers:
+                recipe.block_forward(self.row_ops, s, z.branch, None, self.mc.n_head, self.work)
+            recipe.head_forward(self.row_ops, z, with_targets=False)
+        for sl in slots:
+            self.slot_pos[sl] += 1
+        self.pos = self.slot_pos[self.slot]
+        return z.logits
+
     def forward(self, ids, all_logits: bool = False):
         """Feed ``ids`` (n,) at positions pos..pos+n-1; return logits (n, V) or, by default,
         only the last row's (1, V). The rows are views of an internal buffer (copy to keep)."""
@@ -247,11 +339,14 @@ class InferenceModel:
             raise AndreaError(f"forward: token id outside [0, {self.mc.vocab_size})")
         self.be.copy_from_host(self.idx[:n], ids)
         z = self._views(n, slice(0, n) if all_logits else slice(n - 1, n))
-        self.ops.embed_forward(z.emb3, z.idx, z.wte, z.wpe)
-        for s in z.layers:
-            recipe.block_forward(self.cached_ops, s, z.branch, None, self.mc.n_head, self.work)
-        self.pos += n
-        recipe.head_forward(self.ops, z, with_targets=False)
+        # one row does not split over the op pool, so on NumPy its GEMVs would run on BLAS's own
+        # threads, a handshake per call: one thread is faster (bench/generate.py, numpy rows)
+        with pool.blas_single_threaded() if n == 1 and self.xp is np else contextlib.nullcontext():
+            self.ops.embed_forward(z.emb3, z.idx, z.wte, z.wpe)
+            for s in z.layers:
+                recipe.block_forward(self.cached_ops, s, z.branch, None, self.mc.n_head, self.work)
+            self.pos += n
+            recipe.head_forward(self.ops, z, with_targets=False)
         return z.logits
 
 
@@ -276,6 +371,45 @@ def generate(model: InferenceModel, prompt_ids: Sequence[int], opts: SamplingOpt
     the document separator the model was trained on. ``rng`` is a Generator (its state
     advances, so a caller can save it) or an int seed.
     """
+    job = _start(prompt_ids, opts, rng, eot_id, tokenizer)
+    if hasattr(model, "sample_chunks"):               # the GPU graph decoder draws on the device
+        seed = int(job.rng.integers(0, 2 ** 63))      # one host draw seeds the device's counter RNG
+        for chunk in model.sample_chunks(job.seq, opts, seed, int(opts.max_new_tokens)):
+            for tok in chunk:
+                if _take(job, eot_id, tokenizer, on_token, tok) is None:
+                    return _finish(job, tokenizer)
+        return _finish(job, tokenizer)
+    T = model.context
+    keep = max(1, T // 2)
+    model.reset()
+    logits = model.forward(job.seq if len(job.seq) <= T else job.seq[-keep:])
+    while True:
+        job.row = model.be.to_host(logits[-1])
+        tok = _take(job, eot_id, tokenizer, on_token)
+        if tok is None:
+            return _finish(job, tokenizer)
+        if model.pos >= T:
+            model.reset()
+            logits = model.forward(job.seq[-keep:])
+        else:
+            logits = model.forward([tok])
+
+
+@dataclass
+class _Job:
+    """One sequence of ``generate_batch``: ``generate``'s loop state, kept between batched steps."""
+
+    seq: list[int]
+    opts: SamplingOptions
+    rng: np.random.Generator
+    out: Generation
+    stops: list[bytes]
+    new_bytes: bytes = b""
+    row: np.ndarray | None = None          # the logits to draw the next token from (host)
+
+
+def _start(prompt_ids, opts: SamplingOptions, rng, eot_id: int | None, tokenizer) -> _Job:
+    """``generate``'s set-up of one sequence (empty prompt -> EOT; the rng from an int seed)."""
     if not isinstance(rng, np.random.Generator):
         rng = np.random.default_rng(int(rng))
     seq = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
@@ -283,36 +417,37 @@ def generate(model: InferenceModel, prompt_ids: Sequence[int], opts: SamplingOpt
         if eot_id is None:
             raise AndreaError("generate: an empty prompt needs eot_id to start from")
         seq = [int(eot_id)]
-    T = model.context
-    keep = max(1, T // 2)
-    model.reset()
-    window = seq if len(seq) <= T else seq[-keep:]
-    logits = model.forward(window)
-    out = Generation()
     stops = [s.encode("utf-8") for s in opts.stop_strings if s] if tokenizer is not None else []
-    new_bytes = b""
-    for _ in range(int(opts.max_new_tokens)):
-        row = model.be.to_host(logits[-1])
-        tok = draw(next_token_probs(row, opts.temperature, opts.top_k, opts.top_p), rng)
-        if opts.stop_at_eot and eot_id is not None and tok == eot_id:
-            out.stop = "eot"
-            break
-        out.ids.append(tok)
-        seq.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        if stops:
-            new_bytes += tokenizer.token_bytes(tok)
-            if any(s in new_bytes for s in stops):
-                out.stop = "stop_string"
-                break
-        if len(out.ids) == opts.max_new_tokens:
-            break
-        if model.pos >= T:
-            model.reset()
-            logits = model.forward(seq[-keep:])
-        else:
-            logits = model.forward([tok])
+    return _Job(seq, opts, rng, Generation(), stops)
+
+
+def _take(job: _Job, eot_id: int | None, tokenizer, on_token, tok: int | None = None) -> int | None:
+    """Draw one token for ``job`` from ``job.row`` (or take ``tok``, drawn on the device), exactly
+    as ``generate``'s loop body: the token to feed next, or None when the job is done."""
+    opts, out = job.opts, job.out
+    if len(out.ids) >= opts.max_new_tokens:
+        return None
+    if tok is None:
+        tok = draw(next_token_probs(job.row, opts.temperature, opts.top_k, opts.top_p), job.rng)
+    if opts.stop_at_eot and eot_id is not None and tok == eot_id:
+        out.stop = "eot"
+        return None
+    out.ids.append(tok)
+    job.seq.append(tok)
+    if on_token is not None:
+        on_token(tok)
+    if job.stops:
+        job.new_bytes += tokenizer.token_bytes(tok)
+        if any(s in job.new_bytes for s in job.stops):
+            out.stop = "stop_string"
+            return None
+    if len(out.ids) == opts.max_new_tokens:
+        return None
+    return tok
+
+
+def _finish(job: _Job, tokenizer) -> Generation:
+    out, opts = job.out, job.opts
     if tokenizer is not None:
         text = tokenizer.decode(out.ids)
         if out.stop == "stop_string":
@@ -320,6 +455,56 @@ def generate(model: InferenceModel, prompt_ids: Sequence[int], opts: SamplingOpt
             text = text[:cut]
         out.text = text
     return out
+
+
+def generate_batch(model: InferenceModel, jobs: Sequence[tuple[Sequence[int], SamplingOptions, object]],
+                   eot_id: int | None = None, tokenizer=None) -> list[Generation]:
+    """``[generate(model, prompt, opts, rng, eot_id, tokenizer) for prompt, opts, rng in jobs]``,
+    the sequences decoded together: up to ``model.slots`` at a time, one slot of the KV cache
+    each (its own positions), one ``forward_rows`` per step for every live sequence; a finished
+    one hands its slot to the next job. Each job keeps its own rng and stop rules, and on NumPy
+    gets the tokens it gets alone (``forward_rows`` gives each row a one-row call's bits).
+    A model without ``forward_rows`` (the GPU graph decoder) runs the jobs in turn."""
+    if not hasattr(model, "forward_rows"):
+        return [generate(model, p, o, r, eot_id, tokenizer) for p, o, r in jobs]
+    T = model.context
+    keep = max(1, T // 2)
+    results: list[Generation | None] = [None] * len(jobs)
+    live: dict[int, tuple[int, _Job]] = {}                 # slot -> (job index, job)
+    todo = list(range(len(jobs)))[::-1]
+
+    def prefill(slot: int, job: _Job, tokens: list[int]) -> None:
+        model.select(slot)
+        model.reset()
+        job.row = model.be.to_host(model.forward(tokens)[-1]).copy()
+
+    while todo or live:
+        for slot in range(model.slots):                     # start jobs in free slots, in job order
+            if slot not in live and todo:
+                j = todo.pop()
+                prompt, opts, rng = jobs[j]
+                job = _start(prompt, opts, rng, eot_id, tokenizer)
+                if int(opts.max_new_tokens) <= 0:
+                    results[j] = _finish(job, tokenizer)
+                    continue
+                prefill(slot, job, job.seq if len(job.seq) <= T else job.seq[-keep:])
+                live[slot] = (j, job)
+        feed: list[tuple[int, int]] = []
+        for slot in sorted(live):
+            j, job = live[slot]
+            tok = _take(job, eot_id, tokenizer, None)
+            if tok is None:
+                results[j] = _finish(job, tokenizer)
+                del live[slot]
+            elif model.position(slot) >= T:
+                prefill(slot, job, job.seq[-keep:])         # the window slides, as in ``generate``
+            else:
+                feed.append((slot, tok))
+        if feed:
+            logits = model.be.to_host(model.forward_rows([s for s, _ in feed], [t for _, t in feed]))
+            for i, (slot, _) in enumerate(feed):
+                live[slot][1].row = logits[i].copy()
+    return results  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------ loading a run
@@ -369,8 +554,9 @@ def find_tokenizer(run: str | Path, state: dict | None, given: str | Path | None
                       f"{variant!r} from the run state); pass --tokenizer")
 
 
-def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=None) -> LoadedModel:
-    """Load a checkpoint, its tokenizer and config for inference, refusing any mismatch clearly."""
+def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=None, slots: int = 1) -> LoadedModel:
+    """Load a checkpoint, its tokenizer and config for inference, refusing any mismatch clearly;
+    ``slots``: sequences the model's KV cache holds (``generate_batch``)."""
     from andrea import runs
     from andrea.engine import checkpoint as ckio
     from andrea.tokenizer import load as load_tokenizer
@@ -384,7 +570,7 @@ def load_model(run: str | Path, tokenizer_path: str | Path, cfg: dict, backend=N
     step, weights = ckio.read_weights(ckpt, n_params)
     be = backend if backend is not None else NumpyBackend()
     flat = be.xp.asarray(weights) if be.xp is not np else weights
-    return LoadedModel(InferenceModel(mc, flat, be), tok, mc, int(step), ckpt, state)
+    return LoadedModel(InferenceModel(mc, flat, be, slots), tok, mc, int(step), ckpt, state)
 
 
 def fast_model(lm: LoadedModel, backend, precision: str = "fp32") -> LoadedModel:

@@ -580,11 +580,11 @@ def _num(x: float):
 def coherence_hook(trainer: Trainer) -> Hook:
     """The early stop of andrea/coherence.py: sample the fixed prompts every coherence.every
     steps from the training weights; halt after coherence.patience degenerate checks."""
-    from andrea.coherence import CoherenceMonitor
+    from andrea.coherence import PROMPTS, CoherenceMonitor
     from andrea.generate import InferenceModel
 
     mon = CoherenceMonitor(trainer.settings.coherence)
-    model = InferenceModel(trainer.mc, trainer.engine.w, trainer.engine.be)
+    model = InferenceModel(trainer.mc, trainer.engine.w, trainer.engine.be, slots=len(PROMPTS))   # one batch
 
     def fn(tr: Trainer, step: int):
         out = mon.sample_check(step, model, tr.tok, tr.seed)

@@ -9,17 +9,22 @@ window for every new token (the anchor), at each shape of ``--shapes``.
 GPU (``--backend cupy``): per shape, the same random weights (seeded) run by
 - ``graph``: ``andrea.cuda.decode.GraphDecoder`` (one CUDA graph per token, arg-max on the
   device), in bf16 and fp32;
+- ``graph-sample``: the same decoder sampling ON THE DEVICE (temperature 0.8, top-k 40, top-p
+  0.95: the params' audit options), against transformers ``generate(do_sample=True)`` with them;
 - ``eager``: ``InferenceModel`` on CuPy (fp32, one launch per op: the previous path);
 - ``transformers``: the weights exported by ``andrea.export`` (``hf_tensors`` + ``hf_config``,
   the functions ``andrea export`` writes with, saved as model.safetensors + config.json) and
   loaded with ``AutoModelForCausalLM.from_pretrained``, eager ``generate`` (greedy, KV cache),
   in bf16 and fp32: the anchor. Ratios are ours / transformers at the same precision.
 Every path produces the same number of tokens; the fp32 paths' first tokens are compared.
+``--profile`` adds, per GPU shape, each decode kernel's time as a graph node (CUDA events around
+a graph of 200 launches of it, at position ``--prompt + --tokens``) and the bytes it reads per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -32,6 +37,7 @@ from andrea.engine.engine import Engine
 from andrea.engine.model import ModelConfig
 from andrea.generate import InferenceModel, SamplingOptions, draw, generate, next_token_probs
 
+SAMPLED = SamplingOptions(max_new_tokens=0, temperature=0.8, top_k=40, top_p=0.95, stop_at_eot=False)   # the audit's
 SHAPES = {"tiny": ModelConfig(1281, 128, 4, 4, 128), "12m": ModelConfig(4353, 384, 12, 6, 1024),
           "120m": ModelConfig(8449, 768, 12, 12, 1024)}
 
@@ -89,7 +95,53 @@ def export_folder(mc: ModelConfig, w: np.ndarray, root: Path) -> Path:
     return out
 
 
-def bench_cupy(name: str, mc: ModelConfig, n: int, plen: int, hf: bool) -> None:
+def profile_decoder(name: str, dec, pos: int, reps: int = 200) -> None:
+    """Microseconds per launch of each kernel of one decode step, as a node of a CUDA graph."""
+    import cupy as cp
+
+    from andrea.cuda.decode import MODE_GELU, MODE_LOGITS, MODE_QKV
+
+    mc, W, WT = dec.mc, dec.W, dec.WT
+    dec.state[:] = cp.asarray([1, pos, 0, 0], dtype=np.int32)
+    cp.cuda.Device().synchronize()            # the decoder's own stream does not wait for this copy
+    kinds = {
+        "ln+qkv": (lambda: dec.ln_gemv(dec.x, W["h.0.ln1.g"], W["h.0.ln1.b"], WT["h.0.attn.w_qkv"], MODE_QKV, dec.q,
+                                       dec.k_cache[0], dec.v_cache[0]), WT["h.0.attn.w_qkv"].nbytes),
+        "attention": (lambda: dec.attn(dec.k_cache[0], dec.v_cache[0]), 2 * dec.k_cache[0].nbytes * (pos + 1) // mc.context),
+        "out+res": (lambda: dec.gemv_res(dec.y, WT["h.0.attn.w_o"], dec.x), WT["h.0.attn.w_o"].nbytes),
+        "ln+fc+gelu": (lambda: dec.ln_gemv(dec.x, W["h.0.ln2.g"], W["h.0.ln2.b"], WT["h.0.mlp.w_fc"], MODE_GELU,
+                                           dec.h_act), WT["h.0.mlp.w_fc"].nbytes),
+        "proj+res": (lambda: dec.gemv_res(dec.h_act, WT["h.0.mlp.w_proj"], dec.x), WT["h.0.mlp.w_proj"].nbytes),
+        "lnf+head": (lambda: dec.ln_gemv(dec.x, W["lnf.g"], W["lnf.b"], WT["wte"], MODE_LOGITS, dec.logits),
+                     WT["wte"].nbytes),
+    }
+    total = 0.0
+    stream = dec.stream
+    for kind, (fn, nbytes) in kinds.items():
+        with stream:                          # reps launches of the kernel as one graph: its cost as a graph node
+            fn()
+            stream.begin_capture()
+            try:
+                for _ in range(reps):
+                    fn()
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream)
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            graph.launch(stream)
+            b.record(stream)
+        b.synchronize()
+        us = cp.cuda.get_elapsed_time(a, b) * 1e3 / reps
+        per_token = us * (1 if kind == "lnf+head" else mc.n_layer)
+        total += per_token
+        print(f"  {name} {dec.prec} {kind:11s} {us:7.2f} us/launch  {nbytes / us / 1e3:7.1f} GB/s  "
+              f"x{1 if kind == 'lnf+head' else mc.n_layer} = {per_token:7.1f} us/token", flush=True)
+    print(f"  {name} {dec.prec} sum over one step's kernels: {total:.1f} us/token (+ embed, arg-max)", flush=True)
+    dec.reset()
+
+
+def bench_cupy(name: str, mc: ModelConfig, n: int, plen: int, hf: bool, profile: bool = False) -> None:
     import cupy as cp
 
     from andrea.cuda.decode import GraphDecoder
@@ -104,6 +156,13 @@ def bench_cupy(name: str, mc: ModelConfig, n: int, plen: int, hf: bool) -> None:
         dec = GraphDecoder(mc, wd, precision=prec)
         ids[("graph", prec)], t = timed(lambda: dec.greedy(prompt, n), sync)
         rows[("graph", prec)] = n / t
+        if profile:
+            print(f"  {name} {prec} graph: {1e6 * t / n:.1f} us/token", flush=True)
+            profile_decoder(name, dec, min(plen + n, mc.context - 1))
+        if prec == "bf16":                    # sampling on the device (k_dec_sample in the graph)
+            sampled = dataclasses.replace(SAMPLED, max_new_tokens=n)
+            ids[("graph-sample", prec)], t = timed(lambda: generate(dec, prompt, sampled, 1).ids, sync)
+            rows[("graph-sample", prec)] = n / t
         del dec
     im = InferenceModel(mc, wd, be)
     greedy = SamplingOptions(max_new_tokens=n, temperature=0, stop_at_eot=False)
@@ -120,25 +179,32 @@ def bench_cupy(name: str, mc: ModelConfig, n: int, plen: int, hf: bool) -> None:
                 model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dt).cuda().eval()
                 x = torch.tensor([prompt], device="cuda")
 
-                def run():
+                def run(sample=False):
                     with torch.no_grad():
-                        o = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)
+                        kw = dict(do_sample=True, temperature=SAMPLED.temperature, top_k=SAMPLED.top_k,
+                                  top_p=SAMPLED.top_p) if sample else dict(do_sample=False)
+                        o = model.generate(x, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                                           **kw)
                     return o[0, len(prompt):].tolist()
 
                 ids[("transformers", prec)], t = timed(run, torch.cuda.synchronize)
                 rows[("transformers", prec)] = n / t
+                if prec == "bf16":
+                    torch.manual_seed(1)
+                    ids[("transformers-sample", prec)], t = timed(lambda: run(True), torch.cuda.synchronize)
+                    rows[("transformers-sample", prec)] = n / t
                 del model
                 torch.cuda.empty_cache()
     ref = ids[("eager", "fp32")]
     for (impl, prec), tps in rows.items():
         got = ids[(impl, prec)]
         agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-        anchor = rows.get(("transformers", prec))
-        ratio = f"{tps / anchor:.2f}x transformers {prec}" if anchor and impl != "transformers" else "anchor" \
-            if impl == "transformers" else "-"
-        print(f"| {name} | cupy | {prec} | {impl} | {tps:.1f} | {ratio} | first {agree}/{n} tokens = eager fp32 |",
-              flush=True)
+        anchor_impl = "transformers-sample" if impl.endswith("sample") else "transformers"
+        anchor = rows.get((anchor_impl, prec))
+        ratio = f"{tps / anchor:.2f}x {anchor_impl} {prec}" if anchor and not impl.startswith("transformers") \
+            else "anchor" if impl.startswith("transformers") else "-"
+        check = f"{len(got)} tokens (sampled)" if impl.endswith("sample") else f"first {agree}/{n} tokens = eager fp32"
+        print(f"| {name} | cupy | {prec} | {impl} | {tps:.1f} | {ratio} | {check} |", flush=True)
 
 
 def main() -> None:
@@ -148,6 +214,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="new tokens (default: 256 on cupy, 32 on numpy)")
     ap.add_argument("--prompt", type=int, default=16, help="prompt length in tokens")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers anchor")
+    ap.add_argument("--profile", action="store_true", help="GPU: time each decode kernel (see above)")
     args = ap.parse_args()
     hf = not args.no_transformers
     if args.backend == "cupy" and hf:
@@ -165,7 +232,7 @@ def main() -> None:
         if args.backend == "numpy":
             bench_numpy(name, mc, n, args.prompt)
         else:
-            bench_cupy(name, mc, n, args.prompt, hf)
+            bench_cupy(name, mc, n, args.prompt, hf, args.profile)
 
 
 if __name__ == "__main__":

@@ -150,3 +150,23 @@ def test_sample_check_samples_the_model_reproducibly(coh):
     assert all(len(s["text"].encode("utf-8", "replace")) <= 12 * 3 for s in a["samples"])
     other = CoherenceMonitor(c).sample_check(400, im, ByteTokenizer(), seed=3)
     assert [s["text"] for s in other["samples"]] != [s["text"] for s in a["samples"]]
+
+
+def test_sample_check_decodes_the_prompts_together_as_each_alone(coh):
+    import numpy as np
+
+    from andrea.engine.model import ModelConfig, param_layout
+    from andrea.generate import InferenceModel, SamplingOptions, generate
+
+    mc = ModelConfig(vocab_size=257, d_model=16, n_head=2, n_layer=1, context=32)
+    params = np.random.default_rng(0).normal(0, 0.3, param_layout(mc).n_params).astype(np.float32)
+    c = replace(coh, max_new_tokens=40)                       # 40 > context: the window slides
+    tok = ByteTokenizer()
+    from andrea.data.template import STOP_STRINGS
+
+    opts = SamplingOptions(max_new_tokens=40, temperature=c.temperature, top_k=c.top_k, stop_strings=tuple(STOP_STRINGS))
+    alone = [generate(InferenceModel(mc, params), tok.encode(p), opts, np.random.default_rng([3, 200, i]),
+                      eot_id=tok.eot_id, tokenizer=tok).text for i, p in enumerate(PROMPTS)]
+    for slots in (1, len(PROMPTS)):
+        got = CoherenceMonitor(c).sample_check(200, InferenceModel(mc, params, slots=slots), tok, seed=3)
+        assert [s["text"] for s in got["samples"]] == alone

@@ -208,3 +208,77 @@ def test_kv_cache_matches_the_engine_forward():
     got = np.concatenate([im.forward(ids[0, :7], all_logits=True).copy(),
                           np.stack([im.forward([t])[0].copy() for t in ids[0, 7:]])])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_row_forward_runs_blas_on_one_thread_and_restores_it():
+    from threadpoolctl import ThreadpoolController
+
+    from andrea.engine import ops_numpy
+
+    ctl = ThreadpoolController().select(user_api="blas")
+    before = [c.num_threads for c in ctl.lib_controllers]
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ops_numpy, name)
+            if name != "mlp_forward":
+                return fn
+
+            def wrapped(*a, **k):
+                seen.append(max(c.num_threads for c in ctl.lib_controllers))
+                return fn(*a, **k)
+            return wrapped
+
+    im = InferenceModel(MC, random_params(MC))
+    im.ops = Spy()
+    im.cached_ops._ops = im.ops
+    im.forward([1, 2, 3])                    # several rows: the op pool splits them (its own rule)
+    im.forward([4])                          # one row: BLAS on one thread
+    assert seen[-MC.n_layer:] == [1] * MC.n_layer
+    assert [c.num_threads for c in ctl.lib_controllers] == before
+
+
+def _jobs(eot):
+    """Prompts of every kind generate handles: empty (starts from EOT), longer than the context,
+    greedy and sampled, a stop string, no tokens at all, long runs past the context."""
+    free = SamplingOptions(max_new_tokens=40, temperature=1.0, top_k=20, top_p=0.9, stop_at_eot=False)
+    return [([1, 2, 3], free, 7),
+            ([], SamplingOptions(max_new_tokens=12, temperature=0.8), 8),
+            (list(range(3, 3 + MC.context + 5)), SamplingOptions(max_new_tokens=9, temperature=0), 9),
+            ([5], SamplingOptions(max_new_tokens=30, temperature=1.0, stop_strings=("C", "QQ")), 10),
+            ([4, 4], SamplingOptions(max_new_tokens=0), 11),
+            ([6, 7, 8, 9], SamplingOptions(max_new_tokens=25, temperature=1.3, top_k=5), np.random.default_rng([1, 2])),
+            ([2], free, 12)]
+
+
+@pytest.mark.parametrize("slots", [1, 3, 7])
+def test_generate_batch_gives_each_prompt_what_it_gets_alone(slots):
+    from andrea.generate import generate_batch
+
+    flat = random_params(MC, scale=1.0)
+    tok = ByteTok()
+    alone = [generate(InferenceModel(MC, flat), p, o, r if isinstance(r, int) else np.random.default_rng([1, 2]),
+                      eot_id=tok.eot_id, tokenizer=tok) for p, o, r in _jobs(tok.eot_id)]
+    together = generate_batch(InferenceModel(MC, flat, slots=slots), _jobs(tok.eot_id), eot_id=tok.eot_id, tokenizer=tok)
+    assert [(g.ids, g.stop, g.text) for g in together] == [(g.ids, g.stop, g.text) for g in alone]
+    assert {g.stop for g in alone} == {"max_tokens", "eot", "stop_string"}       # every way out is covered
+    assert max(len(g.ids) for g in alone) > MC.context                           # and the sliding window
+
+
+def test_forward_rows_gives_each_row_the_bits_of_a_one_row_forward():
+    flat = random_params(MC, scale=1.0)
+    one = InferenceModel(MC, flat)
+    many = InferenceModel(MC, flat, slots=3)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    for s, p in enumerate(prompts):
+        many.select(s)
+        many.forward(p)
+    got = many.forward_rows([2, 0, 1], [10, 11, 12]).copy()
+    for row, (p, t) in zip(got, [(prompts[2], 10), (prompts[0], 11), (prompts[1], 12)]):
+        one.reset()
+        one.forward(p)
+        assert np.array_equal(row, one.forward([t])[0])
+    assert [many.position(s) for s in range(3)] == [4, 2, 6]
+    with pytest.raises(AndreaError, match="distinct"):
+        many.forward_rows([0, 0], [1, 2])

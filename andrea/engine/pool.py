@@ -25,6 +25,7 @@ thread, so a step pays a handful of handoffs instead of one per op.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -162,6 +163,29 @@ def _run_on_pool(fn, n: int) -> None:
     finally:
         for c, k_ in zip(ctl, saved):
             c.set_num_threads(k_)
+
+
+@contextlib.contextmanager
+def blas_single_threaded():
+    """BLAS on one thread inside the block (process-wide, restored after): for callers whose ops
+    do not split (one row: ``split_batch`` runs it inline), where each multi-threaded GEMV would
+    pay a thread handshake (one-token decode at 12M ran ~50x slower with a busy second core).
+    Inside a parallel call, or while another thread holds the pool, it changes nothing."""
+    if getattr(_LOCAL, "inline", False) or not _POOL_LOCK.acquire(blocking=False):
+        yield
+        return
+    try:
+        ctl = _pool()[3]
+        saved = [c.num_threads for c in ctl]
+        for c in ctl:
+            c.set_num_threads(1)
+        try:
+            yield
+        finally:
+            for c, k_ in zip(ctl, saved):
+                c.set_num_threads(k_)
+    finally:
+        _POOL_LOCK.release()
 
 
 def split_batch(fn, B: int) -> None:

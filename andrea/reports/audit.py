@@ -8,7 +8,8 @@ prompt sets shipped in ``andrea/prompts/*.json`` (one per domain: chat-shaped pr
 rendered with the chat template, prose and code openings), and the run's
 ``model.samples.json`` / ``model.state.json`` when present.
 
-Every prompt is sampled ``audit.samples_per_prompt`` times with ``audit.max_new_tokens``,
+Every prompt is sampled ``audit.samples_per_prompt`` times (all samples decoded as one batch of
+up to ``AUDIT_SLOTS`` sequences, each with the tokens it would get alone) with ``audit.max_new_tokens``,
 ``audit.temperature``, ``audit.top_k`` and ``audit.top_p``; sample j of prompt i draws from
 a Generator seeded by ``(seed, i, j)``, so every checkpoint answers under the same dice and
 a re-run gives the same bytes. Chat answers stop at the template's end tag. Each sample
@@ -42,6 +43,7 @@ PROMPTS_FORMAT = "andrea.prompts/1"
 MOJIBAKE_SHARE = 0.05
 MIN_WORDS = 8
 MIN_CHARS = 16
+AUDIT_SLOTS = 32          # samples decoded together (KV-cache slots; bench/audit.py measures the gain)
 MEAN_KEYS = ("bigram", "trigram", "word", "char", "distinct_1", "distinct_2", "distinct_3")
 
 
@@ -141,23 +143,27 @@ def summarize(samples: list[dict]) -> dict:
 
 
 def sample_checkpoint(model, tok, prompts: list[Prompt], settings: Settings, progress=None, task=None) -> list[dict]:
-    from andrea.generate import SamplingOptions, generate
+    """Every sample of every prompt, decoded as one batch (``andrea.generate.generate_batch``:
+    each sample gets the tokens it gets alone, so the batch size never changes the report)."""
+    from andrea.generate import SamplingOptions, generate_batch
 
     a, max_repeat = settings.audit, settings.coherence.max_repeat
-    recs = []
+    jobs, meta = [], []
     for i, p in enumerate(prompts):
         opts = SamplingOptions(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                top_p=a.top_p, stop_strings=p.stop_strings)
         ids = tok.encode(p.text)
         for j in range(a.samples_per_prompt):
-            rng = np.random.default_rng([settings.seed, i, j])
-            g = generate(model, ids, opts, rng, eot_id=tok.eot_id, tokenizer=tok)
-            s = coherence.scores(g.text)
-            recs.append({"id": p.id, "domain": p.domain, "sample": j, "prompt": p.shown, "input": p.text, "text": g.text,
-                         "n_tokens": len(g.ids), "stop": g.stop, "scores": s,
-                         "flags": sample_flags(g.text, s, max_repeat)})
-            if progress is not None:
-                progress.advance(task)
+            jobs.append((ids, opts, np.random.default_rng([settings.seed, i, j])))
+            meta.append((p, j))
+    recs = []
+    for (p, j), g in zip(meta, generate_batch(model, jobs, eot_id=tok.eot_id, tokenizer=tok)):
+        s = coherence.scores(g.text)
+        recs.append({"id": p.id, "domain": p.domain, "sample": j, "prompt": p.shown, "input": p.text, "text": g.text,
+                     "n_tokens": len(g.ids), "stop": g.stop, "scores": s,
+                     "flags": sample_flags(g.text, s, max_repeat)})
+        if progress is not None:
+            progress.advance(task)
     return recs
 
 
@@ -250,9 +256,9 @@ def run(args, cfg) -> int:
         ckpts = [c for c in ckpts if c[2]]
     settings = Settings.from_dict(cfg)
     be, why = select_backend(settings.train.backend)
-    lm = load_model(run_dir, args.tokenizer, cfg, be)
-    console.print(f"audit: backend {why}")
     prompts = load_prompts()
+    lm = load_model(run_dir, args.tokenizer, cfg, be, slots=min(AUDIT_SLOTS, len(prompts) * settings.audit.samples_per_prompt))
+    console.print(f"audit: backend {why}")
     n_per = len(prompts) * settings.audit.samples_per_prompt
     checkpoints = []
     with Progress(console=console, transient=False) as progress:
