@@ -91,7 +91,8 @@ STAGES: tuple[Stage, ...] = (
           ("model", "train.batch_size", "train.backend", "eval"),
           (_TOK, _TOKS, "runs/{variant}/main", "reports/{variant}/audit.json"),
           (Out("reports/{variant}/eval.html"), Out("reports/{variant}/eval.md"), Out("reports/{variant}/loss.csv"),
-           Out("reports/{variant}/val_loss.csv"), Out("reports/{variant}/metrics.json", metric=True))),
+           Out("reports/{variant}/val_loss.csv"), Out("reports/{variant}/val_per_source.csv"),
+           Out("reports/{variant}/metrics.json", metric=True))),
 )
 
 BY_NAME = {s.name: s for s in STAGES}
@@ -179,6 +180,16 @@ def _dvc_path(p: str) -> str:
     return p.replace("{variant}", "${profile}").replace("{corpus}", "${hermes3.source}")
 
 
+def _default_sources() -> list[str]:
+    """The sources of the composed default config, in its order: the per-source plot's fields (the
+    eval writes a column for each, so a field is never missing; workflow/plots.html gives field i
+    the look render.style_at(i), the same as eval.html's)."""
+    from andrea.config import default_profile, load_config
+    from andrea.reports.render import config_sources
+
+    return config_sources(load_config(ROOT / "params.yaml", default_profile(ROOT / "params")))
+
+
 def dvc_yaml_text() -> str:
     stages = {}
     for st in STAGES:
@@ -194,10 +205,15 @@ def dvc_yaml_text() -> str:
             body["metrics"] = metrics
         stages[st.name] = body
     plots = [
-        {"training loss (per step)": {"template": "linear", "x": "step",
-                                      "y": {"reports/${profile}/loss.csv": "loss"}}},
+        {"train loss (every logged step) and its SMMA": {
+            "template": "linear", "x": "step", "y": {"reports/${profile}/loss.csv": ["loss", "smma"]},
+            "y_label": "train loss (nats/token)"}},
         {"held-out loss, in-training estimate (train.eval_batches batches)": {
-            "template": "linear", "x": "step", "y": {"reports/${profile}/val_loss.csv": "val_loss"}}},
+            "template": "linear", "x": "step", "y": {"reports/${profile}/val_loss.csv": "val_loss"},
+            "y_label": "held-out loss (nats/token)"}},
+        {"held-out loss per source, in-training estimate": {
+            "template": "linear", "x": "step", "y": {"reports/${profile}/val_per_source.csv": _default_sources()},
+            "y_label": "held-out loss (nats/token)"}},
     ]
     text = yaml.safe_dump({"stages": stages, "plots": plots}, sort_keys=False, width=120)
     return DVC_HEADER + text

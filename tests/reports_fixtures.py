@@ -70,6 +70,7 @@ def make_run(tmp_path: Path, train_steps: int = 30, extra_overrides: tuple = ())
     train, val, pulls, events = [], [], [], [{"step": 0, "kind": "start", "detail": "synthetic"}]
     srcs = list(TEXTS)
     run = tmp_path / "run"
+    smma, ema = None, {}                # as the trainer logs them: Wilder's average (period 5), per-source EMA
     for step in range(train_steps):
         starts = rng.integers(0, train_toks.size - T - 1, size=B)
         x = np.stack([train_toks[s:s + T] for s in starts])
@@ -77,10 +78,13 @@ def make_run(tmp_path: Path, train_steps: int = 30, extra_overrides: tuple = ())
         lr = 1e-2 * min(1.0, (step + 1) / 5)
         res = eng.train_step([(x, y)], lr=lr, t=step + 1, hp=Hyper())
         src = srcs[(step // 3) % 2]
-        train.append({"step": step, "phase": "main", "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
-                      "tokens_per_s": 1000.0 + step, "source": src, "time": 1.0 * step})
-        if step % 3 == 0:
-            pulls.append({"step": step, "source": src, "reward": 0.1, "scores": {s: 1.0 for s in srcs}})
+        smma = res.loss if smma is None else smma + (res.loss - smma) / 5
+        ema[src] = res.loss if src not in ema else 0.9 * ema[src] + 0.1 * res.loss
+        train.append({"step": step, "phase": "main", "loss": res.loss, "smma": smma, "lr": lr,
+                      "grad_norm": res.grad_norm, "tokens_per_s": 1000.0 + step, "source": src, "time": 1.0 * step})
+        if step % 3 == 2:                                      # a pull of 3 batches ends
+            pulls.append({"step": step, "source": src, "reward": 0.1, "scores": {s: 1.0 for s in srcs},
+                          "ema": ema[src]})
         if step % 10 == 9:
             val.append({"step": step, "loss": res.loss, "per_source": {s: res.loss + i * 0.1 for i, s in enumerate(srcs)},
                         "unigram": 5.0})

@@ -37,13 +37,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("chat-single", "py-code", "py-topics")
 
 
-def history(n_train: int, n_val: int = 0, with_events: bool = True) -> dict:
+def history(n_train: int, n_val: int = 0, with_events: bool = True, smma: bool = True) -> dict:
+    """A history as training writes it: train records with ``smma``, pulls with the source's ``ema``."""
     train = [{"step": s, "phase": "warmup" if s < 10 else "main", "loss": 6.0 - 0.05 * s + 0.1 * (s % 3),
               "lr": 1e-3 * min(1, (s + 1) / 10), "grad_norm": 1.0, "tokens_per_s": 5000 + 10 * s,
               "source": SOURCES[(s // 4) % 3], "time": float(s)} for s in range(n_train)]
-    val = [{"step": 10 * (i + 1), "loss": 5.0 - 0.2 * i, "per_source": {s: 5.0 - 0.2 * i for s in SOURCES}}
+    for i, r in enumerate(train):
+        if smma:
+            r["smma"] = r["loss"] if i == 0 else train[i - 1]["smma"] + (r["loss"] - train[i - 1]["smma"]) / 5
+    val = [{"step": 10 * (i + 1), "loss": 5.0 - 0.2 * i, "per_source": {s: 5.0 - 0.2 * i + 0.1 * k
+                                                                        for k, s in enumerate(SOURCES)}}
            for i in range(n_val)]
-    pulls = [{"step": s, "source": SOURCES[(s // 4) % 3], "reward": 1.0, "scores": {}} for s in range(0, n_train, 4)]
+    pulls = [{"step": s, "source": SOURCES[(s // 4) % 3], "reward": 1.0, "scores": {}, "ema": 6.5 - 0.04 * s}
+             for s in range(0, n_train, 4)]
     events = [{"step": 0, "kind": "start", "detail": "fresh"}] if with_events else []
     return {"format": "andrea.loss/1", "train": train, "val": val, "pulls": pulls, "events": events}
 
@@ -201,6 +207,35 @@ def test_the_server_process_answers_bad_files_and_hang_ups_in_between(tmp_path):
     assert rc == 0 and rest.strip() == "", rest
 
 
+CONFIG_ORDER = ("py-topics", "chat-single", "py-code")      # a config's megachat.sources, not sorted
+
+
+def write_state(run: Path, order=CONFIG_ORDER) -> None:
+    atomic_write_json(run / "model.state.json", {"format": "andrea.state/1", "config": {
+        "megachat": {"sources": [{"name": n, "kind": "prose"} for n in order]}}})
+
+
+def test_data_carries_the_one_source_look_mapping(server):
+    """/data's styles are render.source_styles over the run's config order (model.state.json), then
+    any other source the history names; the page draws with them, so eval.html and the dashboard agree."""
+    from andrea.reports import render as R
+
+    srv, run, url = server
+    doc = history(12, 1)
+    doc["pulls"].append({"step": 12, "source": "zz-extra", "ema": 5.0})
+    atomic_write_json(run / "model.loss.json", doc)
+    write_state(run)
+    d = json.loads(urllib.request.urlopen(url + "data?train=0", timeout=5).read())
+    want = R.source_styles(CONFIG_ORDER, ["zz-extra"])
+    assert {k: tuple(v) for k, v in d["styles"].items()} == {**want, **R.LOSS_LOOKS}
+    assert d["styles"]["py-topics"] == list(R.style_at(0)) and d["styles"]["zz-extra"] == list(R.style_at(3))
+    assert len({tuple(v) for v in d["looks"]}) == len(d["looks"]) == len(R.HUES) * len(R.DASHES)
+    (run / "model.state.json").write_text("{broken")                 # unreadable state: sorted names, no error
+    atomic_write_json(run / "model.loss.json", history(13, 1))
+    d = json.loads(urllib.request.urlopen(url + "data?train=0", timeout=5).read())
+    assert "error" not in d and d["styles"]["chat-single"] == list(R.style_at(0))
+
+
 def test_server_binds_loopback_and_serves_page_and_data(server):
     srv, run, url = server
     assert srv.server_address[0] == "127.0.0.1"
@@ -277,13 +312,26 @@ def test_dashboard_in_headless_chromium_loads_draws_and_updates(server, tmp_path
         status = lambda: drv.find_element("id", "status")
         # no file yet: the page loads and says it waits
         _wait(lambda: "waiting for model.loss.json" in status().text, what="the waiting message")
+        write_state(run)
         atomic_write_json(run / "model.loss.json", history(20, 1))
         _wait(lambda: status().get_attribute("data-records") == "20", what="20 records drawn")
         assert status().get_attribute("data-step") == "19"
         loss = drv.find_element("id", "chart-loss")
         lines = loss.find_elements("css selector", "polyline")
-        assert sorted(l.get_attribute("data-series") for l in lines) == sorted(SOURCES)
-        assert int(loss.get_attribute("data-points")) == 20
+        assert sorted(l.get_attribute("data-series") for l in lines) == ["smma", "train loss"]
+        assert int(loss.get_attribute("data-points")) == 40
+        # per source: the pulls' ema (5 pulls), not the 20 train records; drawn in the config's order and looks
+        from andrea.reports import render as R
+        looks = R.source_styles(CONFIG_ORDER)
+        ema = drv.find_element("id", "chart-ema")
+        lines = ema.find_elements("css selector", "polyline")
+        assert [l.get_attribute("data-series") for l in lines] == list(CONFIG_ORDER)
+        assert int(ema.get_attribute("data-points")) == 5
+        for l in lines:
+            assert (l.get_attribute("stroke"), l.get_attribute("stroke-dasharray") or "") == looks[l.get_attribute("data-series")]
+        val = drv.find_element("id", "chart-val").find_elements("css selector", "polyline")
+        assert [l.get_attribute("data-series") for l in val] == [*CONFIG_ORDER, "overall"]
+        assert len({(l.get_attribute("stroke"), l.get_attribute("stroke-dasharray") or "") for l in val}) == 4
         for cid in ("chart-lr", "chart-tps", "chart-shares"):
             assert drv.find_element("id", cid).find_elements("css selector", "polyline"), cid
         first_pts = {l.get_attribute("data-series"): len(l.get_attribute("points").split()) for l in lines}
@@ -291,9 +339,10 @@ def test_dashboard_in_headless_chromium_loads_draws_and_updates(server, tmp_path
         atomic_write_json(run / "model.loss.json", history(45, 3))
         _wait(lambda: status().get_attribute("data-records") == "45", what="45 records drawn")
         assert "step 44" in status().text and "val" in status().text
-        lines = drv.find_element("id", "chart-loss").find_elements("css selector", "polyline")
+        lines = drv.find_element("id", "chart-ema").find_elements("css selector", "polyline")
         grown = {l.get_attribute("data-series"): len(l.get_attribute("points").split()) for l in lines}
-        assert sum(grown.values()) == 45 and all(grown[k] > first_pts[k] for k in first_pts)
+        assert sum(grown.values()) == 12 and all(grown[k] > first_pts[k] for k in first_pts)
+        assert int(drv.find_element("id", "chart-loss").get_attribute("data-points")) == 90
         # a resume that rewrites history: the page resets instead of appending
         atomic_write_json(run / "model.loss.json", {**history(30, 1), "train": history(30)["train"][:10]
                                                     + [{**r, "step": r["step"] + 1000} for r in history(30)["train"][10:]]})
@@ -310,6 +359,14 @@ def test_dashboard_in_headless_chromium_loads_draws_and_updates(server, tmp_path
             atomic_write_json(run / "model.loss.json", history(31 + i, 1))
             _wait(lambda: status().get_attribute("data-state") == "ok"
                   and status().get_attribute("data-records") == str(31 + i), what=f"recovery after {name}")
+        # an older run's history (no smma, pulls without ema): those series are absent, not made up
+        atomic_write_json(run / "model.loss.json", {**history(25, 1, smma=False),
+                                                    "pulls": [{k: v for k, v in p.items() if k != "ema"}
+                                                              for p in history(25)["pulls"]]})
+        _wait(lambda: status().get_attribute("data-records") == "25", what="the old history drawn")
+        lines = drv.find_element("id", "chart-loss").find_elements("css selector", "polyline")
+        assert [l.get_attribute("data-series") for l in lines] == ["train loss"]
+        assert drv.find_element("id", "chart-ema").get_attribute("data-points") == "0"
         severe = [e for e in drv.get_log("browser") if e.get("level") == "SEVERE"]
         assert not severe, severe
     finally:

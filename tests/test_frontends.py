@@ -10,6 +10,7 @@ through a forced dry run, DVC through its own stage loader with params.yaml set 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import yaml
 
 from andrea.config import load_config
+from andrea.reports import render as R
 from andrea.stages import BY_NAME, STAGES, TRAJECTORY, drift, stage_code
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,22 +205,63 @@ def test_snakemake_refuses_a_gpu_profile_first(scratch):
     assert r.returncode == 0, r.stderr
 
 
-def test_dvc_plots_page_reads_offline(scratch):
-    """`dvc plots show` uses workflow/plots.html (.dvc/config): no script from the network, the
-    data inline, and a local stand-in for vegaEmbed that draws it."""
+def _plots_page(scratch: Path) -> list[str]:
+    """`dvc plots show -o out` in the scratch copy over small report CSVs; the tiny profile's sources."""
     dvc_stages(scratch, "tiny", "embedded")  # a DVC repo without git: the committed config, plus no_scm
     (scratch / ".dvc/config").write_text((ROOT / ".dvc/config").read_text().replace("[core]", "[core]\n    no_scm = true"))
     (scratch / "reports/tiny").mkdir(parents=True)
-    (scratch / "reports/tiny/loss.csv").write_text("step,loss\n1,7.0\n2,6.5\n3,6.1\n")
+    (scratch / "reports/tiny/loss.csv").write_text("step,loss,smma\n1,7.0,\n2,6.5,6.8\n3,6.1,6.5\n")
     (scratch / "reports/tiny/val_loss.csv").write_text("step,val_loss\n2,6.9\n3,6.4\n")
+    sources = R.config_sources(load_config(ROOT / "params.yaml", "tiny"))
+    (scratch / "reports/tiny/val_per_source.csv").write_text(      # as the eval writes it: a column per source
+        "step," + ",".join(sources) + "\n" + "".join(f"{s}," + ",".join(f"{5 + i / 10 - s}" for i in range(len(sources)))
+                                               + "\n" for s in (1, 2, 3)))
     exe = Path(sys.executable).with_name("dvc")
     r = subprocess.run([str(exe), "plots", "show", "-o", "out"], cwd=scratch, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    return sources
+
+
+def test_dvc_plots_page_reads_offline(scratch):
+    """`dvc plots show` uses workflow/plots.html (.dvc/config): no script from the network, the
+    data inline, and a local stand-in for vegaEmbed that draws it."""
+    _plots_page(scratch)
     page = (scratch / "out/index.html").read_text()
     assert "function vegaEmbed" in page and "in-training estimate" in page
     assert not re.search(r"<script[^>]+src=", page), "a script loaded from elsewhere"
     assert "cdn." not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
     assert '"val_loss": "6.4"' in page or '"val_loss": 6.4' in page
+    assert "held-out loss per source" in page and "smma" in page
+    plots_html = (ROOT / "workflow/plots.html").read_text()
+    assert f"var HUES = {json.dumps(list(R.HUES))};" in plots_html          # the copy of render.py's looks
+    assert f"var DASHES = {json.dumps(list(R.DASHES))};" in plots_html
+
+
+def test_dvc_plots_page_draws_each_source_in_its_look(scratch):
+    """In a real chromium: the per-source plot draws the config's i-th source as render.style_at(i),
+    the look eval.html and the dashboard give it; an empty cell (an old run's smma) is no point."""
+    from selenium.webdriver.chrome.service import Service
+
+    from test_dashboard import _browser_or_skip
+
+    webdriver, chrome, driver_path = _browser_or_skip()
+    sources = _plots_page(scratch)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chrome
+    for a in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
+              f"--user-data-dir={scratch / 'chromium-profile'}"):
+        opts.add_argument(a)
+    drv = webdriver.Chrome(options=opts, service=Service(executable_path=driver_path))
+    try:
+        drv.get((scratch / "out/index.html").as_uri())
+        lines = {l.get_attribute("data-series"): l for l in drv.find_elements("css selector", "polyline")}
+        for i, src in enumerate(sources):
+            line = next(l for k, l in lines.items() if k.endswith(" · " + src))
+            assert (line.get_attribute("stroke"), line.get_attribute("stroke-dasharray") or "") == R.style_at(i), src
+        smma = next(l for k, l in lines.items() if k.endswith("smma"))
+        assert len(smma.get_attribute("points").split()) == 2          # the empty cell drew nothing
+    finally:
+        drv.quit()
 
 
 def test_a_kernel_edit_marks_the_training_stages_changed(scratch):

@@ -53,10 +53,50 @@ def test_tables_and_fmt():
     assert math.isfinite(float(R.fmt(0.5)))
 
 
-def test_pinned_colours_follow_the_name():
-    cmap = R.colour_map(["py-code", "chat-single", "py-code"])
-    assert cmap == {"chat-single": R.PALETTE[0], "py-code": R.PALETTE[1]}
-    svg = R.line_chart({"py-code": [(0, 1), (1, 2)], "new": [(0, 2), (1, 1)]}, title="t", xlabel="x", ylabel="y",
-                       colours=cmap)
-    assert f'stroke="{R.PALETTE[1]}"' in svg and f'stroke="{R.PALETTE[1]}" stroke-width' in svg
-    assert 'fill="#123456"' in R.bar_chart({"a": 1.0}, title="b", ylabel="y", colours={"a": "#123456"})
+RECIPE = ["chat-system", "chat-single", "chat-multi", "py-topics", "py-moddocs", "py-apidocs", "py-notes", "py-code"]
+
+
+def _drawn_looks(svg: str) -> dict[str, tuple[str, str]]:
+    """Each polyline's (stroke, dash) by its series name."""
+    return {e.get("data-series"): (e.get("stroke"), e.get("stroke-dasharray") or "")
+            for e in ET.fromstring(svg).iter() if e.tag.endswith("polyline")}
+
+
+def test_source_looks_follow_the_config_order_and_never_repeat():
+    looks = R.source_styles(RECIPE)
+    assert [looks[s] for s in RECIPE] == [R.style_at(i) for i in range(8)]       # the config's order, not sorted
+    assert looks["chat-system"] == (R.HUES[0], "") and looks["py-code"] == (R.HUES[7], "")
+    for n in (8, 20, 40):
+        names = [f"src-{i:02d}" for i in range(n)]
+        got = R.source_styles(names)
+        assert len({got[s] for s in names}) == n, n                                  # injective
+        assert not {got[s] for s in names} & set(R.FIXED.values())                   # never an aggregate's look
+    assert len({R.source_styles([f"s{i}" for i in range(20)])[f"s{i}"][0] for i in range(20)}) == 10  # hue + dash
+    # a name seen in a history but not in the config comes after the config's, sorted; the config's keep theirs
+    more = R.source_styles(RECIPE, seen=["zz-new", "aa-new", "py-code"])
+    assert all(more[s] == looks[s] for s in RECIPE)
+    assert more["aa-new"] == R.style_at(8) and more["zz-new"] == R.style_at(9)
+    assert R.config_sources({"megachat": {"sources": [{"name": n} for n in RECIPE]}}) == RECIPE
+    assert R.config_sources({}) == [] and R.config_sources(None) == []
+
+
+def test_charts_draw_each_source_in_its_look_and_no_two_series_alike():
+    looks = R.source_styles(RECIPE)
+    series = {s: [(0, 1.0 + i), (1, 2.0 + i)] for i, s in enumerate(reversed(RECIPE))}
+    drawn = _drawn_looks(R.line_chart({"overall": [(0, 1), (1, 2)], **series}, title="t", xlabel="x", ylabel="y",
+                                      styles=looks))
+    assert drawn == {n: looks[n] for n in ["overall", *RECIPE]}
+    # unpinned series take looks no pinned series of the chart has
+    drawn = _drawn_looks(R.line_chart({"py-code": [(0, 1), (1, 2)], "new": [(0, 2), (1, 1)], "other": [(0, 3), (1, 1)]},
+                                      title="t", xlabel="x", ylabel="y", styles={"py-code": R.style_at(0)}))
+    assert drawn["py-code"] == R.style_at(0) and len(set(drawn.values())) == 3
+    many = {f"s{i}": [(0, i), (1, i + 1)] for i in range(20)}
+    drawn = _drawn_looks(R.line_chart(many, title="t", xlabel="x", ylabel="y", styles=R.source_styles(many)))
+    assert len(set(drawn.values())) == 20 and drawn["s12"][1] == R.DASHES[1]
+    assert 'stroke-dasharray="6 3"' in R.line_chart(many, title="t", xlabel="x", ylabel="y")  # the legend shows the dash
+    bars = ET.fromstring(R.bar_chart({"a": 1.0, "b": 2.0}, title="b", ylabel="y",
+                                     styles={"a": ("#123456", ""), "b": ("#123456", "2 2")}))
+    rects = {e.find("{http://www.w3.org/2000/svg}title").text.split(":")[0]: e for e in bars.iter()
+             if e.tag.endswith("rect") and e.find("{http://www.w3.org/2000/svg}title") is not None}
+    assert rects["a"].get("fill") == "#123456" and rects["a"].get("stroke-dasharray") is None
+    assert rects["b"].get("stroke-dasharray") == "2 2" and rects["b"].get("fill-opacity") == "0.45"

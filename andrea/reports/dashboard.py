@@ -5,8 +5,12 @@ that follows the run's ``model.loss.json`` while it trains.
 
 The page (``dashboard.html`` beside this file: plain JS + inline SVG, no external asset,
 nothing fetched from the network) polls ``/data`` every ``--interval`` seconds and draws
-train loss per source (EMA), learning rate, tokens/s and the bandit's pull shares, plus the
-run's events. Tokens/s (and each step's wall-clock time) come from the run's
+the train loss with its SMMA (the trainer's ``smma``, when the records carry it), each
+source's train-loss EMA at its pulls (the pull records' ``ema``), the held-out loss per source
+at each eval point (``val`` records), learning rate, tokens/s and the bandit's pull shares, plus
+the run's events. Every answer carries ``styles`` (source -> [colour, dash], render.source_styles
+over the run's config order from ``model.state.json``, then any other source seen) and ``looks``
+(the sequence other series take), so a source looks the same here as in eval.html. Tokens/s (and each step's wall-clock time) come from the run's
 ``model.perf.jsonl`` (andrea/runs.py: the tracked history holds no wall-clock field), merged
 into the train records it serves by step; an older run's own fields are kept. ``/data?train=I&train_last=S&...`` returns only the records after the first
 I of each list (``train``, ``val``, ``pulls``, ``events``); when the history no longer
@@ -34,6 +38,7 @@ from urllib.parse import parse_qs, urlparse
 
 from andrea import runs
 from andrea.errors import AndreaError
+from andrea.reports.render import DASHES, HUES, LOSS_LOOKS, config_sources, source_styles, style_at
 from andrea.runs import HISTORY_KEYS as KEYS
 
 HOST = "127.0.0.1"
@@ -51,11 +56,20 @@ class History:
 
     def __init__(self, run: Path):
         rf = runs.RunFolder(run)
-        self.path, self.perf = rf.loss, rf.perf
+        self.path, self.perf, self.state = rf.loss, rf.perf, rf.state
         self._key = None
         self._data: dict | None = None
         self._why = NOT_YET
+        self.styles: dict = source_styles([])
         self._lock = threading.Lock()
+
+    def _sources(self) -> list[str]:
+        """The run's config order of sources (``model.state.json`` lands with the history); [] if unreadable."""
+        try:
+            state = json.loads(self.state.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return []
+        return config_sources(state.get("config")) if isinstance(state, dict) else []
 
     def load(self) -> tuple[dict | None, str]:
         with self._lock:
@@ -68,6 +82,7 @@ class History:
             if key != self._key:
                 try:
                     self._data, self._why = with_perf(runs.read_history(self.path), runs.read_perf(self.perf)), ""
+                    self.styles = {**source_styles(self._sources(), seen_sources(self._data)), **LOSS_LOOKS}
                 except AndreaError as e:
                     self._data, self._why = None, str(e)
                 except OSError as e:
@@ -82,6 +97,15 @@ def _stat_key(path: Path) -> tuple | None:
     except OSError:
         return None
     return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def seen_sources(data: dict) -> set[str]:
+    """The sources a history names: its pulls' and its val records' per-source keys."""
+    seen = {str(r["source"]) for r in data["pulls"] if r.get("source") is not None}
+    return seen | {str(k) for r in data["val"] if isinstance(r.get("per_source"), dict) for k in r["per_source"]}
+
+
+LOOKS = [list(style_at(i)) for i in range(len(HUES) * len(DASHES))]
 
 
 def with_perf(data: dict, perf: dict[int, dict]) -> dict:
@@ -157,7 +181,7 @@ def make_server(run: Path, port: int, interval_s: float = 2.0) -> ThreadingHTTPS
             if data is None:
                 out = {**head, ("missing" if why == NOT_YET else "error"): why}
             else:
-                out = {**head, **since(data, parse_qs(query))}
+                out = {**head, **since(data, parse_qs(query)), "styles": hist.styles, "looks": LOOKS}
             try:
                 return json.dumps(out, allow_nan=False, default=str).encode("utf-8")
             except (ValueError, TypeError, RecursionError) as e:

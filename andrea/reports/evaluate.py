@@ -1,4 +1,4 @@
-"""The eval stage: held-out loss and bits per byte per source, coherence, the audit's flags and an
+"""The eval stage: held-out loss, perplexity and bits per byte per source, coherence, the audit's flags and an
 optional external judge; ``eval.html`` (self-contained figures), ``eval.md``, DVC metrics and plots.
 
     andrea eval --profile tiny --run runs/tiny/main --tokenizer data/tokenizer/tiny/tokenizer.json \\
@@ -11,7 +11,7 @@ than one window is padded and the padding is not counted). The final checkpoint'
 forward (the engine's own, on ``train.backend``) gives every target token's NLL in nats;
 per source and overall:
 
-    loss = sum NLL / tokens                 bits/byte = sum NLL / (bytes * ln 2)
+    loss = sum NLL / tokens      perplexity = exp(loss)      bits/byte = sum NLL / (bytes * ln 2)
 
 where bytes are the UTF-8 bytes of the target tokens (``tokenizer.token_bytes``; the
 end-of-text id has none, its NLL still counts), so bits/byte compares across
@@ -20,14 +20,19 @@ beside it. Coherence and flags come from the audit (``audit.json``); the judge
 (``andrea.reports.judge``) scores the audit's final samples when ``eval.judge`` is set.
 
 Writes in OUT:
-  eval.html     self-contained (inline CSS + SVG, no network): loss per source, bandit pull
-                shares over time, learning rate, bits per byte per source, the tables
+  eval.html     self-contained (inline CSS + SVG, no network): train loss and its SMMA, each
+                source's train-loss EMA at its pulls, held-out loss per source at each eval
+                point, bandit pull shares, learning rate, bits per byte per source, the tables.
+                One look per source in every figure (render.source_styles, config order)
   eval.md       the same tables in Markdown
-  metrics.json  DVC metrics (nested numbers only)
-  loss.csv      DVC plot: train loss history, columns step,loss (from model.loss.json)
+  metrics.json  DVC metrics (nested numbers only): val_loss, val_ppl, val_bpb, per_source.*
+  loss.csv      DVC plot: train loss history, columns step,loss,smma (from model.loss.json;
+                smma is the trainer's Wilder average, an empty cell where a record has none)
   val_loss.csv  DVC plot: the in-training held-out estimate (train.eval_batches batches per
                 source at every train.eval_every steps), columns step,val_loss; metrics.json's
                 val_loss is the full eval above (up to eval.max_batches batches per source)
+  val_per_source.csv  DVC plot: that estimate per source, columns step,<source>...: every
+                source of the config in its order, then any other (no val record: empty cell)
 """
 
 from __future__ import annotations
@@ -102,9 +107,20 @@ def heldout(engine, shards: dict, byte_len: np.ndarray, eot_id: int, max_batches
     return {"per_source": per, "overall": _figures(*tot)}
 
 
+def perplexity(loss: float | None) -> float | None:
+    """exp(mean nats per token); None without a loss or where it overflows a float."""
+    if loss is None:
+        return None
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return None
+
+
 def _figures(nll: float, tokens: int, n_bytes: int) -> dict:
     return {"nll": nll, "tokens": tokens, "bytes": n_bytes,
             "loss": nll / tokens if tokens else None,
+            "ppl": perplexity(nll / tokens) if tokens else None,
             "bpb": nll / (n_bytes * LN2) if n_bytes else None,
             "bytes_per_token": n_bytes / tokens if tokens else None}
 
@@ -141,17 +157,17 @@ def _num(v) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def ema_by_source(train: list[dict], alpha: float = 0.9) -> dict[str, list[tuple[float, float]]]:
-    """Train loss per source, smoothed by an EMA per source over that source's own records."""
+def ema_at_pulls(pulls: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Each source's train-loss EMA (bandit.ema over that source's own batches) at every pull of it:
+    the ``ema`` a pull record carries. A history whose pulls carry none gives no series. (The train
+    records are no source's loss: a logged step is one of every train.log_every, and with gradient
+    accumulation its loss is the mean over several sources' batches.)"""
     out: dict[str, list[tuple[float, float]]] = {}
-    state: dict[str, float] = {}
-    for r in train:
-        src, step, loss = r.get("source"), _num(r.get("step")), _num(r.get("loss"))
-        if src is None or step is None or loss is None:
-            continue
-        e = state[src] = loss if src not in state else alpha * state[src] + (1 - alpha) * loss
-        out.setdefault(str(src), []).append((step, e))
-    return dict(sorted(out.items()))
+    for r in pulls:
+        src, step, ema = r.get("source"), _num(r.get("step")), _num(r.get("ema"))
+        if src is not None and step is not None and ema is not None:
+            out.setdefault(str(src), []).append((step, ema))
+    return out
 
 
 def pull_shares(hist: dict, n_buckets: int = 40) -> dict[str, list[tuple[float, float]]]:
@@ -183,13 +199,38 @@ def series(records: list[dict], key: str) -> list[tuple[float, float]]:
 
 
 def val_by_source(val: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """The in-training held-out loss of each source at every eval point (``val`` records' per_source)."""
     out: dict[str, list[tuple[float, float]]] = {}
     for r in val:
         step = _num(r.get("step"))
         for src, v in (r.get("per_source") or {}).items():
             if step is not None and _num(v) is not None:
                 out.setdefault(src, []).append((step, float(v)))
-    return dict(sorted(out.items()))
+    return out
+
+
+def in_order(d: dict, order: list[str]) -> dict:
+    """``d`` with the names of ``order`` first, in that order, then the rest sorted."""
+    return {k: d[k] for k in [*[o for o in order if o in d], *sorted(set(d) - set(order))]}
+
+
+def loss_rows(train: list[dict]) -> tuple[list[str], list[tuple]]:
+    """loss.csv: step,loss,smma; smma is the trainer's (Wilder's average in the train record), an
+    empty cell where a record has none (an older run): never a value made up here. The column is
+    always there, since DVC drops a whole plot whose declared field a file lacks."""
+    rows = [(s, v, _num(r.get("smma"))) for r, s, v in ((r, _num(r.get("step")), _num(r.get("loss"))) for r in train)
+            if s is not None and v is not None]
+    return ["step", "loss", "smma"], [(s, v, "" if m is None else m) for s, v, m in rows]
+
+
+def val_source_rows(val: list[dict], sources: list[str]) -> tuple[list[str], list[tuple]]:
+    """val_per_source.csv: one column per source, every config source in its order (empty where it has
+    no val record: DVC needs each declared field), then any other sorted; one row per eval point."""
+    by = val_by_source(val)
+    names = [*sources, *sorted(set(by) - set(sources))]
+    steps = sorted({s for pts in by.values() for s, _ in pts})
+    at = {n: dict(by.get(n, ())) for n in names}
+    return ["step", *names], [(s, *(at[n].get(s, "") for n in names)) for s in steps]
 
 
 # ------------------------------------------------------------------------- reports
@@ -215,10 +256,12 @@ THROUGHPUT = ("not in this report: throughput is a property of the machine, not 
 def build_metrics(ev: dict) -> dict:
     """metrics.json for ``dvc metrics show``: nested numbers only (no strings, no nulls)."""
     ho = ev["heldout"]
-    m: dict = {"val_loss": _r(ho["overall"]["loss"]), "val_bpb": _r(ho["overall"]["bpb"]),
+    m: dict = {"val_loss": _r(ho["overall"]["loss"]), "val_ppl": _r(ho["overall"]["ppl"], 4),
+               "val_bpb": _r(ho["overall"]["bpb"]),
                "val_bytes_per_token": _r(ho["overall"]["bytes_per_token"]),
                "unigram_bpb": _r(ev["unigram"]["bpb"]), "step": ev["step"],
-               "per_source": {s: {"loss": _r(p["loss"]), "bpb": _r(p["bpb"])} for s, p in ho["per_source"].items()}}
+               "per_source": {s: {"loss": _r(p["loss"]), "ppl": _r(p["ppl"], 4), "bpb": _r(p["bpb"])}
+                              for s, p in ho["per_source"].items()}}
     tr = ev["train"]
     if tr.get("final_loss") is not None:                # no throughput: DVC tracks this file (THROUGHPUT)
         m["train_final_loss"] = _r(tr["final_loss"], 4)
@@ -239,19 +282,23 @@ def _drop_none(d):
     return d
 
 
-def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
+def render_reports(ev: dict, hist: dict, sources: list[str] = ()) -> tuple[str, str]:
+    """eval.html and eval.md; ``sources`` (the config's order) fixes each source's look in every figure."""
     from andrea.reports import render as R
 
     ho, uni = ev["heldout"], ev["unigram"]
     srcs = list(ho["per_source"])
-    src_rows = [[s, p["loss"], p["bpb"], p["bytes_per_token"], p["tokens"], p["windows"]] for s, p in ho["per_source"].items()]
-    src_rows.append(["overall", ho["overall"]["loss"], ho["overall"]["bpb"], ho["overall"]["bytes_per_token"],
-                     ho["overall"]["tokens"], sum(p["windows"] for p in ho["per_source"].values())])
-    src_rows.append(["unigram baseline", uni["loss"], uni["bpb"], uni["bytes_per_token"], uni["tokens"], "-"])
-    src_head = ["source", "loss (nats/token)", "bits/byte", "bytes/token", "tokens", "windows"]
+    src_rows = [[s, p["loss"], p["ppl"], p["bpb"], p["bytes_per_token"], p["tokens"], p["windows"]]
+                for s, p in ho["per_source"].items()]
+    src_rows.append(["overall", ho["overall"]["loss"], ho["overall"]["ppl"], ho["overall"]["bpb"],
+                     ho["overall"]["bytes_per_token"], ho["overall"]["tokens"],
+                     sum(p["windows"] for p in ho["per_source"].values())])
+    src_rows.append(["unigram baseline", uni["loss"], uni["ppl"], uni["bpb"], uni["bytes_per_token"], uni["tokens"], "-"])
+    src_head = ["source", "loss (nats/token)", "perplexity", "bits/byte", "bytes/token", "tokens", "windows"]
     tr = ev["train"]
     summary_rows = [["checkpoint", f"{ev['checkpoint']} (step {ev['step']})"],
                     ["held-out loss, full eval (metrics.json val_loss)", R.fmt(ho["overall"]["loss"])],
+                    ["held-out perplexity, full eval (metrics.json val_ppl)", R.fmt(ho["overall"]["ppl"])],
                     ["held-out bits/byte, full eval", R.fmt(ho["overall"]["bpb"])],
                     ["unigram baseline bits/byte", R.fmt(uni["bpb"])],
                     ["final train loss (mean of the last 5% of logged steps)", R.fmt(tr.get("final_loss"))],
@@ -269,30 +316,41 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
     flags_rows = [[f["id"], f["domain"], f["sample"], "; ".join(f["flags"])] for f in ev["flags"]]
     judge_rows = [[d, v] for d, v in (judge.get("by_domain") or {}).items()]
 
-    # --- figures: one colour per source in every figure
-    names = set(srcs) | {str(r.get("source")) for r in hist["train"] + hist["pulls"] if r.get("source") is not None}
-    cmap = {**R.colour_map(names), "overall": "#000000", "unigram": "#7F7F7F"}
+    # --- figures: one look per source in every figure (config order, then any other name seen)
+    seen = {str(r.get("source")) for r in hist["pulls"] if r.get("source") is not None} | set(srcs)
+    seen |= {s for r in hist["val"] for s in (r.get("per_source") or {})}
+    looks = R.source_styles(sources, seen)
+    order = [*sources, *sorted(seen - set(sources))]
+    train = hist["train"]
+    smma_note = (" and its SMMA (the trainer's Wilder average, smma in the train records)"
+                 if any(_num(r.get("smma")) is not None for r in train) else "")
     figs = [
-        ("Train loss per source (EMA 0.9 over each source's steps)",
-         R.line_chart(ema_by_source(hist["train"]), title="train loss per source", xlabel="step", ylabel="loss (nats)",
-                      colours=cmap)),
-        ("Held-out loss during training: the in-training estimate (train.eval_batches batches per source; "
-         "val_loss.csv), not the full eval above",
-         R.line_chart({"overall": series(hist["val"], "loss"), **val_by_source(hist["val"])},
-                      title="held-out loss", xlabel="step", ylabel="loss (nats)", colours=cmap)),
+        (f"Train loss: every logged step{smma_note} (training batches, not held out)",
+         R.line_chart({"train loss": series(train, "loss"), "smma": series(train, "smma")}, title="train loss",
+                      xlabel="step", ylabel="train loss (nats/token)", styles=R.LOSS_LOOKS)),
+        ("Train loss EMA per source at each pull (the bandit's per-source EMA, bandit.ema, over that source's own "
+         "training batches; train data, not held out)",
+         R.line_chart(in_order(ema_at_pulls(hist["pulls"]), order), title="train loss EMA per source, at its pulls",
+                      xlabel="step", ylabel="train loss EMA (nats/token)", styles=looks)),
+        ("Held-out loss per source during training: the in-training estimate (train.eval_batches batches per "
+         "source at every train.eval_every steps; val_loss.csv), not the full eval above",
+         R.line_chart({"overall": series(hist["val"], "loss"), **in_order(val_by_source(hist["val"]), order)},
+                      title="held-out loss per source", xlabel="step", ylabel="held-out loss (nats/token)",
+                      styles=looks)),
         ("Bandit pull shares over time",
-         R.line_chart(pull_shares(hist), title="share of pulls per source", xlabel="step", ylabel="share",
-                      y_min=0.0, y_max=1.0, colours=cmap)),
-        ("Learning rate", R.line_chart({"lr": series(hist["train"], "lr")}, title="learning rate", xlabel="step",
+         R.line_chart(in_order(pull_shares(hist), order), title="share of pulls per source", xlabel="step",
+                      ylabel="share", y_min=0.0, y_max=1.0, styles=looks)),
+        ("Learning rate", R.line_chart({"lr": series(train, "lr")}, title="learning rate", xlabel="step",
                                        ylabel="lr")),
         ("Bits per byte per source (final checkpoint, held-out)",
-         R.bar_chart({**{s: ho["per_source"][s]["bpb"] for s in srcs}, "overall": ho["overall"]["bpb"],
-                      "unigram": uni["bpb"]}, title="held-out bits per byte", ylabel="bits/byte", colours=cmap)),
+         R.bar_chart({**{s: ho["per_source"][s]["bpb"] for s in in_order(ho["per_source"], order)},
+                      "overall": ho["overall"]["bpb"],
+                      "unigram": uni["bpb"]}, title="held-out bits per byte", ylabel="bits/byte", styles=looks)),
     ]
     sections = [("Summary", R.html_table(["item", "value"], summary_rows)),
                 ("Held-out loss and bits per byte", R.html_table(src_head, src_rows)
-                 + '<p class="note">bits/byte = sum of token NLL (nats) / (UTF-8 bytes of those tokens x ln 2); '
-                   'comparable across tokenizers.</p>')]
+                 + '<p class="note">perplexity = exp(loss), the loss in nats per token; bits/byte = sum of token '
+                   'NLL (nats) / (UTF-8 bytes of those tokens x ln 2), comparable across tokenizers.</p>')]
     sections += [(t, f"<figure>{svg}</figure>") for t, svg in figs]
     sections.append(("Coherence (audit, final checkpoint)",
                      (R.html_table(coh_head, coh_rows) if coh else '<p class="note">no audit given</p>')
@@ -308,7 +366,9 @@ def render_reports(ev: dict, hist: dict) -> tuple[str, str]:
 
     md = [f"# {title}", "", R.md_table(["item", "value"], summary_rows), "", "## Held-out loss and bits per byte", "",
           R.md_table(src_head, src_rows), "",
-          "Figures (loss per source, bandit pull shares, learning rate, bits/byte per source) are in eval.html.",
+          "perplexity = exp(loss in nats per token).", "",
+          "Figures (train loss and SMMA, per-source train EMA and held-out loss, bandit pull shares, learning rate, "
+          "bits/byte per source) are in eval.html.",
           "", "## Coherence (audit, final checkpoint)", ""]
     if coh:
         md += [R.md_table(coh_head, coh_rows), ""]
@@ -353,7 +413,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer", required=True, help="the run's tokenizer.json")
     p.add_argument("--tokens", required=True, help="token shard folder (uses its val/ and train/ splits)")
     p.add_argument("--audit", default=None, help="audit.json from `andrea audit` (coherence, flags, judge samples)")
-    p.add_argument("--out", required=True, help="report folder: eval.html, eval.md, metrics.json, loss.csv, val_loss.csv")
+    p.add_argument("--out", required=True,
+                   help="report folder: eval.html, eval.md, metrics.json, loss.csv, val_loss.csv, val_per_source.csv")
     p.add_argument("--judge-cache", default=".cache/andrea-judge", help="judge answer cache (default: %(default)s)")
 
 
@@ -414,14 +475,19 @@ def run(args, cfg) -> int:
         "flags": audit["flags"] if audit else [],
         "judge": judge,
     }
-    html, md = render_reports(ev, hist)
+    from andrea.reports.render import config_sources
+
+    sources = config_sources(cfg)
+    html, md = render_reports(ev, hist, sources)
     atomic_write_text(out / "eval.html", html)
     atomic_write_text(out / "eval.md", md)
     atomic_write_json(out / "metrics.json", build_metrics(ev))
-    atomic_write_text(out / "loss.csv", _csv(["step", "loss"], series(train, "loss")))
+    atomic_write_text(out / "loss.csv", _csv(*loss_rows(train)))
     atomic_write_text(out / "val_loss.csv", _csv(["step", "val_loss"], series(hist["val"], "loss")))
+    atomic_write_text(out / "val_per_source.csv", _csv(*val_source_rows(hist["val"], sources)))
     o = ho["overall"]
-    console.print(f"eval: step {lm.step}: held-out loss {o['loss']:.4f} nats/token, {o['bpb']:.4f} bits/byte "
+    console.print(f"eval: step {lm.step}: held-out loss {o['loss']:.4f} nats/token (perplexity {fmt(o['ppl'])}), "
+                  f"{o['bpb']:.4f} bits/byte "
                   f"(unigram {fmt(uni['bpb'])}); judge: {judge['status']} -> {out}/eval.html, metrics.json")
     return 0
 

@@ -2,11 +2,12 @@
 
 Nothing here reaches the network: every figure is an inline ``<svg>`` element and
 the page carries its own CSS, so ``eval.html`` opens from disk anywhere. Output is a
-pure function of the input (fixed palette, fixed number formatting), so the same
+pure function of the input (fixed looks per source, fixed number formatting), so the same
 run gives byte-identical reports.
 
     from andrea.reports import render
     svg = render.line_chart({"train": [(0, 5.1), (10, 4.2)]}, title="loss", xlabel="step", ylabel="nats")
+    looks = render.source_styles(render.config_sources(cfg))    # pass as styles= to every chart
     page = render.html_page("ANDREA tiny", [("Loss", svg)])
     md = render.md_table(["source", "bpb"], [["py-code", 1.234]])
 """
@@ -17,9 +18,58 @@ import html
 import math
 from typing import Iterable, Sequence
 
-# Colour-blind-friendly palette (Okabe-Ito order), then a few extra distinct hues.
-PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#000000",
-           "#8C564B", "#7F7F7F", "#17BECF", "#BCBD22", "#F0E442"]
+# One look per source in every chart (eval.html, the live dashboard, DVC's plots page): the
+# sources in the config's order (megachat.sources) take HUES in turn (Okabe-Ito without black,
+# then distinct extras); past the tenth the hues come round again with the next dash pattern, so
+# up to len(HUES) x len(DASHES) = 40 series never share a look. Black and grey are kept for the
+# aggregates (FIXED), so no source is ever drawn like "overall" or the unigram baseline.
+HUES = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#8C564B", "#882255",
+        "#BCBD22", "#F0E442")
+DASHES = ("", "6 3", "2 2", "10 3 2 3")
+FIXED = {"overall": ("#000000", ""), "unigram": ("#7F7F7F", "4 3")}
+LOSS_LOOKS = {"train loss": ("#B0B0B0", ""), "smma": ("#000000", "")}   # the (source-free) train-loss chart
+Style = tuple  # (colour, SVG stroke-dasharray; "" = solid)
+
+
+def style_at(i: int) -> Style:
+    """The i-th look: hue i mod 10, dash pattern i div 10 (cycling past 40)."""
+    return HUES[i % len(HUES)], DASHES[(i // len(HUES)) % len(DASHES)]
+
+
+def source_styles(sources: Iterable[str], seen: Iterable[str] = ()) -> dict[str, Style]:
+    """The one source -> (colour, dash) mapping: ``sources`` (the config's order) first, then any
+    other name ``seen`` in a history (sorted), then FIXED for the aggregates."""
+    order = [s for s in dict.fromkeys(sources) if s not in FIXED]
+    order += sorted(set(seen) - set(order) - set(FIXED))
+    return {**{s: style_at(i) for i, s in enumerate(order)}, **FIXED}
+
+
+def config_sources(cfg: dict | None) -> list[str]:
+    """The source names of a config, in its order (``megachat.sources[].name``); [] without them."""
+    srcs = ((cfg or {}).get("megachat") or {}).get("sources") or []
+    return [str(s["name"]) for s in srcs if isinstance(s, dict) and s.get("name") is not None]
+
+
+def _looks(names: Sequence[str], styles: dict[str, Style] | None) -> dict[str, Style]:
+    """Each name's look in one chart: its pinned style, else the first look no other series of
+    this chart has, so no two series of a chart ever look the same."""
+    styles = styles or {}
+    used = {tuple(styles[n]) for n in names if n in styles}
+    out, k = {}, 0
+    for n in names:
+        if n in styles:
+            out[n] = tuple(styles[n])
+            continue
+        while style_at(k) in used:
+            k += 1
+        out[n] = style_at(k)
+        used.add(out[n])
+    return out
+
+
+def _dash(d: str) -> str:
+    return f' stroke-dasharray="{d}"' if d else ""
+
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1000px;color:#222;padding:0 1em}
@@ -91,11 +141,12 @@ def _tick_label(v: float) -> str:
 
 def line_chart(series: dict[str, Sequence[tuple[float, float]]], *, title: str, xlabel: str, ylabel: str,
                width: int = 680, height: int = 300, log_y: bool = False, y_min: float | None = None,
-               y_max: float | None = None, colours: dict[str, str] | None = None) -> str:
+               y_max: float | None = None, styles: dict[str, Style] | None = None) -> str:
     """An inline SVG line chart: one polyline per named series of (x, y) points, with axes and a legend.
 
-    ``colours`` pins a series' colour by name (so one source looks the same in every
-    figure); others take the palette in order. Non-finite points are dropped (and, with
+    ``styles`` pins a series' (colour, dash) by name (``source_styles``: one source looks the
+    same in every figure); others take the first look unused in this chart. Non-finite points
+    are dropped (and, with
     ``log_y``, non-positive ones). A chart with
     no points says so in place of lines, so a report never silently shows an empty box.
     """
@@ -153,31 +204,29 @@ def line_chart(series: dict[str, Sequence[tuple[float, float]]], *, title: str, 
     parts.append(f'<text x="{ml + pw / 2:.1f}" y="{mt + ph + 34}" text-anchor="middle" font-size="12">{esc(xlabel)}</text>'
                  f'<text x="14" y="{mt + ph / 2:.1f}" text-anchor="middle" font-size="12" '
                  f'transform="rotate(-90 14 {mt + ph / 2:.1f})">{esc(ylabel)}</text>')
+    looks = _looks(list(clean), styles)
     for i, (name, pts) in enumerate(clean.items()):
-        colour = (colours or {}).get(name) or PALETTE[i % len(PALETTE)]
+        colour, dash = looks[name]
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         if len(pts) == 1:
             X, Y = coords.split(",")
             parts.append(f'<circle cx="{X}" cy="{Y}" r="3" fill="{colour}"><title>{esc(name)}</title></circle>')
         else:
-            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" points="{coords}">'
-                         f'<title>{esc(name)}</title></polyline>')
+            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.6"{_dash(dash)} points="{coords}" '
+                         f'data-series="{esc(name)}"><title>{esc(name)}</title></polyline>')
         lx = ml + (i % 4) * (pw / 4)
         ly = height + 4 + 18 * (i // 4)
-        parts.append(f'<rect x="{lx:.1f}" y="{ly - 9}" width="12" height="4" fill="{colour}"/>'
-                     f'<text x="{lx + 16:.1f}" y="{ly - 4}" font-size="11">{esc(name)}</text>')
+        parts.append(f'<line x1="{lx:.1f}" y1="{ly - 7}" x2="{lx + 20:.1f}" y2="{ly - 7}" stroke="{colour}" '
+                     f'stroke-width="2.2"{_dash(dash)}/>'
+                     f'<text x="{lx + 24:.1f}" y="{ly - 3}" font-size="11">{esc(name)}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
 
-def colour_map(names: Iterable[str]) -> dict[str, str]:
-    """A fixed colour per name: the palette in sorted-name order."""
-    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(sorted(set(names)))}
-
-
 def bar_chart(values: dict[str, float], *, title: str, ylabel: str, width: int = 680, height: int = 280,
-              colours: dict[str, str] | None = None) -> str:
-    """An inline SVG bar chart, one bar per named value (non-finite values drawn as missing)."""
+              styles: dict[str, Style] | None = None) -> str:
+    """An inline SVG bar chart, one bar per named value (non-finite values drawn as missing);
+    ``styles`` as in ``line_chart`` (a dashed look is a paler bar with a dashed outline)."""
     ml, mr, mt, mb = 62, 14, 30, 70
     pw, ph = width - ml - mr, height - mt - mb
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -199,12 +248,16 @@ def bar_chart(values: dict[str, float], *, title: str, ylabel: str, width: int =
                      f'<text x="{ml - 6}" y="{Y + 4:.1f}" text-anchor="end" font-size="11">{_tick_label(t)}</text>')
     n = len(values)
     slot = pw / max(n, 1)
+    looks = _looks(list(values), styles)
     for i, (name, v) in enumerate(values.items()):
         cx = ml + slot * (i + 0.5)
         if v is not None and math.isfinite(float(v)):
             h = max(float(v), 0.0) / top * ph
+            colour, dash = looks[name]
+            look = f'fill="{colour}"' + (f' fill-opacity="0.45" stroke="{colour}" stroke-width="1.5"{_dash(dash)}'
+                                         if dash else "")
             parts.append(f'<rect x="{cx - slot * 0.35:.1f}" y="{mt + ph - h:.1f}" width="{slot * 0.7:.1f}" '
-                         f'height="{h:.1f}" fill="{(colours or {}).get(name) or PALETTE[i % len(PALETTE)]}"><title>{esc(name)}: {fmt(float(v))}</title></rect>'
+                         f'height="{h:.1f}" {look}><title>{esc(name)}: {fmt(float(v))}</title></rect>'
                          f'<text x="{cx:.1f}" y="{mt + ph - h - 3:.1f}" text-anchor="middle" font-size="10">{fmt(float(v), 3)}</text>')
         parts.append(f'<text x="{cx:.1f}" y="{mt + ph + 14}" text-anchor="end" font-size="11" '
                      f'transform="rotate(-30 {cx:.1f} {mt + ph + 14})">{esc(name)}</text>')

@@ -39,6 +39,7 @@ rule eval:
         metrics="reports/{variant}/metrics.json",
         loss="reports/{variant}/loss.csv",
         val_loss="reports/{variant}/val_loss.csv",
+        val_per_source="reports/{variant}/val_per_source.csv",
     conda:
         "../envs/andrea.yaml"
     log:
