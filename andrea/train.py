@@ -92,7 +92,7 @@ from andrea.backends import select_backend  # noqa: E402
 from andrea.engine.engine import Engine, Hyper  # noqa: E402
 from andrea.engine.model import ModelConfig  # noqa: E402
 from andrea.engine.schedule import lr_at  # noqa: E402
-from andrea.phases import phase_at, phase_table  # noqa: E402
+from andrea.phases import phase_at, phase_table, stage_rows  # noqa: E402
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.runs import LOSS_FORMAT, SAMPLES_FORMAT, STATE_FORMAT, RunMismatch, SplitPair  # noqa: E402,F401
 from andrea.preflight import check_data  # noqa: E402
@@ -470,6 +470,11 @@ class Trainer:
         c.print(self.engine.describe())
         c.print(f"steps {self.start} -> {self.end} of train.max_steps={self.settings.train.max_steps} (global); "
                 f"{self.accum}x{self.B}x{self.T} tokens/step; sources: {', '.join(self.cur.eligible)}")
+        rows = stage_rows(self.table, self.phase)
+        if len(rows) > 1:
+            c.print("phases: " + "; ".join(f"{r.name} [{r.start}, {r.end}) "
+                                          f"{'every source' if r.sources is None else ', '.join(r.sources)}"
+                                          for r in rows), highlight=False)
         if self.halt:
             msg = f"{self.folder.state}: run halted at step {self.halt.get('step')}: {self.halt.get('reason')}"
             if self.halt.get("kind") == "bad_steps":

@@ -249,3 +249,86 @@ def test_curriculum_enter_cuts_the_open_pull_keeps_the_other_arms_and_resumes(tm
         got, x, _ = again.next_batch(2, 8)
         assert (got, x.tobytes()) == (src, xb)
         again.observe(step + k, got, 2.0)
+
+
+# ---------------------------------------------------------------- kill -9 inside the pivot's commit
+# A child `andrea train` that dies with os._exit (no cleanup, like SIGKILL) just before its
+# KILL_AT-th file-system call inside the checkpoint that carries the polish archive.
+KILL_DRIVER = r"""
+import os, sys
+import andrea.train as T
+kill_at = int(sys.argv[1])
+state = {"armed": False, "n": 0}
+def wrap(name):
+    f = getattr(os, name)
+    def g(*a, **k):
+        if state["armed"]:
+            state["n"] += 1
+            if state["n"] == kill_at:
+                os._exit(137)
+        return f(*a, **k)
+    setattr(os, name, g)
+for name in ("fsync", "replace", "rename", "unlink", "rmdir", "mkdir"):
+    wrap(name)
+orig = T.Trainer.checkpoint
+def checkpoint(self, why, archive=None):
+    state["armed"] = archive is not None
+    orig(self, why, archive)
+    if state["armed"]:
+        print(f"FS-CALLS {state['n']}", file=sys.stderr, flush=True)
+    state["armed"] = False
+T.Trainer.checkpoint = checkpoint
+from andrea.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_kill_at_every_fs_call_of_the_pivot_leaves_the_archive_exactly_once(data, tmp_path):
+    import subprocess
+    import sys
+
+    from train_helpers import andrea_cmd, child_env, micro_overrides, run_cli
+
+    tok, tokens = data
+    ov = micro_overrides(4, 12, **{"curriculum.polish_steps": 4, "curriculum.polish_sources": "[chat-system, py-code]",
+                                   "train.eval_every": 100})
+    warm, ref = tmp_path / "warm", tmp_path / "ref"
+    assert run_cli("warmup", tok, tokens, warm, ov).returncode == 0
+    r = run_cli("main", tok, tokens, ref, ov, init=warm)
+    assert r.returncode == 0, r.stderr
+    names = ["model.bin", "model.state.json", "archive/polish-step8.state.json", "archive/polish-step8.samples.json"]
+    want = {n: (ref / n).read_bytes() for n in names}
+
+    def killed(out, k):
+        cmd = [sys.executable, "-c", KILL_DRIVER, str(k)] + andrea_cmd("main", tok, tokens, out, ov, init=warm)[3:]
+        return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+
+    probe = killed(tmp_path / "probe", 10 ** 9)
+    assert probe.returncode == 0, probe.stderr
+    n_calls = int(probe.stderr.split("FS-CALLS ")[1].split()[0])
+    assert n_calls >= 10
+    failures = []
+    for k in range(1, n_calls + 1):
+        out = tmp_path / f"k{k}"
+        assert killed(out, k).returncode == 137
+        arch = sorted(p.name for p in (out / "archive").iterdir()) if (out / "archive").is_dir() else []
+        if arch not in ([], ["polish-step8.samples.json", "polish-step8.state.json"]) and not (out / ".checkpoint.commit").is_dir():
+            failures.append(f"kill before fs call {k}/{n_calls}: a half archive {arch} with no commit to finish")
+        r = run_cli("main", tok, tokens, out, ov, init=warm)
+        if r.returncode != 0:
+            failures.append(f"kill before fs call {k}/{n_calls}: resume exit {r.returncode}: {r.stderr.strip()[-300:]}")
+            continue
+        got = {n: (out / n).read_bytes() if (out / n).exists() else None for n in names}
+        if got != want:
+            failures.append(f"kill before fs call {k}/{n_calls}: differs from the straight run: "
+                            f"{[n for n in names if got[n] != want[n]]}")
+        pivots = [e for e in json.loads((out / "model.loss.json").read_text())["events"]
+                  if e["detail"].startswith("polish pivot")]
+        if len(pivots) != 1:
+            failures.append(f"kill before fs call {k}/{n_calls}: {len(pivots)} pivot events")
+        stray = {p.name for p in out.iterdir()} - {"model.bin", "model.state.json", "model.loss.json",
+                                                     "model.samples.json", "model.perf.jsonl", "archive"}
+        if stray:
+            failures.append(f"kill before fs call {k}/{n_calls}: stray files {stray}")
+    assert not failures, "\n".join(failures)
