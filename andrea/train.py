@@ -5,9 +5,10 @@
     andrea train --phase main   --profile tiny --tokenizer data/tokenizer/tiny/tokenizer.json \\
                  --tokens data/tokens/tiny --init runs/tiny/warmup --out runs/tiny/main
 
-(About 600 lines on purpose: the phases, resume checks, signals, held-out loss, hooks and the
-perf sidecar are one loop's contract, read as a whole; the run folder is andrea/runs.py, the
-step andrea/engine, the batches andrea/curriculum.)
+(About 700 lines on purpose: the phases and the polish pivot, resume checks, signals, held-out
+loss, hooks and the perf sidecar are one loop's contract, read as a whole; the run folder is
+andrea/runs.py, the phase table andrea/phases.py, the step andrea/engine, the batches
+andrea/curriculum.)
 
 Steps count globally across the two phases: the warmup phase runs global steps
 [0, curriculum.warmup_steps) drawing only from ``curriculum.warmup_sources``; the main

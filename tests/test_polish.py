@@ -332,3 +332,24 @@ def test_kill_at_every_fs_call_of_the_pivot_leaves_the_archive_exactly_once(data
         if stray:
             failures.append(f"kill before fs call {k}/{n_calls}: stray files {stray}")
     assert not failures, "\n".join(failures)
+
+
+def test_run_folder_commit_lands_the_archive_and_move_aside_takes_it(tmp_path):
+    from andrea import runs
+
+    rf = runs.RunFolder(tmp_path / "run")
+    w = np.arange(6, dtype=np.float32)
+    state = {"format": runs.STATE_FORMAT, "step": 3, "phase": "main"}
+    samples = {"format": runs.SAMPLES_FORMAT, "samples": [{"step": 3, "text": "hi"}]}
+    loss = {"format": runs.LOSS_FORMAT, "train": [], "val": [], "pulls": [], "events": []}
+    with rf.writing():
+        rf.commit(3, w, w, w, state=state, loss=loss, samples=samples, archive="polish-step3")
+        st_path, sa_path = rf.archived("polish-step3")
+        assert st_path.read_bytes() == rf.state.read_bytes() and sa_path.read_bytes() == rf.samples.read_bytes()
+        assert json.loads(st_path.read_text())["checkpoint_sha256"]          # the state as committed, sha filled in
+        rf.commit(4, w, w, w, state={**state, "step": 4}, loss=loss, samples=samples)   # later ones leave it alone
+        assert json.loads(st_path.read_text())["step"] == 3
+    assert sorted(p.name for p in rf.dir.iterdir()) == ["archive", "model.bin", "model.loss.json",
+                                                         "model.samples.json", "model.state.json"]
+    dest = rf.move_aside("abc")                     # --on-mismatch restart: the archive goes with its run
+    assert (dest / "archive" / "polish-step3.state.json").is_file() and not (rf.dir / "archive").exists()
