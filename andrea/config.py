@@ -174,7 +174,30 @@ def load_config(params: str | Path = "params.yaml", profile: str | None = None,
     schema = find_schema(params_path)
     cfg = _schema_order(cfg, schema)
     validate(cfg, schema)
+    check_phases(cfg)
     return cfg
+
+
+def check_phases(cfg: dict) -> None:
+    """The cross-key rule of the phase table (andrea/phases.py) the schema cannot state: the
+    phases fit in train.max_steps (the polish in the main phase)."""
+    from andrea.phases import phase_table
+    from andrea.settings import CurriculumSettings, TrainSettings, section
+
+    phase_table(section(TrainSettings, cfg["train"], "train"), section(CurriculumSettings, cfg["curriculum"], "curriculum"))
+
+
+def check_polish_sources(cfg: dict) -> None:
+    """The train stage's rule: every ``curriculum.polish_sources`` entry is a source that
+    ``megachat.sources`` makes (a data experiment that renames the sources is not held to it
+    until it trains)."""
+    if not cfg["curriculum"]["polish_steps"]:
+        return
+    made = [s["name"] for s in cfg["megachat"]["sources"]]
+    for i, name in enumerate(cfg["curriculum"]["polish_sources"]):
+        if name not in made:
+            raise ConfigError(f"curriculum.polish_sources[{i}]: unknown source {name!r} (megachat.sources makes "
+                              f"{', '.join(made)})")
 
 
 def get(cfg: dict, dotted: str) -> Any:

@@ -6,6 +6,7 @@
     rf.perf                                      # model.perf.jsonl: wall-clock, not tracked
     with rf.writing() as notes:                  # the one writer: lock, finish or drop an interrupted
         rf.commit(step, w, m, v, state, loss, samples)   # checkpoint, stale temps; then land 4 files as one
+        rf.commit(..., archive="polish-step550")     # ... and archive/polish-step550.{state,samples}.json with them
     state = rf.read_state(); runs.check_resume(state, rf.state, ...)
     step, w, m, v = rf.read_checkpoint(state, n_params)  # checked against its state (step, sha256)
     runs.find_checkpoint(run) / runs.find_checkpoints(run, extra) / runs.read_state_beside(ckpt)
@@ -22,11 +23,18 @@ determines (when a step ended, tokens/s) goes to a fifth file beside them, ``mod
 (one JSON line per logged step, appended best effort, outside the checkpoint unit and its
 checks; ``.dvcignore`` keeps it out of DVC's hash of the folder). The dashboard reads it.
 
+A checkpoint may carry an archive: ``archive/<name>.state.json`` and ``archive/<name>.samples.json``,
+byte copies of its run state and samples, which later checkpoints never touch (the polish pivot of
+andrea/phases.py keeps the run state at the pivot this way; ``model.loss.json`` is never archived:
+it accumulates the whole history anyway). They land in the same unit as the four files, so the
+archive exists exactly when the checkpoint that wrote it has landed.
+
 How a checkpoint lands (a redo log of one entry; a kill -9 at any moment is safe):
-  1. the four files are written into ``.checkpoint.pending/`` and fsynced, with the folder;
+  1. the four files (and the archive's two, under ``archive/``) are written into
+     ``.checkpoint.pending/`` and fsynced, with the folder;
   2. ``.checkpoint.pending`` is renamed to ``.checkpoint.commit``: the commit point;
-  3. each file is renamed from ``.checkpoint.commit/`` over its name at the top; then the
-     empty ``.checkpoint.commit`` is removed.
+  3. each file is renamed from ``.checkpoint.commit/`` over its name at the top (the archive's
+     into ``archive/``); then the empty ``.checkpoint.commit`` is removed.
 A writer that starts (``writing()``) first finishes a ``.checkpoint.commit`` it finds (step 3
 again; each rename is done at most once) and removes a ``.checkpoint.pending`` (an unfinished
 attempt: the previous pair at the top is intact), and the temp files of ``fsutil.atomic_open``
@@ -65,6 +73,7 @@ PERF = "model.perf.jsonl"       # wall-clock sidecar: never hashed by DVC, never
 WALL_CLOCK = ("time", "tokens_per_s")   # train-record fields older versions wrote into model.loss.json
 FILES = (BIN, STATE, LOSS, SAMPLES)
 PENDING, COMMITTED = ".checkpoint.pending", ".checkpoint.commit"
+ARCHIVE = "archive"             # copies of a checkpoint's state and samples kept at a pivot (the polish)
 STATE_FORMAT = "andrea.state/1"
 LOSS_FORMAT = "andrea.loss/1"
 SAMPLES_FORMAT = "andrea.samples/1"
@@ -169,6 +178,13 @@ class RunFolder:
     def _roll_forward(self) -> list[str]:
         done = self.dir / COMMITTED
         moved = []
+        if (done / ARCHIVE).is_dir():
+            (self.dir / ARCHIVE).mkdir(exist_ok=True)
+            for p in sorted((done / ARCHIVE).iterdir()):
+                os.replace(p, self.dir / ARCHIVE / p.name)
+                moved.append(f"{ARCHIVE}/{p.name}")
+            fsync_dir(self.dir / ARCHIVE)
+            os.rmdir(done / ARCHIVE)
         for name in FILES:
             if (done / name).exists():
                 os.replace(done / name, self.dir / name)
@@ -177,10 +193,15 @@ class RunFolder:
         os.rmdir(done)
         return moved
 
+    def archived(self, name: str) -> list[Path]:
+        """The two files ``commit(..., archive=name)`` lands: archive/<name>.state.json, .samples.json."""
+        return [self.dir / ARCHIVE / f"{name}.state.json", self.dir / ARCHIVE / f"{name}.samples.json"]
+
     def commit(self, step: int, w: np.ndarray, m: np.ndarray, v: np.ndarray, state: dict, loss: dict,
-               samples: dict) -> None:
+               samples: dict, archive: str | None = None) -> None:
         """Land model.bin, model.state.json (its ``checkpoint_sha256`` filled in here),
-        model.loss.json and model.samples.json as one unit."""
+        model.loss.json and model.samples.json as one unit; with ``archive``, byte copies of the
+        state and samples as ``archive/<archive>.{state,samples}.json`` in the same unit."""
         pend = self.dir / PENDING
         if (self.dir / COMMITTED).exists():
             self._roll_forward()
@@ -201,12 +222,18 @@ class RunFolder:
                                       f"{step} was not written; {self._survivor()}; look for a NaN/inf param "
                                       "feeding it") from None
                 _write_synced(current, text.encode("utf-8"))
+            if archive:
+                (pend / ARCHIVE).mkdir()
+                for src, dst in zip((pend / STATE, pend / SAMPLES), self.archived(archive)):
+                    current = pend / ARCHIVE / dst.name
+                    _write_synced(current, src.read_bytes())
+                fsync_dir(pend / ARCHIVE)
             fsync_dir(pend)
             os.rename(pend, self.dir / COMMITTED)
             fsync_dir(self.dir)
         except OSError as e:
             shutil.rmtree(pend, ignore_errors=True)
-            raise self._io_error(e, self.dir / current.name, f"writing the checkpoint of step {step}") from None
+            raise self._io_error(e, self.dir / current.relative_to(pend), f"writing the checkpoint of step {step}") from None
         except BaseException:
             shutil.rmtree(pend, ignore_errors=True)
             raise
@@ -253,7 +280,7 @@ class RunFolder:
             k += 1
             dest = self.dir.with_name(f"{self.dir.name}.stale-{config_hash}-{k}")
         dest.mkdir(parents=True)
-        for p in self.files() + [self.perf]:
+        for p in self.files() + [self.perf, self.dir / ARCHIVE]:
             if p.exists():
                 p.replace(dest / p.name)
         self.committed_step = None

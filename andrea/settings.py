@@ -53,12 +53,15 @@ class TrainSettings:
     eval_batches: int
     checkpoint_every: int
     max_bad_steps: int
+    smma_period: int
 
 
 @dataclass(frozen=True)
 class CurriculumSettings:
     warmup_steps: int
     warmup_sources: tuple[str, ...]
+    polish_steps: int
+    polish_sources: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,23 @@
     andrea train --phase main   --profile tiny --tokenizer data/tokenizer/tiny/tokenizer.json \\
                  --tokens data/tokens/tiny --init runs/tiny/warmup --out runs/tiny/main
 
-(About 600 lines on purpose: the phases, resume checks, signals, held-out loss, hooks and the
-perf sidecar are one loop's contract, read as a whole; the run folder is andrea/runs.py, the
-step andrea/engine, the batches andrea/curriculum.)
+(About 700 lines on purpose: the phases and the polish pivot, resume checks, signals, held-out
+loss, hooks and the perf sidecar are one loop's contract, read as a whole; the run folder is
+andrea/runs.py, the phase table andrea/phases.py, the step andrea/engine, the batches
+andrea/curriculum.)
 
 Steps count globally across the two phases: the warmup phase runs global steps
 [0, curriculum.warmup_steps) drawing only from ``curriculum.warmup_sources``; the main
 phase starts from the warmup checkpoint (weights, Adam m/v, curriculum state, step) and
-runs [curriculum.warmup_steps, train.max_steps) over every source. The LR schedule
-(andrea/engine/schedule.py) and AdamW's step count use the global step, so warmup + main
+runs [curriculum.warmup_steps, train.max_steps) over every source, except its last
+``curriculum.polish_steps``, the polish, which draw only ``curriculum.polish_sources`` with
+the LR going linearly down to train.min_lr. Those stretches are the rows of one table
+(andrea/phases.py) that the curriculum and the LR schedule (andrea/engine/schedule.py) look
+up; before each step the loop enters the row of that step. Entering the polish (the pivot)
+writes a checkpoint as SIGUSR1 does, with ``archive/polish-step<N>.{state,samples}.json``
+landing in the same unit (andrea/runs.py), so the archive exists exactly once: a run resumed
+past the pivot has it and does not redo it, one resumed before it makes it on the way.
+The LR schedule and AdamW's step count use the global step, so warmup + main
 is one run cut in two. One step = ``train.grad_accum`` microbatches of
 ``train.batch_size`` x ``model.context`` tokens.
 
@@ -43,6 +51,11 @@ touched) and counted; ``train.max_bad_steps`` in a row halt the run: the checkpo
 holds the last good weights and ``.state.json`` the reason (exit 2). Hooks every N steps
 (the coherence check of andrea/coherence.py is one) may halt the run with a reason
 (checkpoint, exit 0).
+
+Every train record in ``.loss.json`` carries ``smma``, Wilder's smoothed moving average of the
+training loss: seeded with the first finite loss, then ``smma += (loss - smma) / train.smma_period``
+at every step with a finite loss (logged or not); it is part of the run state, so a resumed run
+carries the same value on.
 
 Held-out loss: every ``train.eval_every`` steps and at the end, ``train.eval_batches``
 fixed batches per val shard; ``.loss.json`` "val" gets the mean over sources, the loss
@@ -75,11 +88,12 @@ from typing import Callable
 import numpy as np  # noqa: E402
 
 from andrea import runs  # noqa: E402
-from andrea.config import config_hash  # noqa: E402
+from andrea.config import check_polish_sources, config_hash  # noqa: E402
 from andrea.backends import select_backend  # noqa: E402
 from andrea.engine.engine import Engine, Hyper  # noqa: E402
 from andrea.engine.model import ModelConfig  # noqa: E402
 from andrea.engine.schedule import lr_at  # noqa: E402
+from andrea.phases import phase_at, phase_table, stage_rows  # noqa: E402
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.runs import LOSS_FORMAT, SAMPLES_FORMAT, STATE_FORMAT, RunMismatch, SplitPair  # noqa: E402,F401
 from andrea.preflight import check_data  # noqa: E402
@@ -197,6 +211,7 @@ class Trainer:
         # the raw dict is what the run state records (config, config_hash); the code reads the typed one
         self.cfg, self.phase = cfg, phase
         self.settings = st = Settings.from_dict(cfg)
+        check_polish_sources(cfg)
         tc = st.train
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.out, self.folder = Path(out), runs.RunFolder(out)
@@ -204,8 +219,7 @@ class Trainer:
         self.shards = load_shards(tokens, "train", self.tok.vocab_size)
         self.val_shards = load_shards(tokens, "val", self.tok.vocab_size, required=False)
         W, total = st.curriculum.warmup_steps, tc.max_steps
-        if W > total:
-            raise AndreaError(f"curriculum.warmup_steps={W} > train.max_steps={total}: the main phase would have no steps")
+        self.table = phase_table(tc, st.curriculum)   # the rows (warmup, main, polish) the loop enters
         self.start, self.end = (0, W) if phase == "warmup" else (W, total)
         be, self.backend_reason = select_backend(tc.backend)
         if tc.precision not in be.precisions:
@@ -227,6 +241,7 @@ class Trainer:
         self.bad = {"consecutive": 0, "total": 0}
         self.halt: dict | None = None
         self.step = 0
+        self.smma: float | None = None     # Wilder's smoothed training loss (train.smma_period)
         self.cur = None
         self._init = init
         self.on_mismatch = on_mismatch
@@ -280,6 +295,7 @@ class Trainer:
             self.cur.load_state_dict(state["curriculum"])
             self.rng.bit_generator.state = state["rng"]["train"]
             self.bad, self.halt, self.step = dict(state["bad_steps"]), state.get("halt"), step
+            self.smma = state.get("smma")
             for h in self.hooks:
                 if h.load and h.name in state.get("hooks", {}):
                     h.load(state["hooks"][h.name])
@@ -314,6 +330,7 @@ class Trainer:
                 if h.load and h.name in state.get("hooks", {}):
                     h.load(state["hooks"][h.name])
             self.step = step
+            self.smma = state.get("smma")
             self.hist.load(init)
             self.hist.truncate(step)
             self._perf = [r for s, r in sorted(runs.read_perf(init.perf).items()) if s < step]   # the warmup's
@@ -335,8 +352,9 @@ class Trainer:
         self.console.print(f"--on-mismatch restart: moved the old run to {dest} ({why})")
         return f"old run moved to {dest}; "
 
-    def checkpoint(self, why: str) -> None:
-        """model.bin, model.state.json, model.loss.json, model.samples.json: one unit (andrea/runs.py)."""
+    def checkpoint(self, why: str, archive: str | None = None) -> None:
+        """model.bin, model.state.json, model.loss.json, model.samples.json: one unit (andrea/runs.py);
+        with ``archive``, archive/<archive>.{state,samples}.json in the same unit."""
         be = self.engine.be
         host = [np.ascontiguousarray(be.to_host(a), dtype=np.float32) for a in (self.engine.w, self.engine.m, self.engine.v)]
         state = {
@@ -350,7 +368,7 @@ class Trainer:
             "rng": {"train": self.rng.bit_generator.state},
             "curriculum": self.cur.state_dict(),
             "hooks": {h.name: h.state() for h in self.hooks if h.state},
-            "bad_steps": dict(self.bad), "halt": self.halt,
+            "bad_steps": dict(self.bad), "halt": self.halt, "smma": self.smma,
             "backend": self.engine.be.name, "precision": self.settings.train.precision,
             "batch_slices": self._slices(),
             "saved_because": why, "config": self.cfg,
@@ -358,7 +376,8 @@ class Trainer:
         extra = getattr(self.engine, "extra_state", None)
         if callable(extra):
             state["engine"] = extra()
-        self.folder.commit(self.step, *host, state=state, loss=self.hist.loss_doc(), samples=self.hist.samples_doc())
+        self.folder.commit(self.step, *host, state=state, loss=self.hist.loss_doc(), samples=self.hist.samples_doc(),
+                           archive=archive)
         self._last_loss_write = time.time()
         self._flush_perf()
 
@@ -424,7 +443,7 @@ class Trainer:
             if pull:
                 self.hist.pulls.append(pull)
 
-        lr = lr_at(self.step, self.settings.train)
+        lr = lr_at(self.step, self.settings.train, self.table)
         res = eng.train_step(draws(), lr, self.step + 1, self.hp, n_micro=self.accum, on_loss=observe)
         eng.be.synchronize()
         dt = time.perf_counter() - t0
@@ -452,6 +471,11 @@ class Trainer:
         c.print(self.engine.describe())
         c.print(f"steps {self.start} -> {self.end} of train.max_steps={self.settings.train.max_steps} (global); "
                 f"{self.accum}x{self.B}x{self.T} tokens/step; sources: {', '.join(self.cur.eligible)}")
+        rows = stage_rows(self.table, self.phase)
+        if len(rows) > 1:
+            c.print("phases: " + "; ".join(f"{r.name} [{r.start}, {r.end}) "
+                                          f"{'every source' if r.sources is None else ', '.join(r.sources)}"
+                                          for r in rows), highlight=False)
         if self.halt:
             msg = f"{self.folder.state}: run halted at step {self.halt.get('step')}: {self.halt.get('reason')}"
             if self.halt.get("kind") == "bad_steps":
@@ -486,6 +510,35 @@ class Trainer:
             return True
         return False
 
+    def checkpoint_now(self, why: str, archive: str | None = None) -> None:
+        """A checkpoint out of the periodic rhythm (SIGUSR1, SIGTERM, the polish pivot), with its event."""
+        self.hist.events.append({"step": self.step, "kind": "checkpoint", "detail": why})
+        self.checkpoint(why, archive)
+
+    def _enter_row(self) -> None:
+        """Before the step ``self.step``: enter its phase-table row (andrea/phases.py) if the
+        curriculum is not drawing for it yet. A row with an ``archive`` (the polish) is entered with
+        a checkpoint that lands its archive; the curriculum state in it names the row, so a run
+        resumed from it (or from any later checkpoint) is in the row already and archives nothing."""
+        row = phase_at(self.table, self.step)
+        if row.name == self.cur.row:
+            return
+        pull = self.cur.enter(row, self.step)
+        if pull:
+            self.hist.pulls.append(pull)
+        lr_shape = "linear to train.min_lr" if row.lr == "to-min" else "the cosine schedule"
+        self.hist.events.append({"step": self.step, "kind": "phase",
+                                 "detail": f"{row.name}: steps [{row.start}, {row.end}) from "
+                                           f"{', '.join(self.cur.eligible)}; lr {lr_shape}"})
+        self.console.print(f"{row.name} from step {self.step}: sources {', '.join(self.cur.eligible)}; lr {lr_shape}",
+                           highlight=False)
+        if row.archive:
+            name = f"{row.archive}-step{self.step}"
+            self.checkpoint_now(f"{row.name} pivot: {runs.ARCHIVE}/{name}.{{state,samples}}.json", archive=name)
+            self.console.print(f"{row.name} pivot: checkpoint at step {self.step}, run state archived as "
+                               f"{self.folder.dir / runs.ARCHIVE / name}.{{state,samples}}.json, continuing",
+                               highlight=False)
+
     def _loop(self) -> int:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -493,17 +546,21 @@ class Trainer:
         log_every, eval_every, ck_every, max_bad = tc.log_every, tc.eval_every, tc.checkpoint_every, tc.max_bad_steps
         live = c.is_terminal
         prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                        TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
+                        TextColumn("loss {task.fields[loss]}"), TextColumn("smma {task.fields[smma]}"),
+                        TextColumn("lr {task.fields[lr]}"),
                         TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[src]}"),
                         TimeRemainingColumn(), console=c, disable=not live)
         t_start, s_start = time.time(), self.step
         tps_ema = None
         with prog:
-            task = prog.add_task(self.phase, total=self.end, completed=self.step, loss="-", lr="-", tps="-", src="-")
+            task = prog.add_task(self.phase, total=self.end, completed=self.step, loss="-", smma="-", lr="-", tps="-",
+                                 src="-")
             while self.step < self.end:
+                self._enter_row()
                 s = self.step
                 res, lr, src, tps = self._one_step()
                 self.step += 1
+                self.smma = smma_update(self.smma, res.loss, tc.smma_period)   # at every step, logged or not
                 tps_ema = tps if tps_ema is None else 0.9 * tps_ema + 0.1 * tps
                 if res.ok:
                     self.bad["consecutive"] = 0
@@ -520,15 +577,17 @@ class Trainer:
                         raise AndreaError(f"{self.folder.state}: halted at step {self.step}: {self.halt['reason']}")
                 if s % log_every == 0 or self.step == self.end or not res.ok:
                     self.hist.train.append({"step": s, "phase": self.phase, "loss": _num(res.loss), "lr": lr,
-                                            "grad_norm": _num(res.grad_norm), "source": src})
+                                            "grad_norm": _num(res.grad_norm), "source": src,
+                                            "smma": None if self.smma is None else _num(self.smma)})
                     self._perf.append({"step": s, "phase": self.phase, "time": round(time.time(), 3),
                                        "tokens_per_s": round(tps, 1)})
                     if live:
-                        prog.update(task, completed=self.step, loss=f"{res.loss:.4f}", lr=f"{lr:.2e}",
+                        prog.update(task, completed=self.step, loss=f"{res.loss:.4f}", smma=_fmt(self.smma), lr=f"{lr:.2e}",
                                     tps=f"{tps_ema:,.0f}", src=src)
                     else:
                         eta = (time.time() - t_start) / max(1, self.step - s_start) * (self.end - self.step)
-                        c.print(f"{self.phase} step {self.step}/{self.end} loss {res.loss:.4f} lr {lr:.2e} "
+                        c.print(f"{self.phase} step {self.step}/{self.end} loss {res.loss:.4f} smma {_fmt(self.smma)} "
+                                f"lr {lr:.2e} "
                                 f"tok/s {tps_ema:,.0f} src {src} eta {eta:,.0f}s", highlight=False)
                     if time.time() - self._last_loss_write > 10:
                         self.write_history()
@@ -547,12 +606,10 @@ class Trainer:
                     self._print_val(self.evaluate())
                 sigs, self._signals = self._signals, []
                 if signal.SIGUSR1 in sigs:
-                    self.hist.events.append({"step": self.step, "kind": "checkpoint", "detail": "SIGUSR1"})
-                    self.checkpoint("SIGUSR1")
+                    self.checkpoint_now("SIGUSR1")
                     c.print(f"SIGUSR1: checkpoint at step {self.step}, continuing")
                 if signal.SIGTERM in sigs:
-                    self.hist.events.append({"step": self.step, "kind": "checkpoint", "detail": "SIGTERM"})
-                    self.checkpoint("SIGTERM")
+                    self.checkpoint_now("SIGTERM")
                     c.print(f"SIGTERM: checkpoint at step {self.step}, exiting (run again to resume)")
                     return STOPPED
                 if self.step % ck_every == 0 and self.step < self.end:
@@ -573,8 +630,21 @@ class Trainer:
                                highlight=False)
 
 
+def smma_update(smma: float | None, loss: float, n: int) -> float | None:
+    """Wilder's smoothed moving average: the first finite loss seeds it, then
+    ``smma + (loss - smma) / n``; a non-finite loss leaves it as it is."""
+    if not math.isfinite(loss):
+        return smma
+    loss = float(loss)
+    return loss if smma is None else smma + (loss - smma) / n
+
+
 def _num(x: float):
     return float(x) if math.isfinite(x) else None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
 
 
 def coherence_hook(trainer: Trainer) -> Hook:

@@ -349,7 +349,7 @@ def test_a_nan_param_failing_mid_run_keeps_the_last_whole_pair(data, tmp_path, m
     import andrea.train as T
 
     real = T.lr_at
-    monkeypatch.setattr(T, "lr_at", lambda step, tc: float("nan") if step >= 3 else real(step, tc))
+    monkeypatch.setattr(T, "lr_at", lambda step, *a: float("nan") if step >= 3 else real(step, *a))
     cfg = micro_cfg(8, 8, **{"train.checkpoint_every": 2})
     out = tmp_path / "w"
     with pytest.raises(AndreaError) as ei:

@@ -45,7 +45,7 @@ def test_warmup_then_main_writes_run_files_and_learns(data, tmp_path):
     assert [r["phase"] for r in loss["train"]] == ["warmup"] * 20 + ["main"] * 60
     assert "py-code" in {r["source"] for r in loss["train"][20:]}
     for r in loss["train"]:                          # only what the params determine: no wall clock
-        assert set(r) == {"step", "phase", "loss", "lr", "grad_norm", "source"}
+        assert set(r) == {"step", "phase", "loss", "lr", "grad_norm", "source", "smma"}
     assert "time" not in json.loads((tmp_path / "m" / "model.state.json").read_text())
     perf = runs.read_perf(tmp_path / "m" / runs.PERF)     # the sidecar has them, warmup's carried over
     assert sorted(perf) == list(range(80)) and all(perf[s]["tokens_per_s"] > 0 and perf[s]["time"] > 0 for s in perf)

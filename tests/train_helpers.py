@@ -25,7 +25,7 @@ def micro_overrides(warmup: int, total: int, **extra) -> list[str]:
          "train.min_lr": 1e-3, "train.log_every": 1, "train.eval_every": 10, "train.eval_batches": 2,
          "train.checkpoint_every": 1000, "train.backend": "numpy", "curriculum.warmup_steps": warmup,
          "curriculum.warmup_sources": "[chat-system, py-topics]", "coherence.every": 100000,
-         "bandit.policy": "uniform"}
+         "bandit.policy": "uniform", "curriculum.polish_steps": 0}
     o.update(extra)
     return [f"{k}={v}" for k, v in o.items()]
 

@@ -19,7 +19,10 @@ Contract details the engine can rely on:
     pulls as an uninterrupted run. Loading a warmup state into a main-phase curriculum
     carries the learned statistics, RNGs and coverage over (that is how main continues
     from warmup);
-  * ``summary()`` gives per-source figures (batches, epochs, coverage) for logs.
+  * ``summary()`` gives per-source figures (batches, epochs, coverage) for logs;
+  * ``enter(row, step)`` switches to a row of the phase table (andrea/phases.py: the polish
+    draws only ``curriculum.polish_sources``); the state records the row and its sources, so
+    a run resumed inside the polish draws what the straight run draws.
 
 Policy: ``bandit.policy`` = ``uniform`` (i.i.d. uniform over the eligible sources, plain
 token-uniform windows) or ``ucb1`` (the FIREHOSE bandit in ``policy.py``; its coverage
@@ -72,6 +75,31 @@ class Curriculum:
         self.rng = np.random.Generator(np.random.PCG64(ss_sample))
         self.dice = np.random.Generator(np.random.PCG64(ss_dice))
         self.last_source: str | None = None
+        self.row = phase                          # the phase-table row drawn for (andrea/phases.py)
+
+    def enter(self, row, step: int) -> dict | None:
+        """Draw for phase-table row ``row`` (andrea.phases.Phase) from global ``step`` on: only its
+        sources that have a shard (``row.sources`` None: every shard). The policy keeps its whole
+        state for the sources it no longer draws (their EMAs, pull counts and rewards stand still
+        until a later row draws them; the bandit's phase halvings go on for every arm) and scores only
+        the drawn ones. A dwell never crosses a row boundary: an open pull is closed here with the
+        reward of the batches it had, as a cut dwell is; its pull record (or None) is returned."""
+        if row.name == self.row:
+            return None
+        wanted = list(self.sources if row.sources is None else row.sources)
+        eligible = [s for s in wanted if s in self.streams]
+        if not eligible:
+            raise AndreaError(f"curriculum.{row.name}_sources {wanted}: none of them has a shard "
+                              f"(shards: {', '.join(self.sources)})")
+        rec = None
+        if getattr(self.policy, "pull", None) is not None:      # ucb1: the open dwell ends at the boundary
+            source, drawn = self.policy.pull["source"], self.policy.pull["dwell"] - self.policy.pull["left"]
+            rec = self.policy._finish()       # as a record of observe(): the step of its last batch
+            rec.update(step=int(step) - 1, dwell=drawn, epochs=self.streams[source].epochs,
+                       coverage=1.0 - self.streams[source].unseen_share)
+        self.row, self.eligible = row.name, eligible
+        self.policy.eligible = eligible
+        return rec
 
     def next_batch(self, batch_size: int, context: int) -> tuple[str, np.ndarray, np.ndarray]:
         """One batch: ``(source, x, y)``, x and y int32 (B, T), y[:, t] = x[:, t + 1] of the window."""
@@ -101,6 +129,8 @@ class Curriculum:
             "rng": {"sample": self.rng.bit_generator.state, "dice": self.dice.bit_generator.state},
             "sources": {s: st.state_dict() for s, st in self.streams.items()},
             "bandit": self.policy.state_dict(),
+            "row": self.row,
+            "eligible": list(self.eligible),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -121,6 +151,12 @@ class Curriculum:
         except (KeyError, TypeError, ValueError) as e:
             raise AndreaError(f"curriculum state: bad RNG state ({e})") from None
         self.policy.load_state_dict(d["bandit"], same_phase=d.get("phase") == self.phase)
+        if d.get("phase") == self.phase and d.get("row", self.phase) != self.row:   # resumed inside a later row
+            eligible = [s for s in d.get("eligible", ()) if s in self.streams]
+            if not eligible:
+                raise AndreaError(f"curriculum state: row {d.get('row')!r} names no source with a shard")
+            self.row, self.eligible = d["row"], eligible
+            self.policy.eligible = eligible
 
 
 def make_curriculum(curriculum: CurriculumSettings, bandit: BanditSettings, shards: dict[str, Shard], phase: str,
