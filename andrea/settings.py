@@ -76,6 +76,7 @@ class BanditSettings:
     dice_main: int
     floor: float
     coverage_bonus: float
+    epoch_penalty: str
 
 
 @dataclass(frozen=True)

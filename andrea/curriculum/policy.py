@@ -85,7 +85,10 @@ class _EmaRewards:
         if before is None:
             return None
         gap = max(1, int(t) - last) if self.per_step and last is not None else 1
-        return (before - after) * self.scale / gap
+        drop = before - after
+        if self.mode == "relative":  # the drop as a share of the source's own loss level
+            drop /= max(abs(before), 1e-12)
+        return drop * self.scale / gap
 
     def state_dict(self) -> dict:
         return {"ema": dict(self.ema), "last": dict(self.last)}
@@ -154,6 +157,7 @@ class UCB1Policy:
         self.die = b.dice_warmup if phase == "warmup" else b.dice_main
         self.floor = b.floor
         self.bonus = b.coverage_bonus
+        self.epoch_unit = b.epoch_penalty
         if self.floor * len(eligible) > 1.0:
             raise AndreaError(f"bandit.floor = {self.floor}: {len(eligible)} sources cannot each keep that share "
                               f"(floor x sources must be <= 1)")
@@ -187,6 +191,19 @@ class UCB1Policy:
             num, den = max(0.0, sum(self.rsq[s] for s in self.eligible) - n * mean * mean), n - 1.0
         return math.sqrt(num / den) if num > 0.0 else 1.0
 
+    def epochs(self, source: str, streams: dict) -> float:
+        """The epochs the penalty counts (``bandit.epoch_penalty``): ``tokens``, the completed
+        passes over the source's tokens; ``excess``, the passes drawn beyond what the uniform
+        mix would have drawn by now (all sources' tokens / eligible sources), so a source is
+        penalised only for the repetition the bandit adds; ``none``, no penalty."""
+        if self.epoch_unit == "none":
+            return 0.0
+        st = streams[source]
+        if self.epoch_unit == "tokens":
+            return float(st.epochs)
+        fair = sum(streams[s].tokens_drawn for s in self.sources) / len(self.eligible)
+        return max(0.0, (st.tokens_drawn - fair) / st.n_tokens)
+
     def scores(self, streams: dict) -> dict[str, float]:
         total = sum(self.n[s] for s in self.eligible)
         log_n = math.log(total) if total > 1.0 else 0.0
@@ -197,7 +214,7 @@ class UCB1Policy:
                 out[s] = math.inf
                 continue
             idx = self.rsum[s] / self.n[s] + self.c * unit * math.sqrt(2.0 * log_n / self.n[s])
-            idx = apply_factor(idx, 1.0 / (1.0 + streams[s].epochs))
+            idx = apply_factor(idx, 1.0 / (1.0 + self.epochs(s, streams)))
             out[s] = apply_factor(idx, 1.0 + (self.bonus - 1.0) * streams[s].unseen_share)
         return out
 
