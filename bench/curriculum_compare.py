@@ -34,8 +34,8 @@ The three figures of each variant (means over seeds, against uniform in the same
     estimate (``.loss.json`` "val", every ``train.eval_every`` steps, warmup then main: each
     source's mean loss x its scored targets, over their bytes), the same windows for both.
 
-Also per source: bpb under every variant, its ratio and its share of training batches (from
-``model.loss.json`` pulls of the main phase). Writes ``<out>/compare.{json,md}``.
+Also per source: bpb under every variant, its ratio and its share of training batches (from the
+main run's ``model.loss.json`` pulls, which include the warmup's). Writes ``<out>/compare.{json,md}``.
 """
 
 from __future__ import annotations

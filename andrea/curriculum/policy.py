@@ -8,15 +8,19 @@ sets it) and derive the reward of an observation from it:
   * ``bandit.reward: progress`` -- learning progress, the drop of the EMA
     ``(ema_before - ema_after) * bandit.reward_scale``, divided by the batches since the
     source's previous batch when ``bandit.progress_per_step`` is true;
+  * ``bandit.reward: relative`` -- the same drop over ``ema_before`` (progress as a share of
+    the source's own loss level);
   * ``bandit.reward: loss`` -- the ODM-style ablation: the EMA itself (in nats, not
     scaled), so the bandit prefers the sources the model still finds hard.
 
-``UCB1Policy`` (docs/curriculum.md has the full reading of the seeds):
+``UCB1Policy`` (docs/FIREHOSE-BANDIT.md is its spec with a worked example and the
+measurements behind the defaults; docs/curriculum.md the reading of the seeds):
   * a *pull* chooses a source and holds it for a dwell of 1dN batches rolled on the
     seeded dice (N = ``bandit.dice_warmup`` in the warmup phase, ``bandit.dice_main``
-    after); its reward is the mean reward over its batches. A pull with no reward at all
-    (a source's very first batch only starts its EMA; NaN losses) does not count as a pull,
-    so a source is never judged on a reward of 0 it could not have earned;
+    after; both 1 by default, one batch a pull); its reward is the mean reward over its
+    batches. A pull with no reward at all (a source's very first batch only starts its
+    EMA; NaN losses) does not count as a pull, so a source is never judged on a reward of
+    0 it could not have earned;
   * the run is cut into phases of ``bandit.phases[k % len] * bandit.phase_unit``
     batches; a dwell never crosses a phase boundary, and at each boundary the bandit
     halves its pull counts and reward sums (means kept, confidence widened), so it
@@ -24,7 +28,8 @@ sets it) and derive the reward of an observation from it:
   * score of source i: the UCB1 index ``mean_i + c * u * sqrt(2 ln N / n_i)`` (an unpulled
     source scores +inf; u = 1 with ``bandit.ucb_scale: one``, the pooled within-source
     standard deviation of pull rewards with ``std``), times the epoch penalty
-    ``1 / (1 + epochs_i)``, times the
+    ``1 / (1 + epochs_i)`` (epochs counted as ``bandit.epoch_penalty`` says: ``tokens``,
+    ``excess`` or ``none``; see ``UCB1Policy.epochs``), times the
     freshness factor ``1 + (bonus - 1) * unseen_share_i``. A factor below one always
     lowers a score and one above one always raises it: a negative score is divided by
     the factor instead of multiplied;
