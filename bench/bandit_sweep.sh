@@ -9,6 +9,11 @@
 #             -S hermes3.source=embedded -S train.backend=numpy, seconds)
 #     OUTDIR: stage1.{md,json}, final.{md,json} and runs.tgz (logs, loss histories); the runs stay in /tmp
 #
+# Ran once on the H200 (device call of 258 s: stage 1 took 175 s for 8 runs at once, stage 2
+# then had time for one variant); the figures are in docs/FIREHOSE-BANDIT.md, "Measured".
+# That run wrote every log under OUTDIR and lost all but 8 files (the device returns at most
+# 8): this version packs them into runs.tgz.
+#
 # Stage 1: every variant below and uniform, seed 1337, all at once. Stage 2: uniform and the
 # variants stage 1 ranks best (by pick_best below), seeds 1 and 2, as many as the time left
 # allows; then one 3-seed table of those. Each stage's compare.{json,md} is kept.
