@@ -79,6 +79,7 @@ class BanditSettings:
     dice_main: int
     floor: float
     coverage_bonus: float
+    epoch_penalty: str
 
 
 @dataclass(frozen=True)

@@ -1,30 +1,48 @@
-"""ucb1 against uniform at equal steps: held-out bits per byte per source and overall.
+"""Bandit variants against uniform at equal steps: held-out bits per byte per source and overall.
 
+The 12M comparison of issue 14 (the recipe's bandit.* against uniform; data built in seconds by
+``andrea tokenizer`` / ``andrea diet-alignment --profile andrea-12m -S hermes3.source=embedded``):
+
+    python bench/curriculum_compare.py --profile andrea-12m --tokenizer data/tokenizer/andrea-12m/tokenizer.json \
+        --tokens data/tokens/andrea-12m --out bench/out/curriculum-12m --seeds 1337,1,2 --jobs 6 \
+        -S train.backend=cupy -S train.precision=bf16 -S train.max_steps=3000 -S curriculum.warmup_steps=1000
     python bench/curriculum_compare.py --profile tiny --tokenizer data/tokenizer/tiny/tokenizer.json \
-        --tokens data/tokens/tiny --out bench/out/curriculum --seeds 1337,1,2 --jobs 2
+        --tokens data/tokens/tiny --out bench/out/curriculum --seeds 1337,1 --jobs 2      # CPU, ~25 min
+    python bench/curriculum_compare.py ... --variant ucb1-d34=bandit.policy=ucb1,bandit.dice_main=4 ...
     python bench/curriculum_compare.py ... --eval-only      # re-score existing runs
 
-For each policy and seed the script runs the real pipeline commands (``andrea train
---phase warmup`` then ``--phase main --init``) with ``-S bandit.policy=<policy> -S
-seed=<seed>`` and otherwise the same params (extra ``-S key=value`` go to every run), into
-``<out>/<policy>-s<seed>/{warmup,main}``, ``--jobs`` of them at a time. Then it scores
-each final checkpoint with the eval stage's own held-out code
+Each ``--variant NAME=key=value[,key=value]`` is a policy setting (default: ``uniform`` and
+``ucb1``, i.e. the params' bandit.*); ``uniform`` (bandit.policy=uniform) is always trained as
+the anchor. For each variant and seed the script runs the real pipeline commands (``andrea
+train --phase warmup`` then ``--phase main --init``) with the variant's ``-S`` and ``-S
+seed=<seed>`` (extra ``-S key=value`` go to every run, before the variant's; the script adds
+``train.eval_every=100`` unless given), into ``<out>/<variant>-s<seed>/{warmup,main}``,
+``--jobs`` at a time. Then it scores each final checkpoint with the eval stage's held-out code
 (``andrea.reports.evaluate.heldout``: up to ``eval.max_batches`` batches of windows spread
-evenly over each ``<tokens>/val/<source>.bin``):
+evenly over each ``<tokens>/val/<source>.bin``; ``--no-rescore``: the last in-training record
+instead):
 
     bits per byte = sum of loss nats over the scored targets / (their UTF-8 bytes x ln 2)
 
-so the figure is comparable across tokenizers; overall = all sources' nats / all their
-bytes. The anchor is the uniform policy measured in the same invocation: the table gives
-each source's bpb under both policies (mean over seeds), their ratio, and each policy's
-share of training batches per source (from ``model.loss.json`` pulls). Writes
-``<out>/compare.{json,md}``.
+so the figure is comparable across tokenizers; overall = all sources' nats / all their bytes.
+The three figures of each variant (means over seeds, against uniform in the same invocation):
+
+  * overall ratio: variant overall bpb / uniform overall bpb (target <= 0.95 at 12M, <= 1.0 tiny);
+  * worst source ratio: the largest per-source bpb ratio (target <= 1.05);
+  * steps-to-reach ratio: the first step at which the variant's held-out curve reaches uniform's
+    final value, over uniform's last step (target <= 0.8). The curve is the in-training
+    estimate (``.loss.json`` "val", every ``train.eval_every`` steps, warmup then main: each
+    source's mean loss x its scored targets, over their bytes), the same windows for both.
+
+Also per source: bpb under every variant, its ratio and its share of training batches (from the
+main run's ``model.loss.json`` pulls, which include the warmup's). Writes ``<out>/compare.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -35,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea.config import load_config
+from andrea.curriculum import sequential_windows
 from andrea.backends import select_backend
 from andrea.engine.checkpoint import read_weights
 from andrea.engine.engine import Engine
@@ -45,33 +64,43 @@ from andrea.reports.evaluate import heldout, val_shards
 from andrea.settings import Settings
 from andrea.tokenizer import load as load_tokenizer
 
-POLICIES = ("ucb1", "uniform")
+ANCHOR = "uniform"
+DEFAULT_VARIANTS = ("uniform=bandit.policy=uniform", "ucb1=bandit.policy=ucb1")
 
 
-def run_name(policy: str, seed: int) -> str:
-    return f"{policy}-s{seed}"
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``NAME=key=value,key=value`` -> (NAME, ["key=value", ...])."""
+    name, _, sets = spec.partition("=")
+    if not name or not sets or "=" not in sets:
+        raise AndreaError(f"--variant {spec!r}: expected NAME=key=value[,key=value...], e.g. "
+                          f"ucb1-f10=bandit.policy=ucb1,bandit.floor=0.1")
+    return name, [x for x in sets.split(",") if x]
 
 
-def train_cmds(policy: str, seed: int, args) -> list[list[str]]:
-    sets = [x for s in [f"bandit.policy={policy}", f"seed={seed}", *args.set] for x in ("-S", s)]
+def run_name(variant: str, seed: int) -> str:
+    return f"{variant}-s{seed}"
+
+
+def train_cmds(variant: str, sets_v: list[str], seed: int, args) -> list[list[str]]:
+    sets = [x for s in [*args.set, *sets_v, f"seed={seed}"] for x in ("-S", s)]
     base = [sys.executable, "-m", "andrea", "train", "--profile", args.profile, "--params", args.params,
             "--tokenizer", args.tokenizer, "--tokens", args.tokens]
-    out = Path(args.out) / run_name(policy, seed)
+    out = Path(args.out) / run_name(variant, seed)
     return [base + ["--phase", "warmup", "--out", str(out / "warmup")] + sets,
             base + ["--phase", "main", "--init", str(out / "warmup"), "--out", str(out / "main")] + sets]
 
 
-def train_all(runs: list[tuple[str, int]], args) -> dict[str, float]:
-    """Train every (policy, seed) pair, ``args.jobs`` at a time; logs in <out>/<run>.log."""
+def train_all(runs: list[tuple[str, int]], variants: dict, args) -> dict[str, float]:
+    """Train every (variant, seed) pair, ``args.jobs`` at a time; logs in <out>/<run>.log."""
     pending, active, walls = list(runs), {}, {}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads))
     while pending or active:
         while pending and len(active) < args.jobs:
-            pol, seed = pending.pop(0)
-            name = run_name(pol, seed)
+            var, seed = pending.pop(0)
+            name = run_name(var, seed)
             log = Path(args.out) / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            script = " && ".join(" ".join(map(shlex.quote, c)) for c in train_cmds(pol, seed, args))
+            script = " && ".join(" ".join(map(shlex.quote, c)) for c in train_cmds(var, variants[var], seed, args))
             print(f"+ {name}: {script}", file=sys.stderr, flush=True)
             active[name] = (subprocess.Popen(["bash", "-c", script], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                              env=env), time.perf_counter())
@@ -108,6 +137,73 @@ def batch_shares(run: Path) -> dict[str, float]:
     return {s: c / n for s, c in counts.items()}
 
 
+def val_bytes(val: dict, byte_len: np.ndarray, B: int, T: int, max_batches: int) -> dict[str, tuple[int, int]]:
+    """(targets, UTF-8 bytes) of the windows the in-training held-out estimate scores per source
+    (andrea/train.py ``evaluate``: ``sequential_windows`` of ``train.eval_batches`` batches)."""
+    out = {}
+    for src, shard in val.items():
+        n = b = 0
+        for _, y in sequential_windows(shard, B, T, max_batches):
+            n, b = n + y.size, b + int(byte_len[y].sum())
+        if n:
+            out[src] = (n, b)
+    return out
+
+
+def val_curve(run: Path, vb: dict) -> list[tuple[int, float]]:
+    """[(step, overall bpb)] of a run's in-training held-out records, warmup then main: each
+    source's mean loss x its targets, summed, over all sources' bytes x ln 2."""
+    pts = {}
+    for part in ("warmup", "main"):
+        f = run / part / "model.loss.json"
+        if not f.exists():
+            continue
+        for r in json.loads(f.read_text(encoding="utf-8")).get("val", []):
+            per = r.get("per_source") or {}
+            if per and all(s in per for s in vb):
+                nats = sum(per[s] * vb[s][0] for s in vb)
+                pts[int(r["step"])] = nats / (sum(b for _, b in vb.values()) * math.log(2))
+    return sorted(pts.items())
+
+
+def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
+    """First step at which the curve is at or below ``target``, linear between held-out points."""
+    for i, (step, v) in enumerate(curve):
+        if v <= target:
+            if i == 0:
+                return float(step)
+            s0, v0 = curve[i - 1]
+            return s0 + (step - s0) * (v0 - target) / (v0 - v) if v0 != v else float(step)
+    return None
+
+
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """Mean over runs at the held-out steps they all share."""
+    common = set.intersection(*(set(s for s, _ in c) for c in curves)) if curves else set()
+    return [(s, float(np.mean([dict(c)[s] for c in curves]))) for s in sorted(common)]
+
+
+def figures(res: dict, variant: str, srcs: list[str]) -> dict:
+    """The three headline figures of a variant against the anchor, means over seeds."""
+    def mean(var, get):
+        return float(np.mean([get(r) for r in res["runs"].values() if r["variant"] == var]))
+
+    per = {s: mean(variant, lambda r: r["per_source"][s]) / mean(ANCHOR, lambda r: r["per_source"][s]) for s in srcs}
+    worst = max(per, key=per.get)
+    anchor_curve = mean_curve([r["curve"] for r in res["runs"].values() if r["variant"] == ANCHOR])
+    curve = mean_curve([r["curve"] for r in res["runs"].values() if r["variant"] == variant])
+    reach = None
+    if anchor_curve and curve:
+        at = steps_to_reach(curve, anchor_curve[-1][1])
+        reach = None if at is None else at / anchor_curve[-1][0]
+    return {"overall_bpb": mean(variant, lambda r: r["overall_bpb"]),
+            "overall_ratio": mean(variant, lambda r: r["overall_bpb"]) / mean(ANCHOR, lambda r: r["overall_bpb"]),
+            "source_ratio": per, "worst_source": worst, "worst_source_ratio": per[worst],
+            "steps_to_reach_ratio": reach, "anchor_final_curve_bpb": anchor_curve[-1][1] if anchor_curve else None,
+            "shares": {s: mean(variant, lambda r: r["shares"].get(s, 0.0)) for s in srcs},
+            "curve": curve}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="tiny")
@@ -115,41 +211,76 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", required=True)
     p.add_argument("--tokens", required=True)
     p.add_argument("--out", default="bench/out/curriculum")
-    p.add_argument("--seeds", default="1337", help="comma-separated seeds; each policy is trained once per seed")
+    p.add_argument("--seeds", default="1337", help="comma-separated seeds; each variant is trained once per seed")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+                   help="a policy variant (repeatable; default: uniform and ucb1 with the params' bandit.*); "
+                        "the anchor 'uniform' (bandit.policy=uniform) is always added")
     p.add_argument("--jobs", type=int, default=1, help="trainings run at once")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per training")
-    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for every run (default adds train.eval_every=100 for the held-out curves)")
     p.add_argument("--eval-only", action="store_true", help="score existing runs, do not train")
+    p.add_argument("--no-rescore", action="store_true",
+                   help="final figures from the last in-training held-out record instead of the eval stage's code")
     args = p.parse_args(argv)
+    if not any(x.startswith("train.eval_every=") for x in args.set):
+        args.set = ["train.eval_every=100", *args.set]
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    variants = dict(parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS))
+    variants.setdefault(ANCHOR, ["bandit.policy=uniform"])
     st = Settings.from_dict(load_config(args.params, args.profile, args.set))
     tok = load_tokenizer(args.tokenizer)
     byte_len = np.array([len(tok.token_bytes(i)) for i in range(tok.vocab_size)], dtype=np.int64)
     val = val_shards(Path(args.tokens), "val")
-    runs = [(pol, seed) for seed in seeds for pol in POLICIES]
-    walls = {} if args.eval_only else train_all(runs, args)
-    res: dict = {"profile": args.profile, "sets": args.set, "seeds": seeds, "runs": {}}
-    for pol, seed in runs:
-        run = Path(args.out) / run_name(pol, seed) / "main"
-        res["runs"][run_name(pol, seed)] = score(run, st, tok, byte_len, val) | {
-            "policy": pol, "seed": seed, "train_wall_s": walls.get(run_name(pol, seed)), "shares": batch_shares(run)}
+    vb = val_bytes(val, byte_len, st.train.batch_size, st.model.context, st.train.eval_batches)
+    runs = [(var, seed) for seed in seeds for var in variants]
+    walls = {} if args.eval_only else train_all(runs, variants, args)
+    res: dict = {"profile": args.profile, "sets": args.set, "seeds": seeds, "variants": variants, "anchor": ANCHOR,
+                 "runs": {}}
+    for var, seed in runs:
+        run = Path(args.out) / run_name(var, seed)
+        curve = val_curve(run, vb)
+        if args.no_rescore:
+            if not curve:
+                raise AndreaError(f"{run}: no held-out records in model.loss.json (train.eval_every?)")
+            last = json.loads((run / "main" / "model.loss.json").read_text(encoding="utf-8"))["val"][-1]
+            per = {s: last["per_source"][s] * vb[s][0] / (vb[s][1] * math.log(2)) for s in vb}
+            sc = {"step": int(last["step"]), "per_source": per, "overall_bpb": curve[-1][1]}
+        else:
+            sc = score(run / "main", st, tok, byte_len, val)
+        res["runs"][run_name(var, seed)] = sc | {
+            "variant": var, "seed": seed, "train_wall_s": walls.get(run_name(var, seed)),
+            "shares": batch_shares(run / "main"), "curve": curve}
 
-    def mean(pol: str, get) -> float:
-        return float(np.mean([get(r) for r in res["runs"].values() if r["policy"] == pol]))
+    def mean(var: str, get) -> float:
+        return float(np.mean([get(r) for r in res["runs"].values() if r["variant"] == var]))
 
     srcs = sorted(next(iter(res["runs"].values()))["per_source"])
+    res["figures"] = {v: figures(res, v, srcs) for v in variants if v != ANCHOR}
     step = {r["step"] for r in res["runs"].values()}
-    lines = [f"ucb1 vs uniform, profile {args.profile}, step {'/'.join(map(str, sorted(step)))}, seeds {seeds}, "
-             f"sets {args.set or 'none'}: held-out bits per byte (lower is better), mean over seeds", "",
-             "| source | uniform bpb | ucb1 bpb | ucb1/uniform | uniform share | ucb1 share |",
-             "|---|---|---|---|---|---|"]
+    others = [v for v in variants if v != ANCHOR]
+    lines = [f"variants vs {ANCHOR}, profile {args.profile}, step {'/'.join(map(str, sorted(step)))}, seeds {seeds}, "
+             f"sets {args.set}: held-out bits per byte (lower is better), mean over seeds", ""]
+    for v in others:
+        lines.append(f"- `{v}`: {', '.join(variants[v])}")
+    lines += ["", "| variant | overall ratio | worst source ratio (source) | steps-to-reach ratio |", "|---|---|---|---|"]
+    for v in others:
+        f = res["figures"][v]
+        reach = "not reached" if f["steps_to_reach_ratio"] is None else f"{f['steps_to_reach_ratio']:.3f}"
+        lines.append(f"| {v} | {f['overall_ratio']:.4f} | {f['worst_source_ratio']:.4f} ({f['worst_source']}) | {reach} |")
+    lines += ["", f"| source | {ANCHOR} bpb | " + " | ".join(f"{v} bpb (ratio, share)" for v in others) +
+              f" | {ANCHOR} share |", "|---|---|" + "---|" * len(others) + "---|"]
     for s in srcs:
-        ub, bb = mean("uniform", lambda r: r["per_source"][s]), mean("ucb1", lambda r: r["per_source"][s])
-        us, bs = mean("uniform", lambda r: r["shares"].get(s, 0.0)), mean("ucb1", lambda r: r["shares"].get(s, 0.0))
-        lines.append(f"| {s} | {ub:.4f} | {bb:.4f} | {bb / ub:.4f} | {us:.3f} | {bs:.3f} |")
-    uo, bo = mean("uniform", lambda r: r["overall_bpb"]), mean("ucb1", lambda r: r["overall_bpb"])
-    lines.append(f"| **overall** | {uo:.4f} | {bo:.4f} | {bo / uo:.4f} | | |")
-    lines += ["", "per seed, overall bpb: " + ", ".join(
+        ub = mean(ANCHOR, lambda r: r["per_source"][s])
+        cells = [f"{mean(v, lambda r: r['per_source'][s]):.4f} ({res['figures'][v]['source_ratio'][s]:.3f}, "
+                 f"{res['figures'][v]['shares'][s]:.3f})" for v in others]
+        lines.append(f"| {s} | {ub:.4f} | " + " | ".join(cells) +
+                     f" | {mean(ANCHOR, lambda r: r['shares'].get(s, 0.0)):.3f} |")
+    lines.append(f"| **overall** | {mean(ANCHOR, lambda r: r['overall_bpb']):.4f} | " + " | ".join(
+        f"{res['figures'][v]['overall_bpb']:.4f} ({res['figures'][v]['overall_ratio']:.3f})" for v in others) + " | |")
+    lines += ["", "steps-to-reach: the first step at which the variant's mean held-out curve (in-training "
+              f"estimate, every train.eval_every steps) reaches {ANCHOR}'s final value on the same curve, "
+              "over the run's steps.", "", "per seed, overall bpb: " + ", ".join(
         f"{name} {r['overall_bpb']:.4f}" for name, r in res["runs"].items())]
     md = "\n".join(lines) + "\n"
     atomic_write_json(Path(args.out) / "compare.json", res)

@@ -8,15 +8,19 @@ sets it) and derive the reward of an observation from it:
   * ``bandit.reward: progress`` -- learning progress, the drop of the EMA
     ``(ema_before - ema_after) * bandit.reward_scale``, divided by the batches since the
     source's previous batch when ``bandit.progress_per_step`` is true;
+  * ``bandit.reward: relative`` -- the same drop over ``ema_before`` (progress as a share of
+    the source's own loss level);
   * ``bandit.reward: loss`` -- the ODM-style ablation: the EMA itself (in nats, not
     scaled), so the bandit prefers the sources the model still finds hard.
 
-``UCB1Policy`` (docs/curriculum.md has the full reading of the seeds):
+``UCB1Policy`` (docs/FIREHOSE-BANDIT.md is its spec with a worked example and the
+measurements behind the defaults; docs/curriculum.md the reading of the seeds):
   * a *pull* chooses a source and holds it for a dwell of 1dN batches rolled on the
     seeded dice (N = ``bandit.dice_warmup`` in the warmup phase, ``bandit.dice_main``
-    after); its reward is the mean reward over its batches. A pull with no reward at all
-    (a source's very first batch only starts its EMA; NaN losses) does not count as a pull,
-    so a source is never judged on a reward of 0 it could not have earned;
+    after; both 1 by default, one batch a pull); its reward is the mean reward over its
+    batches. A pull with no reward at all (a source's very first batch only starts its
+    EMA; NaN losses) does not count as a pull, so a source is never judged on a reward of
+    0 it could not have earned;
   * the run is cut into phases of ``bandit.phases[k % len] * bandit.phase_unit``
     batches; a dwell never crosses a phase boundary, and at each boundary the bandit
     halves its pull counts and reward sums (means kept, confidence widened), so it
@@ -24,7 +28,8 @@ sets it) and derive the reward of an observation from it:
   * score of source i: the UCB1 index ``mean_i + c * u * sqrt(2 ln N / n_i)`` (an unpulled
     source scores +inf; u = 1 with ``bandit.ucb_scale: one``, the pooled within-source
     standard deviation of pull rewards with ``std``), times the epoch penalty
-    ``1 / (1 + epochs_i)``, times the
+    ``1 / (1 + epochs_i)`` (epochs counted as ``bandit.epoch_penalty`` says: ``tokens``,
+    ``excess`` or ``none``; see ``UCB1Policy.epochs``), times the
     freshness factor ``1 + (bonus - 1) * unseen_share_i``. A factor below one always
     lowers a score and one above one always raises it: a negative score is divided by
     the factor instead of multiplied;
@@ -85,7 +90,10 @@ class _EmaRewards:
         if before is None:
             return None
         gap = max(1, int(t) - last) if self.per_step and last is not None else 1
-        return (before - after) * self.scale / gap
+        drop = before - after
+        if self.mode == "relative":  # the drop as a share of the source's own loss level
+            drop /= max(abs(before), 1e-12)
+        return drop * self.scale / gap
 
     def state_dict(self) -> dict:
         return {"ema": dict(self.ema), "last": dict(self.last)}
@@ -154,6 +162,7 @@ class UCB1Policy:
         self.die = b.dice_warmup if phase == "warmup" else b.dice_main
         self.floor = b.floor
         self.bonus = b.coverage_bonus
+        self.epoch_unit = b.epoch_penalty
         if self.floor * len(eligible) > 1.0:
             raise AndreaError(f"bandit.floor = {self.floor}: {len(eligible)} sources cannot each keep that share "
                               f"(floor x sources must be <= 1)")
@@ -187,6 +196,19 @@ class UCB1Policy:
             num, den = max(0.0, sum(self.rsq[s] for s in self.eligible) - n * mean * mean), n - 1.0
         return math.sqrt(num / den) if num > 0.0 else 1.0
 
+    def epochs(self, source: str, streams: dict) -> float:
+        """The epochs the penalty counts (``bandit.epoch_penalty``): ``tokens``, the completed
+        passes over the source's tokens; ``excess``, the passes drawn beyond what the uniform
+        mix would have drawn by now (all sources' tokens / eligible sources), so a source is
+        penalised only for the repetition the bandit adds; ``none``, no penalty."""
+        if self.epoch_unit == "none":
+            return 0.0
+        st = streams[source]
+        if self.epoch_unit == "tokens":
+            return float(st.epochs)
+        fair = sum(streams[s].tokens_drawn for s in self.sources) / len(self.eligible)
+        return max(0.0, (st.tokens_drawn - fair) / st.n_tokens)
+
     def scores(self, streams: dict) -> dict[str, float]:
         total = sum(self.n[s] for s in self.eligible)
         log_n = math.log(total) if total > 1.0 else 0.0
@@ -197,7 +219,7 @@ class UCB1Policy:
                 out[s] = math.inf
                 continue
             idx = self.rsum[s] / self.n[s] + self.c * unit * math.sqrt(2.0 * log_n / self.n[s])
-            idx = apply_factor(idx, 1.0 / (1.0 + streams[s].epochs))
+            idx = apply_factor(idx, 1.0 / (1.0 + self.epochs(s, streams)))
             out[s] = apply_factor(idx, 1.0 + (self.bonus - 1.0) * streams[s].unseen_share)
         return out
 
