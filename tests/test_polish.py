@@ -197,7 +197,10 @@ def test_polish_off_changes_nothing_before_the_pivot_and_archives_nothing(data, 
     assert not (off / "archive").exists()
     a, b = _loss(on)["train"], _loss(off)["train"]
     assert a[:PIVOT] == b[:PIVOT]                                    # the same trajectory up to the pivot
-    assert a[PIVOT:] != b[PIVOT:] and "py-topics" in {r["source"] for r in b[PIVOT:]}
+    assert a[PIVOT:] != b[PIVOT:]
+    assert {r["source"] for r in a[PIVOT:]} <= set(POLISH_SOURCES)     # on: only the polish sources
+    cur = json.loads((off / "model.state.json").read_text())["curriculum"]
+    assert set(cur["eligible"]) - set(POLISH_SOURCES)                # off: every source stays eligible
     assert [r["lr"] for r in b] == [lr_at(r["step"], Settings.from_dict(_cfg("off")).train) for r in b]
     assert not [e for e in _loss(off)["events"] if e["kind"] == "phase" and e["detail"].startswith("polish")]
     assert json.loads((off / "model.state.json").read_text())["curriculum"]["row"] == "main"
