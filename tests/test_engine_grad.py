@@ -46,7 +46,9 @@ def test_layout_offsets_cover_the_flat_buffer_and_decay_prefix():
     assert round(param_layout(ModelConfig(4353, 384, 12, 6, 1024)).n_params / 1e6, 1) == 12.7
 
 
-def test_every_parameter_gradient_matches_central_differences():
+@pytest.mark.parametrize("att_block", [64, 2])   # 2 < context: ragged causal blocks, the upper one skipped
+def test_every_parameter_gradient_matches_central_differences(monkeypatch, att_block):
+    monkeypatch.setattr(ops, "ATT_BLOCK", att_block)
     eng, x, y = _engine64()
     eng.zero_grads()
     eng.forward(x, y)
@@ -73,6 +75,34 @@ def test_every_parameter_gradient_matches_central_differences():
 
 def _rand(rng, *shape):
     return rng.normal(size=shape)
+
+
+@pytest.mark.parametrize("block", [1, 3, 4])
+def test_causal_blocks_skip_only_exact_zeros(monkeypatch, block):
+    """Attention in causal blocks (the all-masked blocks never multiplied) gives the full
+    products' results: outputs, saved probabilities (exact zeros above the diagonal) and input
+    gradients, with every written buffer and the scratch prefilled with NaN."""
+    rng = np.random.default_rng(5)
+    Bb, T, C, H = 2, 7, 8, 2
+    qkv, dout = _rand(rng, Bb, T, 3 * C), _rand(rng, Bb, T, C)
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+
+    def run(att_block):
+        monkeypatch.setattr(ops, "ATT_BLOCK", att_block)
+        work = np.full(ops.work_elems(Bb, T, C, H, 3), np.nan)
+        y, att, dqkv = np.full((Bb, T, C), np.nan), np.full(ops.att_shape(Bb, H, T), np.nan), np.full_like(qkv, np.nan)
+        ops.attn_forward(y, att, qkv, mask, H, work)
+        ops.attn_backward(dqkv, dout, qkv, att, y, H, work)
+        return y, att, dqkv
+
+    full = run(T)
+    got = run(block)
+    assert len(ops._causal_blocks(T)) == -(-T // block)
+    P = got[1].transpose(0, 2, 3, 1)                     # (B, H, queries, keys)
+    assert (P[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0).all()
+    for name, a, b in zip(("y", "att", "dqkv"), got, full):
+        assert np.isfinite(a).all(), name
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15, err_msg=name)
 
 
 def test_every_backward_op_adds_into_parameter_and_stream_gradients_and_writes_the_rest():

@@ -243,13 +243,27 @@ def att_shape(B: int, H: int, T: int) -> tuple[int, int, int, int]:
     return (B, T, H, T)
 
 
+# Causal attention in query blocks of ATT_BLOCK positions: the queries [i0, i1) see only the
+# keys [0, i1), so the scores, P v and every backward matmul run on those blocks alone and the
+# all-masked block above them is never multiplied (at T = 128: 3 of 4 blocks, 25% fewer attention
+# FLOPs). The skipped probabilities are exact zeros (written, not computed), so the results are
+# those of the full product; the skipped terms only ever added exact zeros.
+ATT_BLOCK = 32
+
+
+def _causal_blocks(T: int) -> list[tuple[int, int]]:
+    """The query (= key) blocks [i0, i1) of ``ATT_BLOCK`` positions covering [0, T)."""
+    return [(i0, min(i0 + ATT_BLOCK, T)) for i0 in range(0, T, ATT_BLOCK)]
+
+
 def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
                  n_head: int, work: np.ndarray) -> None:
     """Causal scaled dot-product attention.
 
     qkv (B, T, 3C) -> out (B, T, C) = concat_h softmax(q k^T / sqrt(D) + mask) v.
     att (B, T, H, T) = ``att_shape``: saves the softmax probabilities (key-major) for the backward.
-    mask (T, T): 0 on and below the diagonal, -inf above (a constant the engine owns).
+    mask (T, T): 0 on and below the diagonal, -inf above (a constant the engine owns; the
+    blocks above the diagonal, ``_causal_blocks``, are -inf whatever it holds there).
     """
     B, T = out.shape[0], out.shape[1]
     H = n_head
@@ -261,13 +275,17 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
                                      (B, 1, H * T), (T, H * T))
     np.copyto(MT.reshape(T, H, T), mask.T[:, None, :])  # the mask key-major, once per head
     ones = _ones(T, out.dtype)
+    blocks = _causal_blocks(T)
 
     def part(b0: int, b1: int) -> None:
         n = b1 - b0
         qh, kh, vh, y, st = QH[b0:b1], KH[b0:b1], VH[b0:b1], Y[b0:b1], STAT[b0:b1]
         a4, a3 = att[b0:b1], att[b0:b1].reshape(n, T, H * T)
+        s4 = a4.transpose(0, 2, 1, 3)                  # (n, H, keys, queries): scores^T per (b, h)
         _heads_contig((qh, kh, vh), qkv[b0:b1], n, T, H, 1.0 / math.sqrt(D))
-        np.matmul(kh, qh.swapaxes(-1, -2), out=a4.transpose(0, 2, 1, 3))   # scores^T per (b, h)
+        for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
+            np.matmul(kh[:, :, :i1], qh[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
+            s4[:, :, i1:, i0:i1] = -np.inf
         a3 += MT
         np.max(a3, axis=1, keepdims=True, out=st)      # (n, 1, H*T): per query, over keys
         a3 -= st
@@ -275,7 +293,9 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
         np.matmul(ones, a3, out=st[:, 0])              # key sums as one gemv per batch row
         np.reciprocal(st, out=st)                      # one divide per query, a multiply per entry
         a3 *= st
-        np.matmul(a4.transpose(0, 2, 3, 1), vh, out=y)  # y = P v per (b, h)
+        p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
+        for i0, i1 in blocks:                          # y = P v per (b, h), keys [0, i1)
+            np.matmul(p4[:, :, i0:i1, :i1], vh[:, :, :i1], out=y[:, :, i0:i1])
         np.copyto(out[b0:b1].reshape(n, T, H, D), y.transpose(0, 2, 1, 3))
 
     split_batch(part, B)
@@ -284,7 +304,9 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
 def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray, y: np.ndarray,
                   n_head: int, work: np.ndarray) -> None:
     """dqkv (B, T, 3C) = d/dqkv of attn_forward, given dout (B, T, C), the saved att (``att_shape``)
-    and the forward's output y (B, T, C) (unused here: a fused backend that saved less needs it)."""
+    and the forward's output y (B, T, C) (unused here: a fused backend that saved less needs it).
+    Causal blocks as the forward: query block [i0, i1) reads keys [0, i1); key block [j0, j1)
+    is read by queries [j0, T)."""
     B, T = dout.shape[0], dout.shape[1]
     H = n_head
     C = dout.shape[-1]
@@ -294,23 +316,31 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         raise ValueError(f"attn_backward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
     QH, KH, VH, DY, TMP, DATT, ROWDOT = _carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D),
                                                (B, H, T, D), (B, T, H, T), (B, 1, H * T))
+    blocks = _causal_blocks(T)
 
     def part(b0: int, b1: int) -> None:
         n = b1 - b0
         qh, kh, vh, dy, tmp, rowdot = QH[b0:b1], KH[b0:b1], VH[b0:b1], DY[b0:b1], TMP[b0:b1], ROWDOT[b0:b1]
         d4, d3 = DATT[b0:b1], DATT[b0:b1].reshape(n, T, H * T)
         p4, p3 = att[b0:b1], att[b0:b1].reshape(n, T, H * T)
+        pkq, dkq = p4.transpose(0, 2, 1, 3), d4.transpose(0, 2, 1, 3)   # (n, H, keys, queries)
+        pqk, dqk = p4.transpose(0, 2, 3, 1), d4.transpose(0, 2, 3, 1)   # (n, H, queries, keys)
         _heads_contig((qh, kh, vh), qkv[b0:b1], n, T, H, scale)        # qh = q * scale
         np.copyto(dy, dout[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3))
-        np.matmul(vh, dy.swapaxes(-1, -2), out=d4.transpose(0, 2, 1, 3))   # datt^T = v dy^T
-        np.matmul(p4.transpose(0, 2, 1, 3), dy, out=vh)                  # vh = dv = P^T dy
+        for i0, i1 in blocks:                          # datt^T = v dy^T (zero where P is)
+            np.matmul(vh[:, :, :i1], dy[:, :, i0:i1].swapaxes(-1, -2), out=dkq[:, :, :i1, i0:i1])
+            dkq[:, :, i1:, i0:i1] = 0.0
+        for j0, j1 in blocks:                          # vh = dv = P^T dy, queries [j0, T)
+            np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=vh[:, :, j0:j1])
         # softmax backward: ds = P * (datt - sum_keys(datt * P)) is dL/d(scaled scores)
         np.einsum("bjk,bjk->bk", d3, p3, out=rowdot[:, 0])
         d3 -= rowdot
         d3 *= p3                                       # d4 = ds^T
-        np.matmul(d4.transpose(0, 2, 3, 1), kh, out=dy)                  # dy = dq = ds k * scale
+        for i0, i1 in blocks:                          # dy = dq = ds k * scale, keys [0, i1)
+            np.matmul(dqk[:, :, i0:i1, :i1], kh[:, :, :i1], out=dy[:, :, i0:i1])
         dy *= scale
-        np.matmul(d4.transpose(0, 2, 1, 3), qh, out=tmp)                 # tmp = dk = ds^T (q * scale)
+        for j0, j1 in blocks:                          # tmp = dk = ds^T (q * scale), queries [j0, T)
+            np.matmul(dkq[:, :, j0:j1, j0:], qh[:, :, j0:], out=tmp[:, :, j0:j1])
         dq, dk, dv = _heads(dqkv[b0:b1], n, T, H)
         np.copyto(dq, dy)
         np.copyto(dk, tmp)
