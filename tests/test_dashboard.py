@@ -165,8 +165,11 @@ class DashboardProcess:
     """``andrea dashboard`` as a real process on a free port; ``stop()`` sends Ctrl-C, returns (rc, stderr after start)."""
 
     def __init__(self, run: Path):
+        # SIGINT back to its default in the child: a shell without job control starts background
+        # jobs with SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt
         self.p = subprocess.Popen([sys.executable, "-m", "andrea", "dashboard", str(run), "--port", "0"],
-                                  stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                                  stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         first = self.p.stderr.readline()
         self.port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", first).group(1))
 
