@@ -255,43 +255,10 @@ def test_curriculum_enter_cuts_the_open_pull_keeps_the_other_arms_and_resumes(tm
 
 
 # ---------------------------------------------------------------- kill -9 inside the pivot's commit
-# A child `andrea train` that dies with os._exit (no cleanup, like SIGKILL) just before its
-# KILL_AT-th file-system call inside the checkpoint that carries the polish archive.
-KILL_DRIVER = r"""
-import os, sys
-import andrea.train as T
-kill_at = int(sys.argv[1])
-state = {"armed": False, "n": 0}
-def wrap(name):
-    f = getattr(os, name)
-    def g(*a, **k):
-        if state["armed"]:
-            state["n"] += 1
-            if state["n"] == kill_at:
-                os._exit(137)
-        return f(*a, **k)
-    setattr(os, name, g)
-for name in ("fsync", "replace", "rename", "unlink", "rmdir", "mkdir"):
-    wrap(name)
-orig = T.Trainer.checkpoint
-def checkpoint(self, why, archive=None):
-    state["armed"] = archive is not None
-    orig(self, why, archive)
-    if state["armed"]:
-        print(f"FS-CALLS {state['n']}", file=sys.stderr, flush=True)
-    state["armed"] = False
-T.Trainer.checkpoint = checkpoint
-from andrea.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
 
 @pytest.mark.slow
 def test_kill_at_every_fs_call_of_the_pivot_leaves_the_archive_exactly_once(data, tmp_path):
-    import subprocess
-    import sys
-
-    from train_helpers import andrea_cmd, child_env, micro_overrides, run_cli
+    from train_helpers import micro_overrides, run_cli, run_killed
 
     tok, tokens = data
     ov = micro_overrides(4, 12, **{"curriculum.polish_steps": 4, "curriculum.polish_sources": "[chat-system, py-code]",
@@ -304,8 +271,7 @@ def test_kill_at_every_fs_call_of_the_pivot_leaves_the_archive_exactly_once(data
     want = {n: (ref / n).read_bytes() for n in names}
 
     def killed(out, k):
-        cmd = [sys.executable, "-c", KILL_DRIVER, str(k)] + andrea_cmd("main", tok, tokens, out, ov, init=warm)[3:]
-        return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+        return run_killed("archive", k, "main", tok, tokens, out, ov, init=warm)
 
     probe = killed(tmp_path / "probe", 10 ** 9)
     assert probe.returncode == 0, probe.stderr

@@ -13,12 +13,9 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
-import os
-import shutil
 import signal
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from rich.console import Console
 from andrea.engine import checkpoint as ck
 from andrea.errors import AndreaError
 from andrea.train import Trainer
-from train_helpers import ROOT, andrea_cmd, child_env, make_data, micro_cfg, micro_overrides, run_cli
+from train_helpers import ROOT, andrea_cmd, child_env, make_data, micro_cfg, micro_overrides, run_cli, run_killed
 
 FILES = {"model.bin", "model.state.json", "model.loss.json", "model.samples.json",
          "model.perf.jsonl"}          # the wall-clock sidecar (andrea/runs.py PERF) belongs to the folder
@@ -61,36 +58,6 @@ def _pair_step(out: Path) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------ kill -9 at every fs call
-# A child that runs `andrea train` and dies with os._exit (no cleanup, like SIGKILL) just
-# before its KILL_AT-th file-system call inside the checkpoint at step ARM_STEP.
-KILL_DRIVER = r"""
-import os, sys
-import andrea.train as T
-arm_step, kill_at = int(sys.argv[1]), int(sys.argv[2])
-state = {"armed": False, "n": 0}
-def wrap(name):
-    f = getattr(os, name)
-    def g(*a, **k):
-        if state["armed"]:
-            state["n"] += 1
-            if state["n"] == kill_at:
-                os._exit(137)
-        return f(*a, **k)
-    setattr(os, name, g)
-for name in ("fsync", "replace", "rename", "unlink", "rmdir", "mkdir"):
-    wrap(name)
-orig = T.Trainer.checkpoint
-def checkpoint(self, why):
-    state["armed"] = self.step == arm_step
-    orig(self, why)
-    if state["armed"]:
-        print(f"FS-CALLS {state['n']}", file=sys.stderr, flush=True)
-    state["armed"] = False
-T.Trainer.checkpoint = checkpoint
-from andrea.cli import main
-sys.exit(main(sys.argv[3:]))
-"""
-
 
 @pytest.mark.slow
 def test_kill_at_every_fs_call_of_a_checkpoint_leaves_a_resumable_folder(data, tmp_path):
@@ -102,8 +69,7 @@ def test_kill_at_every_fs_call_of_a_checkpoint_leaves_a_resumable_folder(data, t
     ref = (ref_dir / "model.bin").read_bytes()
 
     def killed_run(out, kill_at):
-        cmd = [sys.executable, "-c", KILL_DRIVER, "2", str(kill_at)] + andrea_cmd("warmup", tok, tokens, out, ov)[3:]
-        return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
+        return run_killed("step=2", kill_at, "warmup", tok, tokens, out, ov)
 
     probe = killed_run(tmp_path / "probe", 10 ** 9)
     assert probe.returncode == 0, probe.stderr

@@ -77,3 +77,42 @@ def child_env() -> dict:
 
 def run_cli(*args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(andrea_cmd(*args, **kw), env=child_env(), capture_output=True, text=True, timeout=300)
+
+
+# A child `andrea train` that dies with os._exit (no cleanup, like SIGKILL) just before its
+# KILL_AT-th file-system call inside one checkpoint: ARM "step=N" picks the checkpoint at step N,
+# ARM "archive" the one that carries an archive (the polish pivot). With KILL_AT past the end it
+# runs through and prints "FS-CALLS <n>", the count of calls that checkpoint made.
+KILL_DRIVER = r"""
+import os, sys
+import andrea.train as T
+arm, kill_at = sys.argv[1], int(sys.argv[2])
+state = {"armed": False, "n": 0}
+def wrap(name):
+    f = getattr(os, name)
+    def g(*a, **k):
+        if state["armed"]:
+            state["n"] += 1
+            if state["n"] == kill_at:
+                os._exit(137)
+        return f(*a, **k)
+    setattr(os, name, g)
+for name in ("fsync", "replace", "rename", "unlink", "rmdir", "mkdir"):
+    wrap(name)
+orig = T.Trainer.checkpoint
+def checkpoint(self, why, archive=None):
+    state["armed"] = archive is not None if arm == "archive" else self.step == int(arm.split("=")[1])
+    orig(self, why, archive)
+    if state["armed"]:
+        print(f"FS-CALLS {state['n']}", file=sys.stderr, flush=True)
+    state["armed"] = False
+T.Trainer.checkpoint = checkpoint
+from andrea.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def run_killed(arm: str, kill_at: int, *args, **kw) -> subprocess.CompletedProcess:
+    """``run_cli(*args, **kw)`` under KILL_DRIVER (see above)."""
+    cmd = [sys.executable, "-c", KILL_DRIVER, arm, str(kill_at)] + andrea_cmd(*args, **kw)[3:]
+    return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
