@@ -91,12 +91,7 @@ class Curriculum:
         if not eligible:
             raise AndreaError(f"curriculum.{row.name}_sources {wanted}: none of them has a shard "
                               f"(shards: {', '.join(self.sources)})")
-        rec = None
-        if getattr(self.policy, "pull", None) is not None:      # ucb1: the open dwell ends at the boundary
-            source, drawn = self.policy.pull["source"], self.policy.pull["dwell"] - self.policy.pull["left"]
-            rec = self.policy._finish()       # as a record of observe(): the step of its last batch
-            rec.update(step=int(step) - 1, dwell=drawn, epochs=self.streams[source].epochs,
-                       coverage=1.0 - self.streams[source].unseen_share)
+        rec = self.policy.cut(int(step) - 1, self.streams)      # an open dwell ends at the boundary
         self.row, self.eligible = row.name, eligible
         self.policy.eligible = eligible
         return rec

@@ -132,6 +132,10 @@ class UniformPolicy:
                 "scores": {s: share for s in self.eligible}, "ema": _finite(self.rewards.ema[source]),
                 "epochs": streams[source].epochs, "coverage": 1.0 - streams[source].unseen_share}
 
+    def cut(self, last_step: int, streams: dict) -> None:
+        """Uniform holds no pull across batches: nothing to end at a row boundary."""
+        return None
+
     def state_dict(self) -> dict:
         return {"rewards": self.rewards.state_dict(), "batches": dict(self.batches), "t": self.t,
                 "current": self.current}
@@ -277,10 +281,23 @@ class UCB1Policy:
             self.pull["k"] += 1
         if self.pull["left"] > 0:
             return None
-        rec = self._finish()
-        rec["step"] = int(step)
-        rec["epochs"] = streams[source].epochs
-        rec["coverage"] = 1.0 - streams[source].unseen_share
+        return self._stamp(self._finish(), step, streams)
+
+    def cut(self, last_step: int, streams: dict) -> dict | None:
+        """End the open pull early (a phase-table row boundary: a dwell never crosses one), credited
+        with the batches it had; its record (``last_step``: the step of its last batch), or None."""
+        if self.pull is None:
+            return None
+        drawn = self.pull["dwell"] - self.pull["left"]
+        rec = self._stamp(self._finish(), last_step, streams)
+        rec["dwell"] = drawn
+        return rec
+
+    @staticmethod
+    def _stamp(rec: dict, step: int, streams: dict) -> dict:
+        """A finished pull's record with its step and its source's epochs and coverage."""
+        st = streams[rec["source"]]
+        rec.update(step=int(step), epochs=st.epochs, coverage=1.0 - st.unseen_share)
         return rec
 
     def _finish(self) -> dict:
