@@ -20,12 +20,14 @@ and chat markup count too.
 ``coherence.every`` steps the loop samples the fixed ``PROMPTS`` and hands the texts to
 ``check``; ``coherence.patience`` consecutive checks in which a majority of samples is
 degenerate (any rate above ``coherence.max_repeat``) halt the run. ``observe_loss`` also
-halts a run whose loss diverges: its EMA (smoothing ``DIVERGE_EMA``, tracked after
-``DIVERGE_WARM`` steps) rises above ``coherence.diverge_ratio`` x the lowest EMA seen.
+halts a run whose loss diverges: per source (the step's batch label), its EMA (smoothing
+``DIVERGE_EMA``, tracked after ``DIVERGE_WARM`` of that source's steps) rises above
+``coherence.diverge_ratio`` x the lowest EMA that source has had. One EMA over all sources
+would read the bandit's switch from an easy source to a hard one as divergence.
 ``sample_check(step, model, tokenizer, seed)`` does the sampling itself with
 ``andrea.generate.generate_batch`` (all prompts together) on an ``InferenceModel`` built once
 over the training weights with a KV-cache slot per prompt.
-The monitor's state (streak, loss EMA, best) is JSON-able for ``.state.json``.
+The monitor's state (streak, per-source loss EMA and best) is JSON-able for ``.state.json``.
 Tests: ``pytest tests/test_coherence.py``.
 """
 
@@ -115,9 +117,8 @@ class CoherenceMonitor:
         self.diverge_ratio = c.diverge_ratio
         self.max_new_tokens, self.temperature, self.top_k = c.max_new_tokens, c.temperature, c.top_k
         self.streak = 0
-        self.loss_ema: float | None = None
-        self.best_ema: float | None = None
         self.n_loss = 0
+        self.ema: dict[str, dict] = {}                 # source -> {"ema", "best", "n"}
 
     def due(self, step: int) -> bool:
         """Whether a coherence check belongs after ``step`` (every ``coherence.every`` steps)."""
@@ -169,28 +170,39 @@ class CoherenceMonitor:
         gens = generate_batch(model, jobs, eot_id=tokenizer.eot_id, tokenizer=tokenizer)
         return self.check(step, [(p, g.text) for p, g in zip(prompts, gens)])
 
-    def observe_loss(self, step: int, loss: float) -> dict | None:
-        """Fold one training loss in; returns ``{"reason", "step"}`` when the loss diverges."""
+    def observe_loss(self, step: int, loss: float, source: str = "") -> dict | None:
+        """Fold one training loss of ``source`` in; returns ``{"reason", "step"}`` when that
+        source's loss diverges."""
         if not math.isfinite(loss):
             return None  # NaN/inf steps are the engine's bad-step counter's business
-        self.loss_ema = loss if self.loss_ema is None else DIVERGE_EMA * self.loss_ema + (1 - DIVERGE_EMA) * loss
         self.n_loss += 1
-        if self.n_loss < DIVERGE_WARM:
+        e = self.ema.setdefault(source, {"ema": loss, "best": None, "n": 0})
+        e["ema"] = loss if e["n"] == 0 else DIVERGE_EMA * e["ema"] + (1 - DIVERGE_EMA) * loss
+        e["n"] += 1
+        if e["n"] < DIVERGE_WARM:
             return None
-        if self.best_ema is None or self.loss_ema < self.best_ema:
-            self.best_ema = self.loss_ema
-        if self.diverge_ratio > 0 and self.loss_ema > self.diverge_ratio * self.best_ema:
-            return {"reason": f"loss diverged: EMA {self.loss_ema:.3f} > coherence.diverge_ratio "
-                              f"{self.diverge_ratio:g} x best {self.best_ema:.3f}", "step": int(step)}
+        if e["best"] is None or e["ema"] < e["best"]:
+            e["best"] = e["ema"]
+        if self.diverge_ratio > 0 and e["ema"] > self.diverge_ratio * e["best"]:
+            where = f"{source} " if source else ""
+            return {"reason": f"loss diverged: {where}EMA {e['ema']:.3f} > coherence.diverge_ratio "
+                              f"{self.diverge_ratio:g} x best {e['best']:.3f}", "step": int(step)}
         return None
 
     def state_dict(self) -> dict:
-        return {"streak": self.streak, "loss_ema": self.loss_ema, "best_ema": self.best_ema, "n_loss": self.n_loss}
+        return {"streak": self.streak, "n_loss": self.n_loss,
+                "loss": {k: dict(v) for k, v in sorted(self.ema.items())}}
 
     def load_state_dict(self, d: dict) -> None:
         try:
             self.streak, self.n_loss = int(d["streak"]), int(d["n_loss"])
-            self.loss_ema = None if d["loss_ema"] is None else float(d["loss_ema"])
-            self.best_ema = None if d["best_ema"] is None else float(d["best_ema"])
-        except (KeyError, TypeError, ValueError) as e:
+            if "loss" in d:
+                self.ema = {str(k): {"ema": float(v["ema"]), "n": int(v["n"]),
+                                     "best": None if v["best"] is None else float(v["best"])}
+                            for k, v in d["loss"].items()}
+            else:                                      # a run saved before the per-source EMA
+                self.ema = {} if d["loss_ema"] is None else {"": {
+                    "ema": float(d["loss_ema"]), "n": self.n_loss,
+                    "best": None if d["best_ema"] is None else float(d["best_ema"])}}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise AndreaError(f"coherence state: malformed ({e})") from None

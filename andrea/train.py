@@ -168,7 +168,7 @@ class Hook:
     fn: Callable
     state: Callable[[], dict] | None = None
     load: Callable[[dict], None] | None = None
-    observe: Callable[[int, float], dict | None] | None = None   # every step: (step, loss) -> halt or None
+    observe: Callable[[int, float, str], dict | None] | None = None   # every step: (step, loss, source) -> halt or None
 
 
 @dataclass
@@ -592,7 +592,7 @@ class Trainer:
                     if time.time() - self._last_loss_write > 10:
                         self.write_history()
                 for h in self.hooks:
-                    halt = h.observe(self.step, res.loss) if h.observe else None
+                    halt = h.observe(self.step, res.loss, src) if h.observe else None
                     if not halt and self.step % h.every == 0:
                         halt = h.fn(self, self.step)
                     if halt:

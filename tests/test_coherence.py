@@ -103,6 +103,23 @@ def test_diverging_loss_halts_and_noisy_loss_does_not(coh):
     assert mon.observe_loss(1, float("nan")) is None
 
 
+def test_switch_to_a_harder_source_is_not_divergence(coh):
+    """Bandit runs dwell on one source: 300 steps of an easy one (loss ~1.4), then a hard one
+    (~3.1). One EMA over both read that switch as divergence (2.2x its best); each source's
+    EMA against its own best does not, and a real divergence inside a source still halts."""
+    mon = CoherenceMonitor(coh)
+    for step in range(300):
+        assert mon.observe_loss(step, 1.5 - step * 1e-4, "chat-multi") is None
+    for step in range(300, 700):
+        assert mon.observe_loss(step, 3.1 - (step - 300) * 1e-4, "py-notes") is None
+    halt = None
+    for step in range(700, 1200):
+        halt = mon.observe_loss(step, 3.0 + (step - 700) * 0.05, "py-notes")
+        if halt:
+            break
+    assert halt is not None and "py-notes" in halt["reason"] and halt["step"] < 1200
+
+
 def test_monitor_state_round_trip(coh):
     a = CoherenceMonitor(coh)
     for s in range(120):
@@ -115,6 +132,9 @@ def test_monitor_state_round_trip(coh):
         assert a.observe_loss(s, 9.0) == b.observe_loss(s, 9.0)
     with pytest.raises(AndreaError, match="coherence state"):
         b.load_state_dict({"streak": 1})
+    old = CoherenceMonitor(coh)                     # a .state.json written before per-source EMAs
+    old.load_state_dict({"streak": 0, "n_loss": 120, "loss_ema": 2.0, "best_ema": 1.5})
+    assert old.ema == {"": {"ema": 2.0, "best": 1.5, "n": 120}}
 
 
 class ByteTokenizer:
