@@ -12,7 +12,9 @@ tokens/s, MFU and peak GPU memory of
 - the anchors: the same model in PyTorch (bf16 autocast, F.scaled_dot_product_attention, fused
   AdamW, tied embedding, no biases, GELU tanh) compiled with torch.compile in mode ``default``,
   ``max-autotune`` (Triton GEMM autotuning + CUDA graphs) or ``reduce-overhead`` (CUDA graphs),
-  and ``eager`` (no compile). Each anchor's compile (warm-up) seconds are printed.
+  and ``eager`` (no compile). Each anchor's compile (warm-up) seconds are printed; max-autotune
+  benchmarks Triton GEMM configs for minutes per shape (over 110 s at 12M B=8 on the H200), so
+  give it few shapes per call.
 Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), and
 peak memory of ours over that mode's. MFU = (6 N + 12 L C T) x tokens / time / 989.5e12 (the
 H100/H200 SXM dense bf16 datasheet rate; N = parameters without the position embedding). Peak
