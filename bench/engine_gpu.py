@@ -1,21 +1,38 @@
 """Benchmark: the CuPy engine against a nanoGPT-style PyTorch model of the same shapes, same run.
 
-    PYTHONPATH=. python3 bench/engine_gpu.py                       # 12m, 120m, 480m at B=8, T=1024
-    PYTHONPATH=. python3 bench/engine_gpu.py --variants andrea-12m --steps 30 --json out.json
+    PYTHONPATH=. python3 bench/engine_gpu.py                       # the issue's shapes, every compile mode
+    PYTHONPATH=. python3 bench/engine_gpu.py --variants andrea-12m:8,64 andrea-120m:32 \
+        --anchors compile-default compile-reduce-overhead --breakdown --json out.json
+    PYTHONPATH=. python3 bench/engine_gpu.py --anchors            # ours only
 
-For each variant (shapes from params/profile/<variant>.yaml; V = 256 + n_morphemes + 1): ms/step,
+A variant is ``name`` (batch ``--batch``) or ``name:B1,B2`` (those batches); shapes from
+params/profile/<name>.yaml (V = 256 + n_morphemes + 1). For each (variant, batch): ms/step,
 tokens/s, MFU and peak GPU memory of
 - ours: ``GpuEngine`` in bf16 (fp32 master weights, m, v), CUDA graph of forward+backward;
-- torch.compile: the same model in PyTorch (bf16 autocast, F.scaled_dot_product_attention,
-  fused AdamW, tied embedding, no biases, GELU tanh), compiled with torch.compile;
-- torch eager: that model without compile.
-Ratios are tokens/s of ours over each anchor, and peak memory of ours over each anchor.
-MFU = (6 N + 12 L C T) x tokens / time / 989.5e12 (the H100/H200 SXM dense bf16 datasheet
-rate; N = parameters without the position embedding). Peak memory: ours = bytes the CuPy pool
-holds after the step loop (the engine's arena; cuBLAS's own workspace is outside every pool, as
-for torch); torch = torch.cuda.max_memory_allocated. Timing: ``--steps``
-steps after ``--warmup`` steps (host clock, device drained at both ends), random tokens (seeded),
-the median of three timed windows.
+- the anchors: the same model in PyTorch (bf16 autocast, F.scaled_dot_product_attention, fused
+  AdamW, tied embedding, no biases, GELU tanh) compiled with torch.compile in mode ``default``,
+  ``max-autotune`` (Triton GEMM autotuning + CUDA graphs) or ``reduce-overhead`` (CUDA graphs),
+  and ``eager`` (no compile). Each anchor's compile (warm-up) seconds are printed; max-autotune
+  benchmarks Triton GEMM configs for minutes per shape (over 110 s at 12M B=8 on the H200), so
+  give it few shapes per call.
+Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), and
+peak memory of ours over that mode's. MFU = (6 N + 12 L C T) x tokens / time / 989.5e12 (the
+H100/H200 SXM dense bf16 datasheet rate; N = parameters without the position embedding). Peak
+memory: ours = bytes the CuPy pool holds after the step loop (the engine's arena; cuBLAS's own
+workspace is outside every pool, as for torch); torch = torch.cuda.max_memory_reserved over the
+timed steps (what its caching allocator holds, CUDA-graph pools included; max_memory_allocated
+misses those pools and is kept in the JSON as peak_allocated_bytes).
+Timing: ``--steps`` steps after ``--warmup`` steps (host clock, device drained at both ends),
+random tokens (seeded), the median of three timed windows; engines run one after the
+other (never resident together).
+
+``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
+choice of the tensor-core kernels (andrea.cuda.kernels.ATTN_MMA_ROWS picks one per kernel and D).
+``--breakdown``: per kernel class (attention fwd / bwd, GEMM, LayerNorm, elementwise, loss, embed,
+optimizer) ms per step of ours (CUDA events around each launcher, eager) beside the anchor's
+(torch.profiler's CUDA kernel times of the first compile mode run, grouped by kernel name), with
+TFLOP/s for attention (causal flops: fwd 2 B T^2 C per layer, bwd 2.5x that) and the GEMMs.
+Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,8 +119,25 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str) -> dict
     return res
 
 
+# our launchers (andrea.cuda.engine's imports) -> kernel class of the breakdown
+OUR_CLASSES = {"k_attn_fwd": "attention fwd", "k_attn_bwd": "attention bwd", "k_layernorm_fwd": "layernorm",
+               "k_layernorm_bwd": "layernorm", "k_gelu_fwd": "elementwise", "k_gelu_bwd": "elementwise",
+               "k_residual_add": "elementwise", "k_cast": "elementwise", "k_loss_fwd": "loss", "k_loss_bwd": "loss",
+               "k_loss_mean": "loss", "k_embed_fwd": "embed", "k_embed_bwd": "embed"}
+CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "layernorm", "elementwise", "loss", "embed", "optimizer",
+               "other"]
+
+
+def class_flops(s: dict, B: int) -> dict:
+    """Nominal flops per step of the classes with a TFLOP/s figure (causal attention: half the T x T)."""
+    T, C, L, V = s["T"], s["C"], s["L"], s["V"]
+    fwd = 2.0 * B * T * T * C * L
+    return {"attention fwd": fwd, "attention bwd": 2.5 * fwd, "gemm": 6.0 * B * T * (12 * L * C * C + V * C)}
+
+
 def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
-    """ms per step spent in each kind of launch of our engine (eager, events on the engine's stream)."""
+    """ms per step of each kernel class of our engine (eager, CUDA events on the engine's stream
+    around every launcher call), the median over ``reps`` steps after one warm-up step."""
     import cupy as cp
 
     import andrea.cuda.engine as be                      # the launchers the engine's FastOps call
@@ -117,8 +152,7 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
     y = np.roll(x, -1, axis=1)
     pairs = []
-    names = ["k_attn_fwd", "k_attn_bwd", "k_layernorm_fwd", "k_layernorm_bwd", "k_gelu_fwd", "k_gelu_bwd",
-             "k_residual_add", "k_cast", "k_loss_fwd", "k_loss_bwd", "k_embed_bwd"]
+    names = [n for n in OUR_CLASSES if hasattr(be, n)]
     saved = {n: getattr(be, n) for n in names}
     mm = eng.blas.mm
 
@@ -132,8 +166,9 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
         return w
 
     for n in names:
-        setattr(be, n, timed(n, saved[n]))
-    eng.blas.mm = timed("gemm (cuBLAS)", mm)
+        setattr(be, n, timed(OUR_CLASSES[n], saved[n]))
+    eng.blas.mm = timed("gemm", mm)
+    per_rep = []
     try:
         for _ in range(reps + 1):
             pairs.clear()
@@ -146,18 +181,78 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
             eng.apply_update(1, 3.0, 3e-4, 1, Hyper())
             e1.record(eng.stream)
             e1.synchronize()
+            out: dict[str, float] = {}
+            for name, a, b in pairs:
+                out[name] = out.get(name, 0.0) + cp.cuda.get_elapsed_time(a, b)
+            out["optimizer"] = cp.cuda.get_elapsed_time(o0, e1)
+            out["total"] = cp.cuda.get_elapsed_time(e0, e1)
+            per_rep.append(out)
     finally:
         for n in names:
             setattr(be, n, saved[n])
         eng.blas.mm = mm
-    out: dict[str, float] = {}
-    for name, a, b in pairs:
-        out[name] = out.get(name, 0.0) + cp.cuda.get_elapsed_time(a, b)
-    out["optimizer (norm + AdamW)"] = cp.cuda.get_elapsed_time(o0, e1)
-    out["total (eager, incl. gaps)"] = cp.cuda.get_elapsed_time(e0, e1)
     del eng
     cp.get_default_memory_pool().free_all_blocks()
+    return {k: float(np.median([r.get(k, 0.0) for r in per_rep[1:]])) for k in per_rep[-1]}
+
+
+def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
+    """ms per call (and TFLOP/s) of one layer's attention forward and backward (bf16, random q, k, v,
+    dy) for each rows-per-block choice of the tensor-core kernels (kernels.ATTN_MMA_ROWS)."""
+    import cupy as cp
+
+    from andrea.cuda import kernels as K
+
+    C, H, T = s["C"], s["H"], s["T"]
+    N = B * T
+    bf16 = lambda shape: (cp.random.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    cp.random.seed(0)
+    qkv, dy = bf16((N, 3 * C)), bf16((N, C))
+    y, dqkv = cp.zeros((N, C), cp.uint16), cp.zeros((N, 3 * C), cp.uint16)
+    lse, dvec = cp.zeros(B * H * T, cp.float32), cp.zeros(B * H * T, cp.float32)
+    fwd_fl = 2.0 * B * T * T * C
+
+    def timed(fn) -> float:
+        fn()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) / reps
+
+    out = {}
+    for r in (64, 128):
+        ms = timed(lambda: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, rows=r))
+        out[f"fwd r{r}"] = (ms, fwd_fl / ms / 1e9)
+    K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)
+    for rq in (64, 128):
+        for rk in (64, 128):
+            ms = timed(lambda: K.k_attn_bwd("bf16", dqkv, dy, y, lse, dvec, qkv, B, T, C, H, False, rows=(rq, rk)))
+            out[f"bwd dq r{rq} dkv r{rk}"] = (ms, 2.5 * fwd_fl / ms / 1e9)
     return out
+
+
+def torch_class(name: str) -> str:
+    """Kernel class of a CUDA kernel of the torch anchor, from its name (cuBLAS/cuDNN/flash/Triton)."""
+    n = name.lower()
+    if any(w in n for w in ("flash", "fmha", "attention", "attn", "efficient", "sdpa")):
+        bwd = ("bwd", "bprop", "backward", "dq", "dkv", "dot_do_o")
+        return "attention bwd" if any(w in n for w in bwd) else "attention fwd"
+    if any(w in n for w in ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_tem", "_mm_", "matmul")):
+        return "gemm"
+    if "adam" in n or "multi_tensor" in n or "foreach" in n or ("norm_" in n and "layer" not in n):
+        return "optimizer"
+    if "layer_norm" in n or "layernorm" in n:
+        return "layernorm"
+    if any(w in n for w in ("nll", "log_softmax", "cross_entropy", "logsumexp")):
+        return "loss"
+    if "embedding" in n or "index" in n or "scatter" in n:
+        return "embed"
+    if n.startswith("triton") or "elementwise" in n or "vectorized" in n or "reduce" in n:
+        return "elementwise"
+    return "other"
 
 
 def build_torch_model(s: dict):
@@ -202,24 +297,34 @@ def build_torch_model(s: dict):
     return GPT()
 
 
-def bench_torch(s: dict, B: int, steps: int, warmup: int, compiled: bool) -> dict:
+ANCHORS = ["compile-default", "compile-max-autotune", "compile-reduce-overhead", "eager"]
+
+
+def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: bool = False) -> dict:
+    """The torch anchor ``anchor`` (one of ANCHORS) at batch B; with ``profile`` also the CUDA
+    kernel time per kernel class of two more steps (torch.profiler), under "breakdown_ms"."""
     import torch
 
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
+    torch._dynamo.reset()
     dev = "cuda"
     model = build_torch_model(s).to(dev)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     plain = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
                             lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    fwd = torch.compile(model) if compiled else model
+    mode = anchor.removeprefix("compile-")
+    fwd = model if anchor == "eager" else torch.compile(model, mode=mode)
+    graphs = mode in ("reduce-overhead", "max-autotune")
     g = torch.Generator().manual_seed(0)
     xs = [torch.randint(0, s["V"], (B, s["T"]), generator=g).to(dev) for _ in range(4)]
     it = [0]
 
     def step():
         it[0] += 1
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         x = xs[it[0] % 4]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = fwd(x, torch.roll(x, -1, 1))
@@ -236,58 +341,131 @@ def bench_torch(s: dict, B: int, steps: int, warmup: int, compiled: bool) -> dic
     compile_s = time.time() - t0
     torch.cuda.reset_peak_memory_stats()
     ms = _median_window(step, torch.cuda.synchronize, steps)
-    res = {"ms": ms, "peak_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
+    res = {"ms": ms, "peak_bytes": int(torch.cuda.max_memory_reserved()),
+           "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
            "n_params": sum(p.numel() for p in model.parameters())}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprofile
+
+        with tprofile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        by: dict[str, float] = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None)
+            if t is None:
+                t = getattr(ev, "cuda_time_total", 0.0)
+            if t and ev.key and not ev.key.startswith(("ProfilerStep", "cudaGraph")):
+                by[torch_class(ev.key)] = by.get(torch_class(ev.key), 0.0) + t / 1e3 / 2
+        res["breakdown_ms"] = by
     del model, opt, fwd, xs
     torch.cuda.empty_cache()
     return res
 
 
+def parse_variants(items: list[str], batch: int) -> list[tuple[str, int]]:
+    """``name`` -> [(name, batch)]; ``name:8,64`` -> [(name, 8), (name, 64)]."""
+    out = []
+    for it in items:
+        name, _, bs = it.partition(":")
+        try:
+            out += [(name, int(b)) for b in bs.split(",")] if bs else [(name, batch)]
+        except ValueError:
+            raise SystemExit(f"--variants {it}: batches after ':' must be integers, e.g. andrea-12m:8,64") from None
+    return out
+
+
+def ratio_text(r: dict, anchors: list[str], best: str | None) -> str:
+    parts = [f"{a}:{r['ours']['tokens_per_s'] / r[a]['tokens_per_s']:.2f}x" for a in anchors]
+    if best:
+        parts.append(f"| best={best}: {r['ours']['tokens_per_s'] / r[best]['tokens_per_s']:.2f}x "
+                     f"mem {r['ours']['peak_bytes'] / r[best]['peak_bytes']:.2f}")
+    return " ".join(parts)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="+", default=["andrea-12m", "andrea-120m", "andrea-480m"])
+    ap.add_argument("--variants", nargs="+", default=["andrea-12m:8,64", "andrea-120m:8,32", "andrea-480m:8,16"],
+                    help="name or name:B1,B2 (batches); plain names use --batch")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--anchors", nargs="*", default=["compile", "eager"], choices=["compile", "eager"],
+    ap.add_argument("--anchors", nargs="*", default=ANCHORS[:3], choices=ANCHORS,
                     help="torch anchors to run (none: `--anchors` alone, ours only)")
     ap.add_argument("--json", default=None, help="write all figures here")
-    ap.add_argument("--breakdown", action="store_true", help="also print where our step spends its time")
+    ap.add_argument("--attn-sweep", action="store_true",
+                    help="also time one layer's attention kernels for every rows-per-block choice")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print per kernel class where our step (and the first compile anchor's) spends its time")
     args = ap.parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/andrea-inductor")
+    if args.anchors:
+        import torch._inductor.config as icfg
+
+        icfg.compile_threads = min(16, os.cpu_count() or 1)
+    compiled = [a for a in args.anchors if a.startswith("compile-")]
     rows, allres = [], {}
-    for v in args.variants:
+    for v, B in parse_variants(args.variants, args.batch):
         s = variant_shapes(v)
-        B, T = args.batch, s["T"]
-        tok = B * T
+        tok = B * s["T"]
+        key = f"{v}:B{B}"
         r = {"ours": bench_ours(s, B, args.steps, args.warmup, args.precision)}
-        print(f"{v}: ours {r['ours']['ms']:.2f} ms/step", file=sys.stderr, flush=True)
+        print(f"{key}: ours {r['ours']['ms']:.2f} ms/step, peak {r['ours']['peak_bytes'] / 2 ** 20:.0f} MiB",
+              file=sys.stderr, flush=True)
         for a in args.anchors:
-            r[a] = bench_torch(s, B, args.steps, args.warmup, a == "compile")
-            print(f"{v}: torch {a} {r[a]['ms']:.2f} ms/step", file=sys.stderr, flush=True)
+            prof = args.breakdown and compiled and a == compiled[0]
+            r[a] = bench_torch(s, B, args.steps, args.warmup, a, profile=bool(prof))
+            print(f"{key}: torch {a} {r[a]['ms']:.2f} ms/step, peak {r[a]['peak_bytes'] / 2 ** 20:.0f} MiB "
+                  f"(warm-up incl. compile {r[a]['warmup_s']:.1f} s)", file=sys.stderr, flush=True)
         fpt = flops_per_token(s, r["ours"]["n_params"])
-        for k, x in r.items():
+        for x in r.values():
             x["tokens_per_s"] = tok / (x["ms"] / 1e3)
             x["mfu"] = fpt * x["tokens_per_s"] / PEAK_BF16
-        allres[v] = {"shapes": s, "batch": B, **r}
+        best = max(compiled, key=lambda a: r[a]["tokens_per_s"]) if compiled else None
+        allres[key] = {"variant": v, "shapes": s, "batch": B, "best_compile": best, **r}
+        if best:
+            allres[key]["ratio_vs_best"] = r["ours"]["tokens_per_s"] / r[best]["tokens_per_s"]
+            allres[key]["mem_vs_best"] = r["ours"]["peak_bytes"] / r[best]["peak_bytes"]
         for k, x in r.items():
-            ratio = {a: r["ours"]["tokens_per_s"] / r[a]["tokens_per_s"] for a in args.anchors}
-            mem = {a: r["ours"]["peak_bytes"] / r[a]["peak_bytes"] for a in args.anchors}
-            rows.append((v, k, x["ms"], x["tokens_per_s"], x["mfu"], x["peak_bytes"] / 2 ** 20,
-                         " ".join(f"{a}:{ratio[a]:.2f}x/mem {mem[a]:.2f}" for a in args.anchors) if k == "ours" else ""))
-    print(f"\n{'variant':<12} {'engine':<8} {'ms/step':>8} {'tokens/s':>10} {'MFU':>6} {'peak MiB':>9}  ours vs anchor")
-    for v, k, ms, tps, mfu, mib, rat in rows:
-        print(f"{v:<12} {k:<8} {ms:8.2f} {tps:10.0f} {mfu:6.1%} {mib:9.0f}  {rat}")
-    for v, r in allres.items():
+            rows.append((v, B, k, x["ms"], x["tokens_per_s"], x["mfu"], x["peak_bytes"] / 2 ** 20,
+                         x.get("warmup_s"), ratio_text(r, args.anchors, best) if k == "ours" else ""))
+    print(f"\n{'variant':<12} {'B':>3} {'engine':<24} {'ms/step':>8} {'tokens/s':>10} {'MFU':>6} {'peak MiB':>9} "
+          f"{'warm s':>7}  ours vs anchor (tokens/s)")
+    for v, B, k, ms, tps, mfu, mib, ws, rat in rows:
+        wtxt = f"{ws:7.1f}" if ws is not None else f"{'':7}"
+        print(f"{v:<12} {B:>3} {k:<24} {ms:8.2f} {tps:10.0f} {mfu:6.1%} {mib:9.0f} {wtxt}  {rat}")
+    for key, r in allres.items():
         o = r["ours"]
-        print(f"{v}: planned {o['planned_bytes']:,} bytes; pool in use {o['pool_used_bytes']:,}; "
+        print(f"{key}: planned {o['planned_bytes']:,} bytes; pool in use {o['pool_used_bytes']:,}; "
               f"plan == pool: {o['planned_bytes'] == o['pool_used_bytes']}")
     if args.breakdown:
-        for v in args.variants:
-            bd = breakdown(variant_shapes(v), args.batch, args.precision)
-            allres[v]["breakdown_ms"] = bd
-            print(f"{v} breakdown (ms/step): " + ", ".join(f"{k} {t:.2f}" for k, t in
-                                                          sorted(bd.items(), key=lambda kv: -kv[1])))
+        for key, r in allres.items():
+            s, B = r["shapes"], r["batch"]
+            bd = breakdown(s, B, args.precision)
+            r["breakdown_ms"] = bd
+            theirs = r[compiled[0]].get("breakdown_ms", {}) if compiled else {}
+            fl = class_flops(s, B)
+            print(f"\n{key} breakdown, ms/step (ours eager with events; "
+                  f"{compiled[0] if compiled else 'no anchor'}: torch.profiler kernel time)")
+            print(f"  {'class':<16} {'ours':>8} {'TFLOP/s':>8} {'anchor':>8} {'TFLOP/s':>8}")
+            for c in CLASS_ORDER:
+                o, t = bd.get(c), theirs.get(c)
+                if o is None and t is None:
+                    continue
+                tf = lambda ms: f"{fl[c] / ms / 1e9:8.0f}" if c in fl and ms else f"{'':8}"
+                print(f"  {c:<16} {o if o is not None else float('nan'):8.2f} {tf(o)} "
+                      f"{t if t is not None else float('nan'):8.2f} {tf(t)}")
+            print(f"  {'total':<16} {bd['total']:8.2f} {'':8} {sum(theirs.values()) if theirs else float('nan'):8.2f}")
+    if args.attn_sweep:
+        for key, r in allres.items():
+            sw = attn_sweep(r["shapes"], r["batch"])
+            r["attn_sweep"] = sw
+            D = r["shapes"]["C"] // r["shapes"]["H"]
+            print(f"{key} attention (one layer, D={D}): " + "; ".join(f"{k} {ms:.3f} ms {tf:.0f} TFLOP/s"
+                                                                  for k, (ms, tf) in sw.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(allres, indent=1))
     return 0

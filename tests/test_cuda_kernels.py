@@ -18,6 +18,7 @@ import pytest
 
 from andrea.cuda.loader import cupy_or_none
 from andrea.cuda.mirror import MirrorOps
+from andrea.errors import AndreaError
 from andrea.engine import ops_numpy as ops
 
 cp = cupy_or_none()
@@ -123,7 +124,9 @@ def test_gelu_pair(be, prec, n):
     close(from_dev(dx, prec), dref, prec, what="gelu'")
 
 
-def _attn_case(be, prec, B, T, H, D, seed):
+def _attn_case(be, prec, B, T, H, D, seed, rows=(None, None)):
+    """One forward + backward against ops_numpy; ``rows``: (fwd rows, (dq rows, dkv rows)) of the mma
+    kernels, None for kernels.ATTN_MMA_ROWS."""
     rng = np.random.default_rng(seed)
     C = H * D
     N = B * T
@@ -131,7 +134,7 @@ def _attn_case(be, prec, B, T, H, D, seed):
     dout, dout64 = to_dev(rng.normal(0, 1, (N, C)), prec)
     y = empty((N, C), prec)
     lse = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H)
+    be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H, rows=rows[0])
     ry = np.zeros((B, T, C))
     att = np.zeros(ops.att_shape(B, H, T))
     mask = np.triu(np.full((T, T), -np.inf), k=1)
@@ -140,7 +143,7 @@ def _attn_case(be, prec, B, T, H, D, seed):
     close(from_dev(y, prec), ry.reshape(N, C), prec, what=f"attn y {prec} D={D}")
     dqkv = empty((N, 3 * C), prec)
     dvec = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False)
+    be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False, rows=rows[1])
     rd = np.zeros((B, T, 3 * C))
     ops.attn_backward(rd, dout64.reshape(B, T, C), qkv64.reshape(B, T, 3 * C), att, ry, H, work)
     got = from_dev(dqkv, prec)
@@ -155,6 +158,36 @@ def _attn_case(be, prec, B, T, H, D, seed):
 def test_attention_pair_causal_uneven_T(be, prec, D):
     # T = 200 is not a multiple of the 64-row tiles: the ragged last tile is checked too
     _attn_case(be, prec, B=2, T=200, H=2, D=D, seed=D)
+
+
+@pytest.mark.parametrize("rows", [(64, (64, 64)), (128, (128, 128)), (128, (64, 128))])
+@pytest.mark.parametrize("prec,D,T", [("bf16", 64, 1024), ("bf16", 32, 520), ("fp16", 32, 1024)])
+def test_attention_pair_long_rows(be, prec, D, T, rows):
+    # the engine's T: several blocks of 64 or 128 rows, 64-row tiles wholly below the diagonal (the
+    # unmasked path), T = 520 ragged against both tile sizes; every row choice of the mma kernels
+    _attn_case(be, prec, B=1, T=T, H=2, D=D, seed=T + D, rows=rows)
+
+
+def test_attention_mma_writes_dvec_and_accumulates(be):
+    B, T, H, D = 2, 320, 2, 64
+    C, N = H * D, B * T
+    rng = np.random.default_rng(11)
+    qkv, _ = to_dev(rng.normal(0, 1, (N, 3 * C)), "bf16")
+    dout, dout64 = to_dev(rng.normal(0, 1, (N, C)), "bf16")
+    y = empty((N, C), "bf16")
+    lse = cp.full(B * H * T, np.nan, np.float32)
+    be.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)
+    dvec = cp.full(B * H * T, np.nan, np.float32)
+    d1 = cp.zeros((N, 3 * C), np.uint16)
+    be.k_attn_bwd("bf16", d1, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True)
+    y64 = from_dev(y, "bf16").reshape(B, T, H, D)
+    ref = np.einsum("bthd,bthd->bht", dout64.reshape(B, T, H, D), y64).reshape(-1)
+    close(cp.asnumpy(dvec), ref, "fp32", scale=float(np.abs(ref).max()), what="dvec")
+    base, base64 = to_dev(rng.normal(0, 1, (N, 3 * C)), "bf16")
+    d2 = base.copy()
+    be.k_attn_bwd("bf16", d2, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True)
+    want = base64 + from_dev(d1, "bf16")
+    close(from_dev(d2, "bf16"), want, "bf16", scale=float(np.abs(want).max()), what="bf16 accumulate")
 
 
 def test_attention_backward_is_deterministic_and_accumulates(be):
@@ -179,10 +212,11 @@ def test_attention_backward_is_deterministic_and_accumulates(be):
     close(cp.asnumpy(d2), cp.asnumpy(base + d1), "fp32", what="accumulate")
 
 
-@pytest.mark.parametrize("prec", ["fp32", "bf16"])
-def test_loss_pair(be, prec):
+@pytest.mark.parametrize("prec,V", [("fp32", 1000), ("bf16", 1000), ("bf16", 1001), ("fp16", 8449), ("fp32", 997)])
+def test_loss_pair(be, prec, V):
+    # odd V: rows start off the 16-byte grid, so the head / vector body / tail split of every row differs
     rng = np.random.default_rng(4)
-    N, V = 64, 1000
+    N = 64
     logits, l64 = to_dev(rng.normal(0, 3, (N, V)), prec)
     tg = rng.integers(0, V, N).astype(np.int32)
     lse = cp.full(N, np.nan, np.float32)
@@ -202,6 +236,12 @@ def test_loss_pair(be, prec):
     p = np.exp(l64 - rlse[:, None])
     p[np.arange(N), tg] -= 1.0
     close(from_dev(d, prec), p / N, prec, scale=1.0 / N, what="dlogits")
+    inplace = logits.copy()                         # the engine's use: dlogits written over the logits
+    be.k_loss_bwd(prec, inplace, inplace, cp.asarray(tg), lse, 1.0 / N, N, V)
+    assert cp.asnumpy(inplace).tobytes() == cp.asnumpy(d).tobytes()
+    with pytest.raises(AndreaError, match="alignment"):
+        off = cp.zeros(N * V + 8, d.dtype)[1:1 + N * V].reshape(N, V)    # one element off the grid
+        be.k_loss_bwd(prec, off, logits, cp.asarray(tg), lse, 1.0 / N, N, V)
 
 
 def test_embed_pair_matches_and_is_order_independent(be):

@@ -8,14 +8,18 @@
 //
 // Deterministic backward without atomics: dK/dV are computed per key tile by a block that walks the
 // query tiles in order (k_attn_bwd_dkv_*); dQ per query tile by a block that walks the key tiles
-// (k_attn_bwd_dq_*). Each output element has exactly one writer.
+// (k_attn_bwd_dq_*). Each output element has exactly one writer (S and dP are computed by both).
 //
 // Two implementations with the same contract:
-//   *_simt_<t>_d<D>: one thread per row, fp32 FMA; any storage type; D in {8, 16, 32, 64, 128}.
+//   *_simt_<t>_d<D>: one thread per row, fp32 FMA; any storage type; D in {8, 16, 32, 64, 128};
+//                    D_i = sum dy y comes from k_attn_dvec_<t>.
 //   *_mma_<t>_d<D>:  tensor cores (mma.sync m16n8k16, fp32 accumulate), bf16/fp16 storage,
-//                    D in {32, 64}; 4 warps x 16 rows = 64-row tiles; B operands that need a transpose
-//                    come through ldmatrix.trans (no transposed copies); P and dS are rounded to the
-//                    storage type before their matmuls (as FlashAttention does).
+//                    D in {32, 64}; blocks of 4 warps own 128 rows, 32 per warp (two m16 tiles, so
+//                    each B fragment loaded from shared memory feeds two mma); the other operand
+//                    streams through cp.async double-buffered 64-row tiles, B fragments by ldmatrix.x4
+//                    (.trans where the product needs it: no transposed copies); only tiles crossing
+//                    the diagonal are masked; P and dS are rounded to the storage type before their
+//                    matmuls (as FlashAttention does). The dQ kernel also writes D_i (launched first).
 // sl2 = log2(e) / sqrt(D): scores are kept in the log2 domain so exp2f can be used.
 
 // ---------------------------------------------------------------------------------------------
@@ -250,13 +254,22 @@ __device__ __forceinline__ float hi_f(unsigned u) {
 }
 
 typedef unsigned short u16;
-#define ATT_PAD 8  // row padding (16 bytes) of shared tiles: conflict-free fragment loads
+#define ATT_PAD 8  // row padding (16 bytes) of shared tiles: conflict-free ldmatrix rows
 
-// B fragment (k16 x n8) of a row-major [k][n] tile in shared memory, transposed by ldmatrix:
-// lanes 0-15 give the addresses of rows k0 .. k0+15 at column n0 (16-byte aligned rows).
-__device__ __forceinline__ void ldsm_x2_trans(unsigned& b0, unsigned& b1, const u16* p) {
+// ldmatrix x4: four 8x8 b16 matrices, lanes 8i..8i+7 give the row addresses of matrix i.
+// Two B fragments (n8 blocks j, j+1 of one k16 slice) of "A x X^T", X row-major [n][k] in shared
+// memory: lane -> row (j + lane/16) * 8 + lane % 8, column k0 + (lane/8 % 2) * 8 (ldsm_x4);
+// of "A x X", X row-major [k][n]: lane -> row k0 + lane % 16, column (n + lane/16) * 8 (ldsm_x4_t).
+// Either way r0, r1 are (b0, b1) of the first n8 block and r2, r3 those of the second.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const u16* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(a));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const u16* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
 // Asynchronous copy (cp.async, 16 bytes per thread and step) of a 64-row tile into shared memory;
@@ -296,30 +309,13 @@ __device__ __forceinline__ void zero_frags(float (*c)[4]) {
     for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
 }
 
-// c[j] = A (16 rows, KS k16 slices) x X[8j .. 8j+7]^T for the 8 n8 column tiles of a 64-row
-// shared tile X: one row of scores (or of dP) per 64 keys / queries.
-template <bool BF, int D>
-__device__ __forceinline__ void tile_products(float (&c)[8][4], const unsigned (*a)[4], const u16 (*X)[D + ATT_PAD],
-                                              int g, int t4) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const unsigned b0 = *reinterpret_cast<const unsigned*>(&X[j * 8 + g][kk * 16 + 2 * t4]);
-            const unsigned b1 = *reinterpret_cast<const unsigned*>(&X[j * 8 + g][kk * 16 + 8 + 2 * t4]);
-            mma16816<BF>(c[j], a[kk], b0, b1);
-        }
-    }
-}
-
-// The A fragment of k16 slice kk made of C tiles 2kk and 2kk+1, rounded to the storage type.
+// The A fragment of a k16 slice made of two neighbouring C tiles (n8 blocks), rounded to the storage type.
 template <bool BF>
-__device__ __forceinline__ void c_to_afrag(const float (&c)[8][4], int kk, unsigned (&a)[4]) {
-    a[0] = pack2<BF>(c[2 * kk][0], c[2 * kk][1]);
-    a[1] = pack2<BF>(c[2 * kk][2], c[2 * kk][3]);
-    a[2] = pack2<BF>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-    a[3] = pack2<BF>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+__device__ __forceinline__ void c_to_afrag(const float* c0, const float* c1, unsigned (&a)[4]) {
+    a[0] = pack2<BF>(c0[0], c0[1]);
+    a[1] = pack2<BF>(c0[2], c0[3]);
+    a[2] = pack2<BF>(c1[0], c1[1]);
+    a[3] = pack2<BF>(c1[2], c1[3]);
 }
 
 // Two neighbouring outputs (a, b) * scale added to (accumulate) or written over *p.
@@ -330,21 +326,21 @@ __device__ __forceinline__ void store_pair(u16* p, float a, float b, float scale
     *q = pack2<BF>(lo_f<BF>(old) + a * scale, hi_f<BF>(old) + b * scale);
 }
 
-// Start the copy of key/value tile kt (rows kt*64 ..) into buffer kt & 1.
+// Start the copy of 64-row tiles t of a and b (rows t*64 ..) into buffers t & 1.
 template <int D>
-__device__ __forceinline__ void issue_kv(const u16* k, const u16* v, long long rb, int kt, int Tn, int ld,
-                                         u16 (*Ks2)[64][D + ATT_PAD], u16 (*Vs2)[64][D + ATT_PAD]) {
-    async_tile<D>(k, rb, kt * 64, Tn, ld, Ks2[kt & 1]);
-    async_tile<D>(v, rb, kt * 64, Tn, ld, Vs2[kt & 1]);
+__device__ __forceinline__ void issue_pair(const u16* a, int lda, const u16* b, int ldb, long long rb, int t, int Tn,
+                                           u16 (*As2)[64][D + ATT_PAD], u16 (*Bs2)[64][D + ATT_PAD]) {
+    async_tile<D>(a, rb, t * 64, Tn, lda, As2[t & 1]);
+    async_tile<D>(b, rb, t * 64, Tn, ldb, Bs2[t & 1]);
     cp_async_commit();
 }
 
-// Before tile kt is used: put tile kt+1 in flight (if any) and wait for tile kt.
+// Before tile t is used: put tile t+1 in flight (if t+1 < nt) and wait for tile t.
 template <int D>
-__device__ __forceinline__ void next_kv(const u16* k, const u16* v, long long rb, int kt, int nkt, int Tn, int ld,
-                                        u16 (*Ks2)[64][D + ATT_PAD], u16 (*Vs2)[64][D + ATT_PAD]) {
-    if (kt + 1 < nkt) {
-        issue_kv<D>(k, v, rb, kt + 1, Tn, ld, Ks2, Vs2);
+__device__ __forceinline__ void next_pair(const u16* a, int lda, const u16* b, int ldb, long long rb, int t, int nt,
+                                          int Tn, u16 (*As2)[64][D + ATT_PAD], u16 (*Bs2)[64][D + ATT_PAD]) {
+    if (t + 1 < nt) {
+        issue_pair<D>(a, lda, b, ldb, rb, t + 1, Tn, As2, Bs2);
         cp_async_wait<1>();
     } else {
         cp_async_wait<0>();
@@ -352,162 +348,279 @@ __device__ __forceinline__ void next_kv(const u16* k, const u16* v, long long rb
     __syncthreads();
 }
 
+// Blocks of 4 warps own BM = 64 MT rows (queries: fwd, dq; keys: dkv): warp w rows w0 = tile*BM +
+// RW w .. w0+RW-1 (RW = 16 MT) as MT m16 tiles (mt), so every B fragment read from shared memory
+// feeds MT mma (MT = 2: more reuse, more registers; MT = 1: more blocks). The other side streams
+// through double-buffered 64-row tiles (cp.async). Only tiles that cross the diagonal (or the end
+// Tn) are masked; a warp skips a tile (or a 16-wide chunk of it) whose every pair is masked.
 
-template <bool BF, int D>
+template <bool BF, int D, int MT>
 __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                              int ld, u16* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H,
                              float sl2) {
-    constexpr int KS = D / 16, ND = D / 8;
+    constexpr int KS = D / 16, ND = D / 8, RW = 16 * MT, BM = 64 * MT;
     __shared__ __align__(16) u16 Ks2[2][64][D + ATT_PAD];   // double-buffered: tile kt+1 is in flight
     __shared__ __align__(16) u16 Vs2[2][64][D + ATT_PAD];   // while tile kt is used
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
     const long long rb = (long long)b * Tn;
-    const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
-    issue_kv<D>(k + h * D, v + h * D, rb, 0, Tn, ld, Ks2, Vs2);
-    unsigned qa[KS][4];
-    load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
-    float o[ND][4];
-    zero_frags<ND>(o);
-    float m0 = -ANDREA_INF, m1 = -ANDREA_INF, l0 = 0.0f, l1 = 0.0f;
-    const int last = min(Tn, qt * 64 + 64) - 1;
+    const int w0 = qt * BM + warp * RW;
+    const u16 *kh = k + h * D, *vh = v + h * D;
+    issue_pair<D>(kh, ld, vh, ld, rb, 0, Tn, Ks2, Vs2);
+    unsigned qa[MT][KS][4];
+    float o[MT][ND][4], m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        load_afrag<D>(q + h * D, rb, w0 + mt * 16 + g, w0 + mt * 16 + g + 8, Tn, ld, t4, qa[mt]);
+        zero_frags<ND>(o[mt]);
+        m[mt][0] = m[mt][1] = -ANDREA_INF;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
+    const int last = min(Tn, qt * BM + BM) - 1;
     const int nkt = last / 64 + 1;
     for (int kt = 0; kt < nkt; ++kt) {
-        next_kv<D>(k + h * D, v + h * D, rb, kt, nkt, Tn, ld, Ks2, Vs2);
-        u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
-        u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
-        float s[8][4];
-        tile_products<BF, D>(s, qa, Ks, g, t4);
-        float mx0 = -ANDREA_INF, mx1 = -ANDREA_INF;
+        next_pair<D>(kh, ld, vh, ld, rb, kt, nkt, Tn, Ks2, Vs2);
+        const u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
+        const u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
+        const int k0 = kt * 64;
+        if (k0 <= w0 + RW - 1 && w0 < Tn) {
+            const bool diag = k0 + 63 > w0 || k0 + 64 > Tn;
+            float s[MT][8][4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+            for (int mt = 0; mt < MT; ++mt) zero_frags<8>(s[mt]);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = kt * 64 + j * 8 + 2 * t4 + (e & 1);
-                const int row = e < 2 ? r0 : r1;
-                s[j][e] = (key <= row && key < Tn) ? s[j][e] * sl2 : -ANDREA_INF;
+            for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+                for (int jp = 0; jp < 4; ++jp) {
+                    unsigned bf[4];
+                    ldsm_x4(bf, &Ks[(2 * jp + (lane >> 4)) * 8 + (lane & 7)][kk * 16 + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<BF>(s[mt][2 * jp], qa[mt][kk], bf[0], bf[1]);
+                        mma16816<BF>(s[mt][2 * jp + 1], qa[mt][kk], bf[2], bf[3]);
+                    }
+                }
             }
-            mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float z0 = (n0 == -ANDREA_INF) ? 0.0f : n0, z1 = (n1 == -ANDREA_INF) ? 0.0f : n1;
-        const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);
-        m0 = n0; m1 = n1;
-        float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            s[j][0] = exp2f(s[j][0] - z0); s[j][1] = exp2f(s[j][1] - z0);
-            s[j][2] = exp2f(s[j][2] - z1); s[j][3] = exp2f(s[j][3] - z1);
-            ps0 += s[j][0] + s[j][1];
-            ps1 += s[j][2] + s[j][3];
-        }
-        l0 = l0 * c0 + ps0;
-        l1 = l1 * c1 + ps1;
+            for (int mt = 0; mt < MT; ++mt) {
+                const int ra = w0 + mt * 16 + g, rc = ra + 8;
+                if (diag) {
 #pragma unroll
-        for (int n = 0; n < ND; ++n) { o[n][0] *= c0; o[n][1] *= c0; o[n][2] *= c1; o[n][3] *= c1; }
+                    for (int j = 0; j < 8; ++j) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            unsigned pa[4];
-            c_to_afrag<BF>(s, kk, pa);
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = k0 + j * 8 + 2 * t4 + (e & 1);
+                            if (!(key <= (e < 2 ? ra : rc) && key < Tn)) s[mt][j][e] = -ANDREA_INF;
+                        }
+                    }
+                }
+                float mx0 = -ANDREA_INF, mx1 = -ANDREA_INF;
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                unsigned b0, b1;
-                ldsm_x2_trans(b0, b1, &Vs[kk * 16 + (lane & 15)][n * 8]);
-                mma16816<BF>(o[n], pa, b0, b1);
+                for (int j = 0; j < 8; ++j) {
+                    mx0 = fmaxf(mx0, fmaxf(s[mt][j][0], s[mt][j][1]));
+                    mx1 = fmaxf(mx1, fmaxf(s[mt][j][2], s[mt][j][3]));
+                }
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+                const float n0 = fmaxf(m[mt][0], mx0 * sl2), n1 = fmaxf(m[mt][1], mx1 * sl2);  // log2 domain
+                const float z0 = (n0 == -ANDREA_INF) ? 0.0f : n0, z1 = (n1 == -ANDREA_INF) ? 0.0f : n1;
+                const float c0 = exp2f(m[mt][0] - z0), c1 = exp2f(m[mt][1] - z1);
+                m[mt][0] = n0;
+                m[mt][1] = n1;
+                float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    s[mt][j][0] = exp2f(fmaf(s[mt][j][0], sl2, -z0));
+                    s[mt][j][1] = exp2f(fmaf(s[mt][j][1], sl2, -z0));
+                    s[mt][j][2] = exp2f(fmaf(s[mt][j][2], sl2, -z1));
+                    s[mt][j][3] = exp2f(fmaf(s[mt][j][3], sl2, -z1));
+                    ps0 += s[mt][j][0] + s[mt][j][1];
+                    ps1 += s[mt][j][2] + s[mt][j][3];
+                }
+                l[mt][0] = l[mt][0] * c0 + ps0;
+                l[mt][1] = l[mt][1] * c1 + ps1;
+#pragma unroll
+                for (int n = 0; n < ND; ++n) {
+                    o[mt][n][0] *= c0; o[mt][n][1] *= c0; o[mt][n][2] *= c1; o[mt][n][3] *= c1;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                unsigned pa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) c_to_afrag<BF>(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
+#pragma unroll
+                for (int np = 0; np < ND / 2; ++np) {
+                    unsigned bf[4];
+                    ldsm_x4_t(bf, &Vs[kk * 16 + (lane & 15)][(2 * np + (lane >> 4)) * 8]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<BF>(o[mt][2 * np], pa[mt], bf[0], bf[1]);
+                        mma16816<BF>(o[mt][2 * np + 1], pa[mt], bf[2], bf[3]);
+                    }
+                }
             }
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
 #pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        const int c = h * D + n * 8 + 2 * t4;
-        if (r0 < Tn) *reinterpret_cast<unsigned*>(y + (rb + r0) * ldy + c) = pack2<BF>(o[n][0] * i0, o[n][1] * i0);
-        if (r1 < Tn) *reinterpret_cast<unsigned*>(y + (rb + r1) * ldy + c) = pack2<BF>(o[n][2] * i1, o[n][3] * i1);
-    }
-    if (t4 == 0) {
-        if (r0 < Tn) lse2[(long long)bh * Tn + r0] = m0 + log2f(l0);
-        if (r1 < Tn) lse2[(long long)bh * Tn + r1] = m1 + log2f(l1);
+    for (int mt = 0; mt < MT; ++mt) {
+        const int ra = w0 + mt * 16 + g, rc = ra + 8;
+        float l0 = l[mt][0], l1 = l[mt][1];
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int c = h * D + n * 8 + 2 * t4;
+            if (ra < Tn) *reinterpret_cast<unsigned*>(y + (rb + ra) * ldy + c) = pack2<BF>(o[mt][n][0] * i0, o[mt][n][1] * i0);
+            if (rc < Tn) *reinterpret_cast<unsigned*>(y + (rb + rc) * ldy + c) = pack2<BF>(o[mt][n][2] * i1, o[mt][n][3] * i1);
+        }
+        if (t4 == 0) {
+            if (ra < Tn) lse2[(long long)bh * Tn + ra] = m[mt][0] + log2f(l0);
+            if (rc < Tn) lse2[(long long)bh * Tn + rc] = m[mt][1] + log2f(l1);
+        }
     }
 }
 
-template <bool BF, int D>
+// dQ per 128 query rows; also writes dvec (D_i = sum_d dy y of its rows, from the same fragments)
+// for the dK/dV kernel launched after it. Keys stream in 64-row tiles, processed 16 at a time
+// (S, dP, dS of a 16-key chunk live only in registers: no row max is needed in the backward).
+template <bool BF, int D, int MT>
 __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                                int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
-                                const float* __restrict__ dvec, u16* __restrict__ dq, int Tn, int H, float sl2,
-                                float scale, int accumulate) {
-    constexpr int KS = D / 16, ND = D / 8;
+                                int ld, const u16* __restrict__ dy, const u16* __restrict__ y, int ldy,
+                                const float* __restrict__ lse2, float* __restrict__ dvec, u16* __restrict__ dq,
+                                int Tn, int H, float sl2, float scale, int accumulate) {
+    constexpr int KS = D / 16, ND = D / 8, RW = 16 * MT, BM = 64 * MT;
     __shared__ __align__(16) u16 Ks2[2][64][D + ATT_PAD];
     __shared__ __align__(16) u16 Vs2[2][64][D + ATT_PAD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
     const long long rb = (long long)b * Tn;
-    const int r0 = qt * 64 + warp * 16 + g, r1 = r0 + 8;
-    issue_kv<D>(k + h * D, v + h * D, rb, 0, Tn, ld, Ks2, Vs2);
-    unsigned qa[KS][4], da[KS][4];
-    load_afrag<D>(q + h * D, rb, r0, r1, Tn, ld, t4, qa);
-    load_afrag<D>(dy + h * D, rb, r0, r1, Tn, ldy, t4, da);
-    const float L0 = r0 < Tn ? lse2[(long long)bh * Tn + r0] : 0.0f;
-    const float L1 = r1 < Tn ? lse2[(long long)bh * Tn + r1] : 0.0f;
-    const float E0 = r0 < Tn ? dvec[(long long)bh * Tn + r0] : 0.0f;
-    const float E1 = r1 < Tn ? dvec[(long long)bh * Tn + r1] : 0.0f;
-    float acc[ND][4];
-    zero_frags<ND>(acc);
-    const int last = min(Tn, qt * 64 + 64) - 1;
-    const int nkt = last / 64 + 1;
-    for (int kt = 0; kt < nkt; ++kt) {
-        next_kv<D>(k + h * D, v + h * D, rb, kt, nkt, Tn, ld, Ks2, Vs2);
-        u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
-        u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
-        float s[8][4], dp[8][4];
-        tile_products<BF, D>(s, qa, Ks, g, t4);
-        tile_products<BF, D>(dp, da, Vs, g, t4);
+    const int w0 = qt * BM + warp * RW;
+    const u16 *kh = k + h * D, *vh = v + h * D;
+    issue_pair<D>(kh, ld, vh, ld, rb, 0, Tn, Ks2, Vs2);
+    unsigned qa[MT][KS][4], da[MT][KS][4];
+    float L[MT][2], E[MT][2];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+    for (int mt = 0; mt < MT; ++mt) {
+        const int ra = w0 + mt * 16 + g, rc = ra + 8;
+        load_afrag<D>(q + h * D, rb, ra, rc, Tn, ld, t4, qa[mt]);
+        load_afrag<D>(dy + h * D, rb, ra, rc, Tn, ldy, t4, da[mt]);
+        unsigned ya[KS][4];
+        load_afrag<D>(y + h * D, rb, ra, rc, Tn, ldy, t4, ya);
+        float e0 = 0.0f, e1 = 0.0f;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = kt * 64 + j * 8 + 2 * t4 + (e & 1);
-                const int row = e < 2 ? r0 : r1;
-                const float p = (key <= row && key < Tn) ? exp2f(s[j][e] * sl2 - (e < 2 ? L0 : L1)) : 0.0f;
-                s[j][e] = p * (dp[j][e] - (e < 2 ? E0 : E1));  // dS
+        for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                e0 += lo_f<BF>(da[mt][kk][i]) * lo_f<BF>(ya[kk][i]) + hi_f<BF>(da[mt][kk][i]) * hi_f<BF>(ya[kk][i]);
+                e1 += lo_f<BF>(da[mt][kk][i + 1]) * lo_f<BF>(ya[kk][i + 1]) +
+                      hi_f<BF>(da[mt][kk][i + 1]) * hi_f<BF>(ya[kk][i + 1]);
             }
         }
+        e0 += __shfl_xor_sync(0xffffffffu, e0, 1);
+        e0 += __shfl_xor_sync(0xffffffffu, e0, 2);
+        e1 += __shfl_xor_sync(0xffffffffu, e1, 1);
+        e1 += __shfl_xor_sync(0xffffffffu, e1, 2);
+        E[mt][0] = e0;
+        E[mt][1] = e1;
+        if (t4 == 0) {
+            if (ra < Tn) dvec[(long long)bh * Tn + ra] = e0;
+            if (rc < Tn) dvec[(long long)bh * Tn + rc] = e1;
+        }
+        L[mt][0] = ra < Tn ? lse2[(long long)bh * Tn + ra] : 0.0f;
+        L[mt][1] = rc < Tn ? lse2[(long long)bh * Tn + rc] : 0.0f;
+    }
+    float acc[MT][ND][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            unsigned pa[4];
-            c_to_afrag<BF>(s, kk, pa);
+    for (int mt = 0; mt < MT; ++mt) zero_frags<ND>(acc[mt]);
+    const int last = min(Tn, qt * BM + BM) - 1;
+    const int nkt = last / 64 + 1;
+    for (int kt = 0; kt < nkt; ++kt) {
+        next_pair<D>(kh, ld, vh, ld, rb, kt, nkt, Tn, Ks2, Vs2);
+        const u16(*Ks)[D + ATT_PAD] = Ks2[kt & 1];
+        const u16(*Vs)[D + ATT_PAD] = Vs2[kt & 1];
+        const int k0 = kt * 64;
+        if (k0 <= w0 + RW - 1 && w0 < Tn) {
+            const bool diag = k0 + 63 > w0 || k0 + 64 > Tn;
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                unsigned b0, b1;
-                ldsm_x2_trans(b0, b1, &Ks[kk * 16 + (lane & 15)][n * 8]);
-                mma16816<BF>(acc[n], pa, b0, b1);
+            for (int c = 0; c < 4; ++c) {
+                if (k0 + c * 16 > w0 + RW - 1) break;  // this chunk and the later ones are above the diagonal
+                float s[MT][2][4], dp[MT][2][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    zero_frags<2>(s[mt]);
+                    zero_frags<2>(dp[mt]);
+                }
+#pragma unroll
+                for (int kk = 0; kk < KS; ++kk) {
+                    unsigned bk[4], bv[4];
+                    const int row = c * 16 + (lane >> 4) * 8 + (lane & 7), col = kk * 16 + ((lane >> 3) & 1) * 8;
+                    ldsm_x4(bk, &Ks[row][col]);
+                    ldsm_x4(bv, &Vs[row][col]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<BF>(s[mt][0], qa[mt][kk], bk[0], bk[1]);
+                        mma16816<BF>(s[mt][1], qa[mt][kk], bk[2], bk[3]);
+                        mma16816<BF>(dp[mt][0], da[mt][kk], bv[0], bv[1]);
+                        mma16816<BF>(dp[mt][1], da[mt][kk], bv[2], bv[3]);
+                    }
+                }
+                unsigned sa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const int ra = w0 + mt * 16 + g, rc = ra + 8;
+#pragma unroll
+                    for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = k0 + c * 16 + jj * 8 + 2 * t4 + (e & 1);
+                            const bool ok = !diag || (key <= (e < 2 ? ra : rc) && key < Tn);
+                            const float p = ok ? exp2f(fmaf(s[mt][jj][e], sl2, -L[mt][e >> 1])) : 0.0f;
+                            s[mt][jj][e] = p * (dp[mt][jj][e] - E[mt][e >> 1]);  // dS
+                        }
+                    }
+                    c_to_afrag<BF>(s[mt][0], s[mt][1], sa[mt]);
+                }
+#pragma unroll
+                for (int np = 0; np < ND / 2; ++np) {
+                    unsigned bf[4];
+                    ldsm_x4_t(bf, &Ks[c * 16 + (lane & 15)][(2 * np + (lane >> 4)) * 8]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<BF>(acc[mt][2 * np], sa[mt], bf[0], bf[1]);
+                        mma16816<BF>(acc[mt][2 * np + 1], sa[mt], bf[2], bf[3]);
+                    }
+                }
             }
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        const int c = h * D + n * 8 + 2 * t4;
-        if (r0 < Tn) store_pair<BF>(dq + (rb + r0) * ld + c, acc[n][0], acc[n][1], scale, accumulate);
-        if (r1 < Tn) store_pair<BF>(dq + (rb + r1) * ld + c, acc[n][2], acc[n][3], scale, accumulate);
+    for (int mt = 0; mt < MT; ++mt) {
+        const int ra = w0 + mt * 16 + g, rc = ra + 8;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int c = h * D + n * 8 + 2 * t4;
+            if (ra < Tn) store_pair<BF>(dq + (rb + ra) * ld + c, acc[mt][n][0], acc[mt][n][1], scale, accumulate);
+            if (rc < Tn) store_pair<BF>(dq + (rb + rc) * ld + c, acc[mt][n][2], acc[mt][n][3], scale, accumulate);
+        }
     }
 }
 
-template <bool BF, int D>
+// dK, dV per 128 key rows; queries (with their dy rows, lse2 and dvec) stream in 64-row tiles
+// from the diagonal down, processed 16 at a time.
+template <bool BF, int D, int MT>
 __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                  int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
                                  const float* __restrict__ dvec, u16* __restrict__ dk, u16* __restrict__ dv, int Tn,
                                  int H, float sl2, float scale, int accumulate) {
-    constexpr int KS = D / 16, ND = D / 8;
+    constexpr int KS = D / 16, ND = D / 8, RW = 16 * MT, BM = 64 * MT;
     __shared__ __align__(16) u16 Qs2[2][64][D + ATT_PAD];
     __shared__ __align__(16) u16 Os2[2][64][D + ATT_PAD];
     __shared__ float Ls2[2][64];
@@ -515,27 +628,33 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
     const long long rb = (long long)b * Tn;
-    const int k0 = kt * 64 + warp * 16 + g, k1 = k0 + 8;
-    unsigned ka[KS][4], va[KS][4];
-    load_afrag<D>(k + h * D, rb, k0, k1, Tn, ld, t4, ka);
-    load_afrag<D>(v + h * D, rb, k0, k1, Tn, ld, t4, va);
-    float dka[ND][4], dva[ND][4];
-    zero_frags<ND>(dka);
-    zero_frags<ND>(dva);
+    const int w0 = kt * BM + warp * RW;
+    const u16 *qh = q + h * D, *oh = dy + h * D;
+    unsigned ka[MT][KS][4], va[MT][KS][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        load_afrag<D>(k + h * D, rb, w0 + mt * 16 + g, w0 + mt * 16 + g + 8, Tn, ld, t4, ka[mt]);
+        load_afrag<D>(v + h * D, rb, w0 + mt * 16 + g, w0 + mt * 16 + g + 8, Tn, ld, t4, va[mt]);
+    }
+    float dka[MT][ND][4], dva[MT][ND][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        zero_frags<ND>(dka[mt]);
+        zero_frags<ND>(dva[mt]);
+    }
     const int ntiles = (Tn + 63) / 64;
-    auto issue = [&](int qt) {
-        const int bf = qt & 1;
-        async_tile<D>(q + h * D, rb, qt * 64, Tn, ld, Qs2[bf]);
-        async_tile<D>(dy + h * D, rb, qt * 64, Tn, ldy, Os2[bf]);
+    const int qt0 = kt * (MT);
+    auto issue = [&](int qt) {  // q, dy rows and their lse2 / dvec entries, all through cp.async
+        async_tile<D>(qh, rb, qt * 64, Tn, ld, Qs2[qt & 1]);
+        async_tile<D>(oh, rb, qt * 64, Tn, ldy, Os2[qt & 1]);
+        const int r = tid & 63, qq = qt * 64 + r;
+        const float* src = (tid < 64 ? lse2 : dvec) + (long long)bh * Tn + (qq < Tn ? qq : 0);
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(tid < 64 ? &Ls2[qt & 1][r] : &Es2[qt & 1][r]);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(qq < Tn ? 4 : 0));
         cp_async_commit();
-        if (tid < 64) {
-            const int qq = qt * 64 + tid;
-            Ls2[bf][tid] = qq < Tn ? lse2[(long long)bh * Tn + qq] : 0.0f;
-            Es2[bf][tid] = qq < Tn ? dvec[(long long)bh * Tn + qq] : 0.0f;
-        }
     };
-    issue(kt);
-    for (int qt = kt; qt < ntiles; ++qt) {
+    if (qt0 < ntiles) issue(qt0);
+    for (int qt = qt0; qt < ntiles; ++qt) {
         if (qt + 1 < ntiles) {
             issue(qt + 1);
             cp_async_wait<1>();
@@ -543,51 +662,94 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
             cp_async_wait<0>();
         }
         __syncthreads();
-        u16(*Qs)[D + ATT_PAD] = Qs2[qt & 1];
-        u16(*Os)[D + ATT_PAD] = Os2[qt & 1];
+        const u16(*Qs)[D + ATT_PAD] = Qs2[qt & 1];
+        const u16(*Os)[D + ATT_PAD] = Os2[qt & 1];
         const float* Ls = Ls2[qt & 1];
         const float* Es = Es2[qt & 1];
-        float s[8][4], dp[8][4];
-        tile_products<BF, D>(s, ka, Qs, g, t4);
-        tile_products<BF, D>(dp, va, Os, g, t4);
+        const int q0 = qt * 64;
+        if (q0 + 63 >= w0 && w0 < Tn) {
+            const bool diag = q0 < w0 + RW - 1 || q0 + 64 > Tn;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+            for (int c = 0; c < 4; ++c) {
+                if (q0 + c * 16 + 15 < w0) continue;  // every query of this chunk precedes every key of the warp
+                float s[MT][2][4], dp[MT][2][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int ql = j * 8 + 2 * t4 + (e & 1);
-                const int qq = qt * 64 + ql;
-                const int key = e < 2 ? k0 : k1;
-                const float p = (qq >= key && qq < Tn) ? exp2f(s[j][e] * sl2 - Ls[ql]) : 0.0f;
-                s[j][e] = p;                        // P^T
-                dp[j][e] = p * (dp[j][e] - Es[ql]);  // dS^T
-            }
-        }
+                for (int mt = 0; mt < MT; ++mt) {
+                    zero_frags<2>(s[mt]);
+                    zero_frags<2>(dp[mt]);
+                }
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            unsigned pa[4], sa[4];
-            c_to_afrag<BF>(s, kk, pa);
-            c_to_afrag<BF>(dp, kk, sa);
+                for (int kk = 0; kk < KS; ++kk) {
+                    unsigned bq[4], bo[4];
+                    const int row = c * 16 + (lane >> 4) * 8 + (lane & 7), col = kk * 16 + ((lane >> 3) & 1) * 8;
+                    ldsm_x4(bq, &Qs[row][col]);
+                    ldsm_x4(bo, &Os[row][col]);
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                unsigned b0, b1, c0, c1;
-                ldsm_x2_trans(b0, b1, &Os[kk * 16 + (lane & 15)][n * 8]);
-                mma16816<BF>(dva[n], pa, b0, b1);
-                ldsm_x2_trans(c0, c1, &Qs[kk * 16 + (lane & 15)][n * 8]);
-                mma16816<BF>(dka[n], sa, c0, c1);
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<BF>(s[mt][0], ka[mt][kk], bq[0], bq[1]);   // S^T = K Q^T
+                        mma16816<BF>(s[mt][1], ka[mt][kk], bq[2], bq[3]);
+                        mma16816<BF>(dp[mt][0], va[mt][kk], bo[0], bo[1]);  // dP^T = V dy^T
+                        mma16816<BF>(dp[mt][1], va[mt][kk], bo[2], bo[3]);
+                    }
+                }
+                float Lq[2][2], Eq[2][2];
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        Lq[jj][u] = Ls[c * 16 + jj * 8 + 2 * t4 + u];
+                        Eq[jj][u] = Es[c * 16 + jj * 8 + 2 * t4 + u];
+                    }
+                }
+                unsigned pa[MT][4], sa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const int ka0 = w0 + mt * 16 + g, ka1 = ka0 + 8;
+#pragma unroll
+                    for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int qq = q0 + c * 16 + jj * 8 + 2 * t4 + (e & 1);
+                            const bool ok = !diag || (qq >= (e < 2 ? ka0 : ka1) && qq < Tn);
+                            const float p = ok ? exp2f(fmaf(s[mt][jj][e], sl2, -Lq[jj][e & 1])) : 0.0f;
+                            s[mt][jj][e] = p;                                    // P^T
+                            dp[mt][jj][e] = p * (dp[mt][jj][e] - Eq[jj][e & 1]);  // dS^T
+                        }
+                    }
+                    c_to_afrag<BF>(s[mt][0], s[mt][1], pa[mt]);
+                    c_to_afrag<BF>(dp[mt][0], dp[mt][1], sa[mt]);
+                }
+#pragma unroll
+                for (int np = 0; np < ND / 2; ++np) {
+                    unsigned bo[4], bq[4];
+                    ldsm_x4_t(bo, &Os[c * 16 + (lane & 15)][(2 * np + (lane >> 4)) * 8]);
+                    ldsm_x4_t(bq, &Qs[c * 16 + (lane & 15)][(2 * np + (lane >> 4)) * 8]);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<BF>(dva[mt][2 * np], pa[mt], bo[0], bo[1]);      // dV += P^T dy
+                        mma16816<BF>(dva[mt][2 * np + 1], pa[mt], bo[2], bo[3]);
+                        mma16816<BF>(dka[mt][2 * np], sa[mt], bq[0], bq[1]);      // dK += dS^T Q
+                        mma16816<BF>(dka[mt][2 * np + 1], sa[mt], bq[2], bq[3]);
+                    }
+                }
             }
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        const int c = h * D + n * 8 + 2 * t4;
-        if (k0 < Tn) {
-            store_pair<BF>(dk + (rb + k0) * ld + c, dka[n][0], dka[n][1], scale, accumulate);
-            store_pair<BF>(dv + (rb + k0) * ld + c, dva[n][0], dva[n][1], 1.0f, accumulate);
-        }
-        if (k1 < Tn) {
-            store_pair<BF>(dk + (rb + k1) * ld + c, dka[n][2], dka[n][3], scale, accumulate);
-            store_pair<BF>(dv + (rb + k1) * ld + c, dva[n][2], dva[n][3], 1.0f, accumulate);
+    for (int mt = 0; mt < MT; ++mt) {
+        const int ka0 = w0 + mt * 16 + g, ka1 = ka0 + 8;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int c = h * D + n * 8 + 2 * t4;
+            if (ka0 < Tn) {
+                store_pair<BF>(dk + (rb + ka0) * ld + c, dka[mt][n][0], dka[mt][n][1], scale, accumulate);
+                store_pair<BF>(dv + (rb + ka0) * ld + c, dva[mt][n][0], dva[mt][n][1], 1.0f, accumulate);
+            }
+            if (ka1 < Tn) {
+                store_pair<BF>(dk + (rb + ka1) * ld + c, dka[mt][n][2], dka[mt][n][3], scale, accumulate);
+                store_pair<BF>(dv + (rb + ka1) * ld + c, dva[mt][n][2], dva[mt][n][3], 1.0f, accumulate);
+            }
         }
     }
 }
@@ -627,24 +789,26 @@ ATTN_SIMT_ALL(f32, float)
 ATTN_SIMT_ALL(bf16, bf16_t)
 ATTN_SIMT_ALL(f16, f16_t)
 
-#define ATTN_MMA_INST(SUF, BF, D)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) k_attn_fwd_mma_##SUF##_d##D(                           \
+// Tensor-core kernels: k_attn_<fwd|bwd_dq|bwd_dkv>_mma_<t>_d<D>_r<BM> (BM = 64 MT rows per block).
+#define ATTN_MMA_INST(SUF, BF, D, MT, BM)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) k_attn_fwd_mma_##SUF##_d##D##_r##BM(                   \
         const u16* q, const u16* k, const u16* v, int ld, u16* y, int ldy, float* lse2, int Tn, int H,       \
         float sl2) {                                                                                         \
-        attn_fwd_mma<BF, D>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                          \
+        attn_fwd_mma<BF, D, MT>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                      \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dq_mma_##SUF##_d##D(                        \
-        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
-        const float* dvec, u16* dq, int Tn, int H, float sl2, float scale, int accumulate) {                 \
-        attn_bwd_dq_mma<BF, D>(q, k, v, ld, dy, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate);         \
+    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dq_mma_##SUF##_d##D##_r##BM(                \
+        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, const u16* y, int ldy,              \
+        const float* lse2, float* dvec, u16* dq, int Tn, int H, float sl2, float scale, int accumulate) {    \
+        attn_bwd_dq_mma<BF, D, MT>(q, k, v, ld, dy, y, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate);  \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dkv_mma_##SUF##_d##D(                       \
+    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dkv_mma_##SUF##_d##D##_r##BM(               \
         const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
         const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate) {        \
-        attn_bwd_dkv_mma<BF, D>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale, accumulate);    \
+        attn_bwd_dkv_mma<BF, D, MT>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale, accumulate); \
     }
+#define ATTN_MMA_ROWS(SUF, BF, D) ATTN_MMA_INST(SUF, BF, D, 1, 64) ATTN_MMA_INST(SUF, BF, D, 2, 128)
 
-ATTN_MMA_INST(bf16, true, 32)
-ATTN_MMA_INST(bf16, true, 64)
-ATTN_MMA_INST(f16, false, 32)
-ATTN_MMA_INST(f16, false, 64)
+ATTN_MMA_ROWS(bf16, true, 32)
+ATTN_MMA_ROWS(bf16, true, 64)
+ATTN_MMA_ROWS(f16, false, 32)
+ATTN_MMA_ROWS(f16, false, 64)

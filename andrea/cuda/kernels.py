@@ -212,37 +212,56 @@ def attn_impl(prec: str, D: int, ld: int) -> str:
     return "simt"
 
 
-def _attn_geom(impl: str, D: int, T: int, BH: int):
-    tile = 64 if (impl == "mma" or D <= 64) else 32
-    threads = 128 if impl == "mma" else tile
-    return ((T + tile - 1) // tile, BH), (threads,)
+# Rows per block of the tensor-core attention kernels (64: 16 per warp, 128: 32 per warp), per
+# (kernel, head size). 128 everywhere is the setting the engine was measured with on the H200
+# (bench/engine_gpu.py); bench/engine_gpu.py --attn-sweep times every choice, kernel by kernel.
+ATTN_MMA_ROWS = {("fwd", 32): 128, ("fwd", 64): 128, ("dq", 32): 128, ("dq", 64): 128,
+                 ("dkv", 32): 128, ("dkv", 64): 128}
 
 
-def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H):
+def _attn_launch(impl: str, which: str, prec: str, D: int, T: int, BH: int, rows=None):
+    """(kernel name, grid, block) of attention kernel ``which`` (fwd | dq | dkv); ``rows`` overrides
+    ATTN_MMA_ROWS (mma only). simt blocks have one thread per row (64, or 32 at D = 128)."""
+    name = {"fwd": "fwd", "dq": "bwd_dq", "dkv": "bwd_dkv"}[which]
+    if impl == "mma":
+        tile = rows or ATTN_MMA_ROWS[(which, D)]
+        return f"k_attn_{name}_mma_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (128,)
+    tile = 64 if D <= 64 else 32
+    return f"k_attn_{name}_simt_{SUFFIX[prec]}_d{D}", ((T + tile - 1) // tile, BH), (tile,)
+
+
+def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H, rows=None):
     """qkv (B*T, 3C) -> y (B*T, C), lse2 (B*H, T)."""
     D = C // H
-    impl = attn_impl(prec, D, 3 * C)
-    grid, block = _attn_geom(impl, D, T, B * H)
+    name, grid, block = _attn_launch(attn_impl(prec, D, 3 * C), "fwd", prec, D, T, B * H, rows)
     sl2 = math.log2(math.e) / math.sqrt(D)
-    kernel("attention.cu", f"k_attn_fwd_{impl}_{SUFFIX[prec]}_d{D}")(
+    kernel("attention.cu", name)(
         grid, block, (ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C), i32(3 * C), y, i32(C), lse2, i32(T), i32(H), f32(sl2)))
 
 
-def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool):
-    """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch."""
+def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None):
+    """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch. The mma dQ kernel
+    computes dvec (sum_d dy y per row) itself, before the dK/dV kernel reads it; simt runs
+    k_attn_dvec first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS."""
     D = C // H
     impl = attn_impl(prec, D, 3 * C)
     s = SUFFIX[prec]
-    grid, block = _attn_geom(impl, D, T, B * H)
+    dq_rows, dkv_rows = rows or (None, None)
     sl2 = math.log2(math.e) / math.sqrt(D)
     scale = 1.0 / math.sqrt(D)
-    kernel("attention.cu", f"k_attn_dvec_{s}")((blocks(B * H * T),), (256,),
-                                               (y, dy, i32(C), dvec, i32(B), i32(T), i32(H), i32(D)))
     q, k, v = ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C)
     acc = i32(1 if accumulate else 0)
-    kernel("attention.cu", f"k_attn_bwd_dq_{impl}_{s}_d{D}")(
-        grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv), i32(T), i32(H), f32(sl2), f32(scale), acc))
-    kernel("attention.cu", f"k_attn_bwd_dkv_{impl}_{s}_d{D}")(
+    name, grid, block = _attn_launch(impl, "dq", prec, D, T, B * H, dq_rows)
+    if impl == "mma":
+        kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, y, i32(C), lse2, dvec, ptr(dqkv), i32(T),
+                                                   i32(H), f32(sl2), f32(scale), acc))
+    else:
+        kernel("attention.cu", f"k_attn_dvec_{s}")((blocks(B * H * T),), (256,),
+                                                   (y, dy, i32(C), dvec, i32(B), i32(T), i32(H), i32(D)))
+        kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv), i32(T),
+                                                   i32(H), f32(sl2), f32(scale), acc))
+    name, grid, block = _attn_launch(impl, "dkv", prec, D, T, B * H, dkv_rows)
+    kernel("attention.cu", name)(
         grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C), ptr(dqkv, 2 * C), i32(T), i32(H),
                       f32(sl2), f32(scale), acc))
 
@@ -252,6 +271,11 @@ def k_loss_fwd(prec, lse, losses, logits, targets, N, V):
 
 
 def k_loss_bwd(prec, dlogits, logits, targets, lse, dscale, N, V):
+    """dlogits (N, V) = (softmax - onehot) * dscale; may be logits itself. The kernel reads and writes
+    16-byte vectors at the same offsets, so both buffers must share their alignment mod 16."""
+    if (dlogits.data.ptr - logits.data.ptr) % 16:
+        raise AndreaError("cuda op loss_backward: dlogits and logits differ in 16-byte alignment "
+                          f"({dlogits.data.ptr % 16} vs {logits.data.ptr % 16}); pass logits itself or a same-layout buffer")
     kernel("loss.cu", f"k_loss_bwd_{SUFFIX[prec]}")((N,), (512,),
                                                      (logits, targets, lse, dlogits, f32(dscale), i32(N), i32(V)))
 

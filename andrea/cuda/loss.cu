@@ -1,44 +1,146 @@
 // loss.cu: cross-entropy over the vocabulary with a fused softmax (the `loss` op pair).
 //
 // k_loss_fwd_<t>:  logits (N, V) storage t, targets (N,) int32 -> lse (N,) fp32 and
-//                  losses (N,) fp32 = lse - logit[target]. One block per row, fixed reduction order.
+//                  losses (N,) fp32 = lse - logit[target]. One block per row, one pass (online
+//                  max / sum of exp), fixed merge order.
 // k_loss_mean:     out[0] = sum(losses) / N, one block, fixed order (deterministic).
 // k_loss_bwd_<t>:  dlogits (N, V) t = (softmax(logits) - onehot(target)) * dscale, where
-//                  dscale = dloss / N (times the fp16 loss scale). dlogits may alias logits.
+//                  dscale = dloss / N (times the fp16 loss scale). dlogits may alias logits (same
+//                  layout required: every element is read and written by the same thread).
+
+// Rows are read in 16-byte vectors (uint4: 8 bf16/fp16 or 4 fp32 values); a row of odd V starts
+// anywhere, so its elements before the first 16-byte boundary (head) and after the last one
+// (tail) are taken one by one. The forward is one pass: each thread keeps a running (max, sum of
+// exp) pair, the pairs are merged in a fixed order (lanes, then warps).
+template <typename T>
+struct Vec16 {
+    static constexpr int n = 16 / sizeof(T);
+};
+
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& u, float* f) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (sizeof(T) == 4) {
+            f[i] = __uint_as_float(w[i]);
+        } else {
+            T lo, hi;
+            lo.x = (unsigned short)(w[i] & 0xffffu);
+            hi.x = (unsigned short)(w[i] >> 16);
+            f[2 * i] = to_f(lo);
+            f[2 * i + 1] = to_f(hi);
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack16(const float* f) {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (sizeof(T) == 4) {
+            w[i] = __float_as_uint(f[i]);
+        } else {
+            w[i] = (unsigned)from_f<T>(f[2 * i]).x | ((unsigned)from_f<T>(f[2 * i + 1]).x << 16);
+        }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Elements of row r before its first 16-byte boundary (at most V), and the whole vectors after it.
+template <typename T>
+__device__ __forceinline__ void row_split(const T* r, int V, int& head, int& nvec) {
+    const int mis = (int)(((unsigned long long)r & 15ull) / sizeof(T));
+    head = min(V, mis ? Vec16<T>::n - mis : 0);
+    nvec = (V - head) / Vec16<T>::n;
+}
+
+__device__ __forceinline__ void ms_add(float& m, float& s, float x) {
+    if (x > m) {
+        s = s * expf(m - x) + 1.0f;
+        m = x;
+    } else {
+        s += expf(x - m);
+    }
+}
+__device__ __forceinline__ void ms_merge(float& m, float& s, float mo, float so) {
+    const float n = fmaxf(m, mo);
+    s = (n == -ANDREA_INF) ? 0.0f : s * expf(m - n) + so * expf(mo - n);
+    m = n;
+}
 
 template <typename T>
 __device__ void loss_fwd(const T* __restrict__ logits, const int* __restrict__ targets, float* __restrict__ lse,
                          float* __restrict__ losses, int N, int V) {
-    __shared__ float buf[32];
+    __shared__ float bm[32], bs[32];
+    constexpr int VN = Vec16<T>::n;
     const int row = blockIdx.x;
     if (row >= N) return;
     const T* lr = logits + (long long)row * V;
-    float m = -ANDREA_INF;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, to_f(lr[j]));
-    m = block_max(m, buf);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_f(lr[j]) - m);
-    s = block_sum(s, buf);
+    int head, nvec;
+    row_split(lr, V, head, nvec);
+    const int tail0 = head + nvec * VN;
+    float m = -ANDREA_INF, s = 0.0f;
+    for (int j = threadIdx.x; j < head; j += blockDim.x) ms_add(m, s, to_f(lr[j]));
+    const uint4* body = reinterpret_cast<const uint4*>(lr + head);
+    for (int k = threadIdx.x; k < nvec; k += blockDim.x) {
+        float f[VN];
+        unpack16<T>(body[k], f);
+        float vm = f[0];
+#pragma unroll
+        for (int i = 1; i < VN; ++i) vm = fmaxf(vm, f[i]);
+        if (vm > m) {
+            s *= expf(m - vm);
+            m = vm;
+        }
+#pragma unroll
+        for (int i = 0; i < VN; ++i) s += expf(f[i] - m);
+    }
+    for (int j = tail0 + threadIdx.x; j < V; j += blockDim.x) ms_add(m, s, to_f(lr[j]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
+        ms_merge(m, s, mo, so);
+    }
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) { bm[wid] = m; bs[wid] = s; }
+    __syncthreads();
     if (threadIdx.x == 0) {
-        const float l = m + logf(s);
+        float M = bm[0], S = bs[0];
+        for (int w = 1; w < nw; ++w) ms_merge(M, S, bm[w], bs[w]);
+        const float l = M + logf(S);
         lse[row] = l;
-        const int t = targets[row];
-        losses[row] = l - to_f(lr[t]);
+        losses[row] = l - to_f(lr[targets[row]]);
     }
 }
 
 template <typename T>
 __device__ void loss_bwd(const T* logits, const int* __restrict__ targets, const float* __restrict__ lse,
                          T* dlogits, float dscale, int N, int V) {
+    constexpr int VN = Vec16<T>::n;
     const int row = blockIdx.x;
     if (row >= N) return;
     const long long base = (long long)row * V;
     const float l = lse[row];
     const int t = targets[row];
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        const float p = expf(to_f(logits[base + j]) - l);
-        dlogits[base + j] = from_f<T>((p - (j == t ? 1.0f : 0.0f)) * dscale);
+    int head, nvec;
+    row_split(logits + base, V, head, nvec);   // dlogits rows have the same alignment (same layout)
+    const int tail0 = head + nvec * VN;
+    for (int j = threadIdx.x; j < head; j += blockDim.x)
+        dlogits[base + j] = from_f<T>((expf(to_f(logits[base + j]) - l) - (j == t ? 1.0f : 0.0f)) * dscale);
+    const uint4* src = reinterpret_cast<const uint4*>(logits + base + head);
+    uint4* dst = reinterpret_cast<uint4*>(dlogits + base + head);
+    for (int k = threadIdx.x; k < nvec; k += blockDim.x) {
+        float f[VN];
+        unpack16<T>(src[k], f);
+        const int j0 = head + k * VN;
+#pragma unroll
+        for (int i = 0; i < VN; ++i) f[i] = (expf(f[i] - l) - (j0 + i == t ? 1.0f : 0.0f)) * dscale;
+        dst[k] = pack16<T>(f);
     }
+    for (int j = tail0 + threadIdx.x; j < V; j += blockDim.x)
+        dlogits[base + j] = from_f<T>((expf(to_f(logits[base + j]) - l) - (j == t ? 1.0f : 0.0f)) * dscale);
 }
 
 extern "C" __global__ void k_loss_mean(const float* __restrict__ losses, float* __restrict__ out, int N) {
