@@ -117,6 +117,11 @@ def test_fp8_engine_plan_and_refusals_without_a_gpu():
         GpuEngine(object(), mc, 2, precision="fp4")
     with pytest.raises(AndreaError, match="fp32 only"):
         plan_items(mc, 1, "fp8", "numpy")
+    from andrea.cuda.fp8 import require_fp8
+
+    require_fp8("90"), require_fp8("89")
+    with pytest.raises(AndreaError, match="sm_80: use train.precision=bf16"):
+        require_fp8("80")
 
 
 # ----------------------------------------------------------------------------- the GEMM path's orientations

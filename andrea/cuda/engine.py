@@ -32,7 +32,7 @@ from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, SUFFIX
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd,
                                  k_loss_fwd, k_loss_mean, k_residual_add)
-from andrea.cuda.fp8 import Fp8Gemm, fp8_buffers, n_slots, weight_plan
+from andrea.cuda.fp8 import Fp8Gemm, fp8_buffers, n_slots, require_fp8, weight_plan
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
 from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
@@ -212,6 +212,8 @@ class GpuEngine:
         check_memory(lambda b: arena_layout(mc, b, precision).nbytes, int(batch_size), backend.free_memory(),
                      f"cupy {precision} engine")
         xp = cp()
+        if precision == "fp8":
+            require_fp8(xp.cuda.Device().compute_capability)
         self.cp, self.mc, self.B, self.prec = xp, mc, int(batch_size), precision
         self.kp = "bf16" if precision == "fp8" else precision      # the storage type of every non-GEMM kernel
         self.be = backend

@@ -38,6 +38,13 @@ TILE = 64                         # k_fp8_cast_t_bf16's tile: rows and columns m
 SLOT = 64                         # floats between dequantization factors (256 bytes): cuBLASLt wants aligned scales
 
 
+def require_fp8(compute_capability) -> None:
+    """Refuse, in one line, a GPU without FP8 tensor cores (compute capability below 8.9)."""
+    if int(compute_capability) < 89:
+        raise AndreaError(f"train.precision=fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+                          f"this GPU is sm_{compute_capability}: use train.precision=bf16")
+
+
 def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int) -> list:
     """(name, shape, dtype) of the arena entries the fp8 path adds: the weights' E4M3 copies in
     both orientations (``n_weight8`` bytes, see ``weight_plan``), four (N x 4C) cast buffers, the
