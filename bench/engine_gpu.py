@@ -249,7 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--precision", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "fp8"],
+                    help="ours in each (same run); the first is the one the anchors compare with, and "
+                         "every other is also printed as tokens/s over the first's")
     ap.add_argument("--anchors", nargs="*", default=["compile", "eager"], choices=["compile", "eager"],
                     help="torch anchors to run (none: `--anchors` alone, ours only)")
     ap.add_argument("--json", default=None, help="write all figures here")
@@ -260,8 +262,13 @@ def main(argv=None) -> int:
         s = variant_shapes(v)
         B, T = args.batch, s["T"]
         tok = B * T
-        r = {"ours": bench_ours(s, B, args.steps, args.warmup, args.precision)}
-        print(f"{v}: ours {r['ours']['ms']:.2f} ms/step", file=sys.stderr, flush=True)
+        prec0, *others = args.precision
+        r = {"ours": bench_ours(s, B, args.steps, args.warmup, prec0)}
+        print(f"{v}: ours {prec0} {r['ours']['ms']:.2f} ms/step", file=sys.stderr, flush=True)
+        for p in others:
+            r[f"ours-{p}"] = bench_ours(s, B, args.steps, args.warmup, p)
+            print(f"{v}: ours {p} {r[f'ours-{p}']['ms']:.2f} ms/step ({r['ours']['ms'] / r[f'ours-{p}']['ms']:.3f}x "
+                  f"{prec0}'s tokens/s)", file=sys.stderr, flush=True)
         for a in args.anchors:
             r[a] = bench_torch(s, B, args.steps, args.warmup, a == "compile")
             print(f"{v}: torch {a} {r[a]['ms']:.2f} ms/step", file=sys.stderr, flush=True)
@@ -284,10 +291,13 @@ def main(argv=None) -> int:
               f"plan == pool: {o['planned_bytes'] == o['pool_used_bytes']}")
     if args.breakdown:
         for v in args.variants:
-            bd = breakdown(variant_shapes(v), args.batch, args.precision)
+            bd = breakdown(variant_shapes(v), args.batch, args.precision[0])
             allres[v]["breakdown_ms"] = bd
             print(f"{v} breakdown (ms/step): " + ", ".join(f"{k} {t:.2f}" for k, t in
                                                           sorted(bd.items(), key=lambda kv: -kv[1])))
+    for p in args.precision[1:]:
+        print(f"\n{p} / {args.precision[0]} tokens/s (same run): " + ", ".join(
+            f"{v} {r[f'ours-{p}']['tokens_per_s'] / r['ours']['tokens_per_s']:.3f}x" for v, r in allres.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(allres, indent=1))
     return 0
