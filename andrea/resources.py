@@ -52,6 +52,7 @@ CUDA_BASE_MB = 3072              # + CuPy and the CUDA context on the host
 # Throughput assumptions (sustained FLOP/s). CPU: ~40 GFLOP/s per thread was seen on the
 # tiny run of this machine; 10 leaves room for slower nodes. GPU: the H200 bench of the CuPy
 # engine does ~250 TFLOP/s at 120M bf16; 100 (bf16/fp16) and 20 (fp32) cover A100-class cards.
+# fp8 measured 0.89-1.07x bf16's tokens/s on the H200 (docs/FP8.md), so it gets bf16's figure.
 CPU_FLOPS_PER_THREAD = 10e9
 GPU_FLOPS = {"fp32": 20e12, "bf16": 100e12, "fp16": 100e12, "fp8": 100e12}
 SAFETY = 1.5

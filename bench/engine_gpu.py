@@ -392,7 +392,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--precision", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "fp8"],
+                    help="ours in each (same run); the first is the one the anchors compare with, and "
+                         "every other is also printed as tokens/s over the first's")
     ap.add_argument("--anchors", nargs="*", default=ANCHORS[:3], choices=ANCHORS,
                     help="torch anchors to run (none: `--anchors` alone, ours only)")
     ap.add_argument("--json", default=None, help="write all figures here")
@@ -412,9 +414,14 @@ def main(argv=None) -> int:
         s = variant_shapes(v)
         tok = B * s["T"]
         key = f"{v}:B{B}"
-        r = {"ours": bench_ours(s, B, args.steps, args.warmup, args.precision)}
-        print(f"{key}: ours {r['ours']['ms']:.2f} ms/step, peak {r['ours']['peak_bytes'] / 2 ** 20:.0f} MiB",
+        prec0, *others = args.precision
+        r = {"ours": bench_ours(s, B, args.steps, args.warmup, prec0)}
+        print(f"{key}: ours {prec0} {r['ours']['ms']:.2f} ms/step, peak {r['ours']['peak_bytes'] / 2 ** 20:.0f} MiB",
               file=sys.stderr, flush=True)
+        for p in others:
+            r[f"ours-{p}"] = bench_ours(s, B, args.steps, args.warmup, p)
+            print(f"{key}: ours {p} {r[f'ours-{p}']['ms']:.2f} ms/step ({r['ours']['ms'] / r[f'ours-{p}']['ms']:.3f}x "
+                  f"{prec0}'s tokens/s)", file=sys.stderr, flush=True)
         for a in args.anchors:
             prof = args.breakdown and compiled and a == compiled[0]
             r[a] = bench_torch(s, B, args.steps, args.warmup, a, profile=bool(prof))
@@ -444,7 +451,7 @@ def main(argv=None) -> int:
     if args.breakdown:
         for key, r in allres.items():
             s, B = r["shapes"], r["batch"]
-            bd = breakdown(s, B, args.precision)
+            bd = breakdown(s, B, args.precision[0])
             r["breakdown_ms"] = bd
             theirs = r[compiled[0]].get("breakdown_ms", {}) if compiled else {}
             fl = class_flops(s, B)
@@ -466,6 +473,9 @@ def main(argv=None) -> int:
             D = r["shapes"]["C"] // r["shapes"]["H"]
             print(f"{key} attention (one layer, D={D}): " + "; ".join(f"{k} {ms:.3f} ms {tf:.0f} TFLOP/s"
                                                                   for k, (ms, tf) in sw.items()))
+    for p in args.precision[1:]:
+        print(f"\n{p} / {args.precision[0]} tokens/s (same run): " + ", ".join(
+            f"{key} {r[f'ours-{p}']['tokens_per_s'] / r['ours']['tokens_per_s']:.3f}x" for key, r in allres.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(allres, indent=1))
     return 0

@@ -114,9 +114,10 @@ def test_the_planners_grow_with_the_batch():
         assert all(a < b for a, b in zip(sizes, sizes[1:]))
 
 
-def test_fp8_is_refused_by_both_engines():
-    with pytest.raises(AndreaError, match="fp8 is not implemented"):
-        GpuEngine(object(), MC, 1, precision="fp8")
+def test_fp8_is_planned_by_the_gpu_engine_and_refused_by_numpy():
+    with pytest.raises(AndreaError, match="not supported by the cupy engine"):
+        GpuEngine(object(), MC, 1, precision="fp4")
+    assert planned_bytes(MC, 1, "fp8") > planned_bytes(MC, 1, "bf16")     # + E4M3 copies, casts, workspace
     with pytest.raises(AndreaError, match="fp32 only"):
         plan_items(MC, 1, "fp8", "numpy")
 

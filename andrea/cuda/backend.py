@@ -39,7 +39,7 @@ def probe() -> str | None:
 
 class CupyBackend:
     name = "cupy"
-    precisions = ("fp32", "bf16", "fp16")
+    precisions = ("fp32", "bf16", "fp16", "fp8")
 
     def __init__(self):
         self.xp = cp()

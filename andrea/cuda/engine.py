@@ -32,6 +32,7 @@ from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, SUFFIX
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd,
                                  k_loss_fwd, k_loss_mean, k_residual_add)
+from andrea.cuda.fp8 import Fp8Gemm, fp8_buffers, n_slots, require_fp8, weight_plan
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
 from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
@@ -39,6 +40,7 @@ from andrea.errors import AndreaError
 from andrea.preflight import check_memory
 
 FP16_SCALE0, FP16_GROWTH_EVERY, FP16_SCALE_MAX = 2.0 ** 12, 1000, 2.0 ** 24
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 class FastOps:
@@ -47,11 +49,12 @@ class FastOps:
     shapes come from the arrays. Backward outputs follow the op contract (+= into parameter
     gradients and dres, = elsewhere)."""
 
-    def __init__(self, prec: str, blas, a: dict):
+    def __init__(self, prec: str, blas, a: dict, f8=None):
         self.p, self.lt, self.blas, self.a = prec, LOWTYPE[prec], blas, a
+        self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
 
     def _mm(self, C, A, B, ta=False, tb=False, beta=0.0):
-        self.blas.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lt)
+        (self.f8 or self.blas).mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lt)
 
     def embed_forward(self, out, idx, wte, wpe):
         B, T = idx.shape
@@ -162,9 +165,15 @@ class Arena:
     nbytes: int
 
 
+def fp8_plan(mc: ModelConfig) -> tuple[dict, int]:
+    """The fp8 engine's E4M3 weight copies (``andrea.cuda.fp8.weight_plan``) and their bytes."""
+    return weight_plan(param_layout(mc), recipe.MATMUL_WEIGHTS)
+
+
 def arena_layout(mc: ModelConfig, batch_size: int, precision: str) -> Arena:
     """The arena GpuEngine(mc, batch_size, precision) allocates, computed without CuPy or a GPU
-    (andrea/memory.py itemises it; the memory preflight searches batch sizes with it)."""
+    (andrea/memory.py itemises it; the memory preflight searches batch sizes with it). fp8 is
+    bf16's arena plus the entries of ``andrea.cuda.fp8.fp8_buffers``."""
     B, n = int(batch_size), param_layout(mc).n_params
     policy = gpu_policy(mc, B, precision)
     plan = activation_plan(mc, B, policy)
@@ -174,6 +183,9 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str) -> Arena:
     spec += [(b.name, b.shape, dtypes[b.dtype]) for b in plan]
     if precision != "fp32":
         spec.append(("wlow", (n,), low))
+    if precision == "fp8":
+        plan8, n8 = fp8_plan(mc)
+        spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8))
     offs, off = {}, 0
     for name, shape, dt in spec:
         offs[name] = off
@@ -189,21 +201,28 @@ class GpuEngine:
         """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses.
         A plan larger than the device's free memory (``backend.free_memory()``, with the
         preflight's headroom) is refused before CuPy allocates anything (andrea/preflight.py)."""
-        if precision not in SUFFIX:
+        if precision not in PRECISIONS:
             raise AndreaError(f"train.precision: {precision!r} is not supported by the cupy engine "
-                              f"(fp32 | bf16 | fp16; fp8 is not implemented)")
+                              f"(fp32 | bf16 | fp16 | fp8)")
+        if precision == "fp8" and (mc.d_model % 64 or (int(batch_size) * mc.context) % 64):
+            raise AndreaError(f"train.precision=fp8: d_model ({mc.d_model}) and batch x context "
+                              f"({int(batch_size) * mc.context}) must be multiples of 64 (the E4M3 casts' tiles); "
+                              f"use train.precision=bf16 for this model")
         arena = arena_layout(mc, batch_size, precision)
         check_memory(lambda b: arena_layout(mc, b, precision).nbytes, int(batch_size), backend.free_memory(),
                      f"cupy {precision} engine")
         xp = cp()
+        if precision == "fp8":
+            require_fp8(xp.cuda.Device().compute_capability)
         self.cp, self.mc, self.B, self.prec = xp, mc, int(batch_size), precision
+        self.kp = "bf16" if precision == "fp8" else precision      # the storage type of every non-GEMM kernel
         self.be = backend
         self.blas = self.be.ops.blas
         self.layout = param_layout(mc)
         self.n_params = self.layout.n_params
         self.T, self.N = mc.context, self.B * mc.context
-        attn_impl(precision, mc.d_model // mc.n_head, 3 * mc.d_model)  # refuse an unsupported head size now
-        self.lowtype = LOWTYPE[precision]
+        attn_impl(self.kp, mc.d_model // mc.n_head, 3 * mc.d_model)  # refuse an unsupported head size now
+        self.lowtype = LOWTYPE[self.kp]
         self.loss_scale = FP16_SCALE0 if precision == "fp16" else 1.0
         self.good_steps = 0
         self.policy, self.plan, spec, offs = arena.policy, arena.plan, arena.spec, arena.offsets
@@ -224,7 +243,11 @@ class GpuEngine:
         self.W, self.WL, self.G = views(a["w"]), views(a["wlow"]), views(a["g"])
         self.arena.fill(0)
         a["gstate"].set(np.array([0.0, 1.0, 1.0, 0.0], dtype=np.float32))
-        self.ops = FastOps(precision, self.blas, a)
+        f8 = None
+        if precision == "fp8":
+            f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], {self.WL["wte"].data.ptr, self.G["wte"].data.ptr}, self.blas)
+        self.f8 = f8
+        self.ops = FastOps(self.kp, self.blas, a, f8)
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
@@ -246,7 +269,7 @@ class GpuEngine:
 
     def _low_refresh(self) -> None:
         if self.prec != "fp32":
-            k_cast(self.prec, self.a["wlow"], self.a["w"], self.n_params)
+            k_cast(self.kp, self.a["wlow"], self.a["w"], self.n_params)
 
     def init_weights(self, seed: int) -> None:
         """The same weights as Engine.init_weights(seed) (``init_params``, drawn on the host)."""
@@ -262,7 +285,9 @@ class GpuEngine:
 
     def extra_state(self) -> dict:
         """What later steps depend on beyond w, m, v: the fp16 dynamic loss scale and its count of
-        good steps ({} in fp32/bf16). The CUDA graph is rebuilt from it (it bakes the scale in)."""
+        good steps ({} in fp32/bf16; {} in fp8 too: its current scaling derives every scale from
+        the tensor being cast, so no amax history or scale outlives a GEMM). The CUDA graph is
+        rebuilt from it (it bakes the scale in)."""
         if self.prec != "fp16":
             return {}
         return {"loss_scale": float(self.loss_scale), "good_steps": int(self.good_steps)}
@@ -285,6 +310,8 @@ class GpuEngine:
             a[name].set(arr)
 
     def _forward(self, with_loss: bool) -> None:
+        if self.f8 is not None:
+            self.f8.cast_weights()                            # E4M3 copies of this step's weights
         recipe.forward(self.ops, self.z, self.mc.n_head, with_loss)
 
     def _backward(self, dscale: float) -> None:
@@ -346,7 +373,7 @@ class GpuEngine:
             a["hp"].set(adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay), stream=self.stream)
             k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
             wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
-            k_adamw(self.prec, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1)
+            k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1)
             out = a["gstate"][:3].get(stream=self.stream)
         ok = bool(out[2] != 0.0)
         self._scaler(ok)
@@ -404,7 +431,7 @@ class GpuEngine:
         bits = self.cp.asnumpy(self.a["logits"])
         if self.prec == "fp32":
             return bits
-        if self.prec == "bf16":
+        if self.kp == "bf16":
             return (bits.astype(np.uint32) << 16).view(np.float32)
         return bits.view(np.float16).astype(np.float32)
 

@@ -1,0 +1,173 @@
+"""cuBLASLt through ctypes: the FP8 GEMM of the fp8 engine (``andrea/cuda/fp8.py``).
+
+    from andrea.cuda.cublaslt import Lt, CUDA_R_16BF
+    lt = Lt(workspace)                                   # a CuPy uint8 buffer (the engine's arena)
+    lt.mm_nt(D, X8, Y8, x_inv, y_inv, M, N, K, CUDA_R_16BF, beta=0.0)
+
+``mm_nt``: row-major D (M, N) = (x_inv X8) (M, K) @ ((y_inv Y8) (N, K))^T + beta D, X8 and Y8
+E4M3 (uint8 payloads), both K-contiguous: the "TN" form Hopper's FP8 tensor cores require.
+x_inv / y_inv are device pointers to one float each (per-tensor dequantization factors). D is
+bf16 (beta 0) or fp32 (beta 0 or 1: the weight-gradient accumulation). Compute and scale type
+fp32. In cuBLASLt's column-major terms D^T (N, M) = op(A) op(B) with A = Y8 (K x N, transa T),
+B = X8 (K x M, transb N).
+
+One algorithm per problem (shape, types, beta, accumulation mode, epilogue, alignments) is
+picked on first use (the first of cuBLASLt's heuristic candidates that runs) and kept, so a
+given shape always runs the same kernel (cuBLAS is bit-reproducible for a fixed algorithm on one GPU model). ``epilogue`` (a
+cublasLtEpilogue_t; default 1 = none) is part of the problem so a later GELU/bias epilogue is
+one argument away. The calls are legal inside a CUDA graph capture (no allocation; the heuristic
+runs on the host). Importing this module needs neither CuPy nor a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from andrea.errors import AndreaError
+
+# library_types.h / cublasLt.h enums
+CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 14, 28, 29
+CUBLAS_COMPUTE_32F = 68
+OP_N, OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
+DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
+PREF_MAX_WORKSPACE_BYTES = 1
+PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}
+EPILOGUE_DEFAULT = 1
+HEURISTIC_RESULT_BYTES = 96          # cublasLtMatmulAlgo_t (64) + size_t + status + float + int[4]
+N_ALGOS = 8                          # heuristic candidates kept; the first that runs is used from then on
+STATUS_NOT_SUPPORTED = 15
+
+_P, _I, _U64, _I64, _SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+
+
+def _load():
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        sig = {
+            "cublasLtCreate": [_P],
+            "cublasLtMatmulDescCreate": [_P, _I, _I],
+            "cublasLtMatmulDescSetAttribute": [_P, _I, _P, _SZ],
+            "cublasLtMatrixLayoutCreate": [_P, _I, _U64, _U64, _I64],
+            "cublasLtMatmulPreferenceCreate": [_P],
+            "cublasLtMatmulPreferenceSetAttribute": [_P, _I, _P, _SZ],
+            "cublasLtMatmulAlgoGetHeuristic": [_P, _P, _P, _P, _P, _P, _P, _I, _P, _P],
+            "cublasLtMatmul": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _SZ, _P],
+        }
+        for fn, args in sig.items():
+            f = getattr(lib, fn)
+            f.argtypes, f.restype = args, _I
+        return lib
+    raise AndreaError("train.precision=fp8: libcublasLt (cuBLASLt, part of the CUDA toolkit's cuBLAS) "
+                      "could not be loaded; install the CUDA 12/13 cuBLAS libraries or use train.precision=bf16")
+
+
+def _align(ptr: int) -> int:
+    """The largest power of two <= 256 dividing the address."""
+    a = 256
+    while ptr % a:
+        a //= 2
+    return a
+
+
+class Lt:
+    """One cuBLASLt handle, a fixed workspace and the cached plan (descriptors + algorithm) of
+    every problem seen."""
+
+    def __init__(self, workspace):
+        self.lib = _load()
+        self.ws = workspace
+        self.ws_bytes = int(workspace.nbytes)
+        h = _P()
+        self._check(self.lib.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+        self.h = h
+        self.plans: dict[tuple, tuple] = {}
+        self._alpha = np.ones(1, dtype=np.float32)
+        self._beta = {0.0: np.zeros(1, dtype=np.float32), 1.0: np.ones(1, dtype=np.float32)}
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc:
+            raise AndreaError(f"cuBLASLt: {what} returned status {rc}")
+
+    def _set(self, setter, obj, attr: int, value, ctype) -> None:
+        v = ctype(value)
+        self._check(setter(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), f"set attribute {attr}")
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int):
+        lay = _P()
+        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "layout")
+        return lay
+
+    def _plan(self, key: tuple, x_inv: int, y_inv: int):
+        """Descriptors and up to N_ALGOS heuristic candidates of a problem (scale pointers set
+        first: an FP8 problem with scales is another problem to the heuristic)."""
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        M, N, K, d_type, beta, fast, epilogue, aligns = key
+        L = self.lib
+        desc = _P()
+        self._check(L.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
+        sd = L.cublasLtMatmulDescSetAttribute
+        self._set(sd, desc, DESC_TRANSA, OP_T, ctypes.c_int32)
+        self._set(sd, desc, DESC_TRANSB, OP_N, ctypes.c_int32)
+        self._set(sd, desc, DESC_EPILOGUE, epilogue, ctypes.c_uint32)
+        self._set(sd, desc, DESC_FAST_ACCUM, 1 if fast else 0, ctypes.c_int8)
+        self._set(sd, desc, DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
+        self._set(sd, desc, DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
+        a_l = self._layout(CUDA_R_8F_E4M3, K, N, K)
+        b_l = self._layout(CUDA_R_8F_E4M3, K, M, K)
+        d_l = self._layout(d_type, N, M, N)
+        pref = _P()
+        self._check(L.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        sp = L.cublasLtMatmulPreferenceSetAttribute
+        self._set(sp, pref, PREF_MAX_WORKSPACE_BYTES, self.ws_bytes, ctypes.c_uint64)
+        for name, a in zip("ABCD", aligns):
+            self._set(sp, pref, PREF_MIN_ALIGNMENT[name], a, ctypes.c_uint32)
+        res = (ctypes.c_ubyte * (HEURISTIC_RESULT_BYTES * N_ALGOS))()
+        n = _I(0)
+        rc = L.cublasLtMatmulAlgoGetHeuristic(self.h, desc, a_l, b_l, d_l, d_l, pref, N_ALGOS, res, ctypes.byref(n))
+        if rc or n.value < 1:
+            raise AndreaError(f"cuBLASLt: no FP8 algorithm for D {M}x{N} (type {d_type}) K={K} beta={beta} "
+                              f"(status {rc}); M, N, K must be multiples of 16")
+        algos = [ctypes.addressof(res) + i * HEURISTIC_RESULT_BYTES for i in range(n.value)]
+        plan = [desc, a_l, b_l, d_l, res, algos, None]          # [6]: the candidate that ran, once known
+        self.plans[key] = plan
+        return plan
+
+    def mm_nt(self, D, X8, Y8, x_inv, y_inv, M: int, N: int, K: int, d_type: int, beta: float = 0.0,
+              fast_accum: bool = False, epilogue: int = EPILOGUE_DEFAULT, stream: int = 0) -> None:
+        """D (M, N) = (x_inv X8) @ (y_inv Y8)^T + beta D; x_inv / y_inv device pointers (ints)."""
+        if beta not in (0.0, 1.0):
+            raise AndreaError("cuBLASLt fp8 gemm: beta must be 0 or 1")
+        if K % 16 or M % 16 or N % 16:
+            raise AndreaError(f"cuBLASLt fp8 gemm: {M}x{N}x{K} is not a multiple of 16 in every dimension")
+        ptrs = (Y8.data.ptr, X8.data.ptr, D.data.ptr, D.data.ptr)
+        aligns = tuple(_align(p) for p in ptrs)
+        if min(aligns) < 16 or int(x_inv) % 16 or int(y_inv) % 16:
+            raise AndreaError(f"cuBLASLt fp8 gemm: buffers and scale pointers must be 16-byte aligned "
+                              f"(alignments {aligns}, scales at {int(x_inv) % 16} and {int(y_inv) % 16} mod 16)")
+        plan = self._plan((M, N, K, d_type, float(beta), bool(fast_accum), int(epilogue), aligns), x_inv, y_inv)
+        desc, a_l, b_l, d_l, _, algos, chosen = plan
+        sd = self.lib.cublasLtMatmulDescSetAttribute
+        self._set(sd, desc, DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
+        self._set(sd, desc, DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
+        statuses = []
+        for i in ([chosen] if chosen is not None else range(len(algos))):
+            rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, Y8.data.ptr, a_l, X8.data.ptr, b_l,
+                                         self._beta[float(beta)].ctypes.data, D.data.ptr, d_l, D.data.ptr, d_l,
+                                         algos[i], self.ws.data.ptr, self.ws_bytes, stream)
+            if rc == 0:
+                plan[6] = i                                     # this problem runs this candidate from now on
+                return
+            statuses.append(rc)
+            if rc != STATUS_NOT_SUPPORTED:
+                break
+        raise AndreaError(f"cuBLASLt: cublasLtMatmul {M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation "
+                          f"{fast_accum}) failed with status {statuses} over {len(statuses)} candidate algorithm(s)")

@@ -1,0 +1,197 @@
+"""The fp8 engine's GEMMs: bf16 operands cast to E4M3 with per-tensor current scaling
+(``fp8.cu``), multiplied on Hopper's FP8 tensor cores (``cublaslt.py``), results in bf16/fp32.
+
+    from andrea.cuda.fp8 import Fp8Gemm, fp8_buffers
+    f8 = Fp8Gemm(arena_views, weight_views, bf16_only_ptrs)   # GpuEngine(precision="fp8") builds it
+    f8.cast_weights()                      # once per forward: every matmul weight, both orientations
+    f8.mm(C, A, B, ta=False, tb=False, beta=0.0)               # Blas.mm's contract
+
+Recipe (stated in docs/ANDREA.md): E4M3 for activations, weights and gradients alike (no
+E5M2); *current* scaling: each operand's amax is reduced just before its cast (one extra
+read of the bf16 tensor), scale = 448 / amax, so nothing saturates and there is no scaling
+state to carry between steps. A NaN/inf input casts to NaN, the GEMM output is non-finite
+and the step guard (GpuEngine.apply_update) skips the step. Forward GEMMs use cuBLASLt's
+fast FP8 accumulation, the backward ones its split (more exact) accumulation, as NVIDIA's
+Transformer Engine does.
+
+Operand orientation: cuBLASLt FP8 needs both operands K-contiguous, so ``mm`` casts op(A)
+as (M, K) and op(B)^T as (N, K): A as is (or transposed when ta), B transposed (or as is
+when tb). Weights (the rows of ``wlow``) are cast once per forward into ``w8`` in both
+orientations. A gradient operand (the output gradient dY, used by dX = dY W^T and by
+dW = X^T dY, which the recipe's backward calls one right after the other) is cast once into
+both orientations and the copy the next ``mm`` call needs is reused; the reuse is valid only
+for the very next call (``_memo``), which the gpu test checks against casting afresh.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F, Lt
+from andrea.cuda.kernels import i32, need
+from andrea.cuda.loader import kernel
+from andrea.errors import AndreaError
+
+AMAX_BLOCKS = 264                 # 2 per SM on an H100/H200; any count gives the same amax
+LT_WORKSPACE = 32 << 20           # cuBLASLt's recommended workspace on Hopper
+TILE = 64                         # k_fp8_cast_t_bf16's tile: rows and columns multiples of 64
+SLOT = 64                         # floats between dequantization factors (256 bytes): cuBLASLt wants aligned scales
+
+
+def require_fp8(compute_capability) -> None:
+    """Refuse, in one line, a GPU without FP8 tensor cores (compute capability below 8.9)."""
+    if int(compute_capability) < 89:
+        raise AndreaError(f"train.precision=fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+                          f"this GPU is sm_{compute_capability}: use train.precision=bf16")
+
+
+def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int) -> list:
+    """(name, shape, dtype) of the arena entries the fp8 path adds: the weights' E4M3 copies in
+    both orientations (``n_weight8`` bytes, see ``weight_plan``), four (N x 4C) cast buffers, the
+    amax partials, the per-cast dequantization factors and cuBLASLt's workspace."""
+    return [("w8", (n_weight8,), np.uint8), ("f8_a", (N * 4 * C,), np.uint8), ("f8_at", (N * 4 * C,), np.uint8),
+            ("f8_g", (N * 4 * C,), np.uint8), ("f8_gt", (N * 4 * C,), np.uint8),
+            ("f8_part", (AMAX_BLOCKS,), np.float32), ("f8_inv", (SLOT * n_slots,), np.float32),
+            ("lt_ws", (LT_WORKSPACE,), np.uint8)]
+
+
+def weight_plan(layout, names) -> tuple[dict, int]:
+    """{tensor name: (offset of its (K, N) copy, offset of its (N, K) copy, slot)} in ``w8``,
+    each 256-byte aligned, and the bytes ``w8`` needs. Slots 0..2 are the activation casts."""
+    out, off = {}, 0
+    for i, t in enumerate(x for x in layout.tensors if x.name.split(".", 2)[-1] in names):
+        n = -(-t.size // 256) * 256
+        out[t.name] = (off, off + n, 3 + i)
+        off += 2 * n
+    return out, off
+
+
+def n_slots(plan: dict) -> int:
+    return 3 + len(plan)
+
+
+# ----------------------------------------------------------------------------- launchers
+def k_fp8_amax(x, part) -> None:
+    """part[AMAX_BLOCKS] = per-block max |x| over the finite entries of bf16 x (size % 8 == 0)."""
+    n = x.size
+    if n % 8 or x.data.ptr % 16:
+        raise AndreaError(f"fp8 cast: a tensor of {n} elements (needs a multiple of 8, 16-byte aligned)")
+    kernel("fp8.cu", "k_fp8_amax_bf16")((AMAX_BLOCKS,), (256,), (x, np.int64(n // 8), part))
+
+
+def k_fp8_cast(out, x, part, inv) -> None:
+    """out (x.size,) E4M3 of x with the scale of ``part``; inv[0] = 1 / scale."""
+    n = x.size
+    kernel("fp8.cu", "k_fp8_cast_bf16")((min(4 * AMAX_BLOCKS, -(-n // 2048)),), (256,),
+                                        (x, np.int64(n // 8), part, i32(AMAX_BLOCKS), out, inv))
+
+
+def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv) -> None:
+    """out_t (C, R) E4M3 of x (R, C) transposed and, unless out is None, out (R, C) E4M3."""
+    if R % TILE or C % TILE:
+        raise AndreaError(f"fp8 cast: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
+    kernel("fp8.cu", "k_fp8_cast_t_bf16")((C // TILE, R // TILE), (256,),
+                                          (x, i32(R), i32(C), part, i32(AMAX_BLOCKS),
+                                           np.uint64(0) if out is None else out, out_t, inv))
+
+
+def quantize(out, out_t, x, part, inv, R: int | None = None, C: int | None = None) -> None:
+    """amax + cast of bf16 x: natural layout into ``out``, transposed (x as (R, C)) into ``out_t``."""
+    k_fp8_amax(x, part)
+    if out_t is None:
+        k_fp8_cast(out, x, part, inv)
+    else:
+        k_fp8_cast_t(out, out_t, x, R, C, part, inv)
+
+
+# ----------------------------------------------------------------------------- the GEMM path
+class Fp8Gemm:
+    """``mm`` with Blas.mm's contract over E4M3 operands; see the module docstring."""
+
+    def __init__(self, a: dict, WL: dict, plan: dict, bf16_ptrs: set, blas, lt=None):
+        self.a, self.blas, self.bf16_ptrs = a, blas, bf16_ptrs
+        self.lt = lt or Lt(a["lt_ws"])
+        self.inv = a["f8_inv"]
+        w8 = a["w8"]
+        self.weights = {}                          # wlow view ptr -> (W (K, N) bf16, W8 (K, N), W8^T (N, K), slot)
+        for name, (o, ot, slot) in plan.items():
+            W = WL[name]
+            K, N = W.shape
+            self.weights[W.data.ptr] = (W, w8[o:o + K * N].reshape(K, N), w8[ot:ot + K * N].reshape(N, K), slot)
+        self._memo: dict = {}
+        self.memo_enabled = True
+        self._stream = lambda: blas.cp.cuda.get_current_stream().ptr
+
+    def _slot(self, i: int):
+        """Device pointer of dequantization factor i (what cuBLASLt reads)."""
+        return self.inv.data.ptr + 4 * SLOT * i
+
+    def _inv(self, i: int):
+        """Factor i as a 1-element view (what the cast kernels write)."""
+        return self.inv[SLOT * i:SLOT * i + 1]
+
+    def cast_weights(self) -> None:
+        part = self.a["f8_part"]
+        for W, W8, W8t, slot in self.weights.values():
+            K, N = W.shape
+            quantize(W8, W8t, W, part, self._inv(slot), K, N)
+
+    def _buf(self, name: str, rows: int, cols: int):
+        return self.a[name][:rows * cols].reshape(rows, cols)
+
+    def _activation(self, A, transposed: bool):
+        """op(A) as a K-contiguous E4M3 (M, K) matrix of an activation: A itself, or A^T."""
+        part = self.a["f8_part"]
+        if transposed:
+            K, M = A.shape
+            out = self._buf("f8_at", M, K)
+            quantize(None, out, A, part, self._inv(1), K, M)
+            return out, self._slot(1)
+        out = self._buf("f8_a", *A.shape)
+        quantize(out, None, A, part, self._inv(0))
+        return out, self._slot(0)
+
+    def _gradient(self, G, transposed: bool, prev: dict):
+        """G or G^T in E4M3 for a gradient G (rows, cols): both orientations cast at once, the
+        other one kept for the next call."""
+        key = (G.data.ptr, G.shape)
+        hit = prev.get(key)
+        if hit is None:
+            R, C = G.shape
+            nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
+            quantize(nat, tr, G, self.a["f8_part"], self._inv(2), R, C)
+            hit = (nat, tr)
+        if self.memo_enabled:
+            self._memo[key] = hit
+        return (hit[1] if transposed else hit[0]), self._slot(2)
+
+    def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF) -> None:
+        prev, self._memo = self._memo, {}
+        if {A.data.ptr, B.data.ptr, C.data.ptr} & self.bf16_ptrs:     # the tied head stays bf16
+            self.blas.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=lowtype)
+            return
+        for nm, x in (("A", A), ("B", B), ("C", C)):
+            need("fp8 gemm", nm, x)
+        M, K = (A.shape[1], A.shape[0]) if ta else A.shape
+        N = B.shape[0] if tb else B.shape[1]
+        w = self.weights.get(B.data.ptr)
+        if w is not None and w[0].shape == B.shape:          # X @ W (forward) or dY @ W^T (dX)
+            _, W8, W8t, slot = w
+            y8, y_inv = (W8 if tb else W8t), self._slot(slot)
+            if tb:                                            # dX = dY W^T: A is a gradient
+                x8, x_inv = self._gradient(A, ta, prev)
+            else:
+                x8, x_inv = self._activation(A, ta)
+            fast = not tb
+        elif ta:                                              # dW = X^T dY
+            x8, x_inv = self._activation(A, True)
+            y8, y_inv = self._gradient(B, not tb, prev)
+            fast = False
+        else:
+            raise AndreaError(f"fp8 gemm: no fp8 form for C {C.shape} = A {A.shape} @ B {B.shape} "
+                              f"(ta={ta}, tb={tb}); the engine's GEMMs are X W, dY W^T and X^T dY")
+        d_type = CUDA_R_32F if C.dtype == np.float32 else CUDA_R_16BF
+        if beta and d_type != CUDA_R_32F:
+            raise AndreaError("fp8 gemm: beta=1 needs an fp32 C")
+        self.lt.mm_nt(C, x8, y8, x_inv, y_inv, M, N, K, d_type, beta=beta, fast_accum=fast,
+                      stream=self._stream())

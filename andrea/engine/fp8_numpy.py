@@ -1,0 +1,91 @@
+"""FP8 E4M3 in NumPy: the reference twin of the GPU engine's fp8 casts (``andrea/cuda/fp8.cu``)
+and of the dequantized FP8 GEMM (``andrea/cuda/cublaslt.py``). No ml_dtypes: the encoding is
+written out by hand and is bit-exact with the hardware's ``cvt.rn.satfinite.e4m3x2.f32``.
+
+    from andrea.engine import fp8_numpy as f8
+    q, inv = f8.quantize(x)                 # x float32 (or bf16 payloads widened), q uint8 E4M3 bits
+    x_hat = f8.dequantize(q, inv)           # float32, |x_hat - x| <= |x| / 16 + 2**-10 * inv
+
+E4M3 (OCP FP8, NVIDIA's ``__nv_fp8_e4m3``): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa
+bits; no infinities; 0x7F / 0xFF are NaN; largest finite 448 (0x7E), smallest subnormal 2**-9.
+Per-tensor *current* scaling, the engine's recipe: amax = max |x| over the finite entries;
+scale = 448 / amax (1 when amax is 0); q = E4M3(x * scale) rounded to nearest, ties to even,
+saturating at +-448; a non-finite x gives NaN (0x7F), so a step that overflowed upstream stays
+non-finite and the engine's step guard skips it. The GEMM reads ``inv = 1 / scale`` (fp32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+E4M3_MAX = 448.0
+E4M3_NAN = 0x7F
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 payloads -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def amax(x: np.ndarray) -> np.float32:
+    """max |x| over the finite entries (0 for none), float32."""
+    a = np.abs(np.asarray(x, dtype=np.float32))
+    a = a[np.isfinite(a)]
+    return np.float32(a.max()) if a.size else np.float32(0.0)
+
+
+def scale_of(am) -> tuple[np.float32, np.float32]:
+    """(scale, inv) for a tensor of amax ``am``: fp32 448 / amax and its fp32 reciprocal, like
+    the kernel (IEEE division, round to nearest). amax <= 1e-30 (all zero) gives scale 1."""
+    am = np.float32(am)
+    s = np.float32(E4M3_MAX) / am if am > np.float32(1e-30) else np.float32(1.0)
+    return np.float32(s), np.float32(np.float32(1.0) / np.float32(s))
+
+
+def encode(y: np.ndarray) -> np.ndarray:
+    """float32 -> E4M3 bits (uint8): round to nearest even, saturate at +-448, NaN/inf -> 0x7F."""
+    y = np.asarray(y, dtype=np.float32)
+    sign = np.signbit(y).astype(np.uint8) << 7
+    a = np.abs(y).astype(np.float64)                      # exact copy; every step below is exact
+    fin = np.isfinite(a)
+    a = np.where(fin, a, 0.0)
+    _, e2 = np.frexp(np.where(a > 0, a, 1.0))               # a = f * 2**e2, f in [0.5, 1)
+    e = np.maximum(e2.astype(np.int64) - 1, -6)             # unbiased exponent; subnormals share -6
+    q = np.ldexp(1.0, (e - 3).astype(np.int32))             # the spacing of E4M3 values at a
+    r = np.rint(a / q)                                      # ties to even (a / q is exact)
+    bits = np.where(a >= 2.0 ** -6, (e + 7) * 8 + (r.astype(np.int64) - 8), r.astype(np.int64))
+    bits = np.where(a >= E4M3_MAX, 0x7E, np.minimum(bits, 0x7E))   # saturate (0x7F would be NaN)
+    out = bits.astype(np.uint8) | sign
+    return np.where(fin, out, np.uint8(E4M3_NAN)).astype(np.uint8)
+
+
+def decode(q: np.ndarray) -> np.ndarray:
+    """E4M3 bits (uint8) -> float32 (exact); 0x7F / 0xFF -> NaN."""
+    q = np.asarray(q, dtype=np.uint8).astype(np.int64)
+    e, m = (q >> 3) & 15, q & 7
+    mag = np.where(e == 0, np.ldexp(m.astype(np.float64), -9), np.ldexp((8 + m).astype(np.float64),
+                                                                        (e - 10).astype(np.int32)))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(q & 0x80, -mag, mag).astype(np.float32)
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """The engine's cast of one tensor: (E4M3 bits of x * scale, inv) with current scaling."""
+    x = np.asarray(x, dtype=np.float32)
+    s, inv = scale_of(amax(x))
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = x * s                                           # one fp32 multiply, as on the GPU
+    return encode(y), inv
+
+
+def dequantize(q: np.ndarray, inv) -> np.ndarray:
+    """float32 values the GEMM multiplies: decode(q) * inv."""
+    return decode(q) * np.float32(inv)
+
+
+def gemm_nt(x8: np.ndarray, x_inv, y8: np.ndarray, y_inv) -> np.ndarray:
+    """Reference of the FP8 GEMM D (M, N) = (x8 * x_inv) (M, K) @ ((y8 * y_inv) (N, K))^T in float64
+    (the GPU accumulates in fp32 and rounds D to its storage type)."""
+    a = decode(x8).astype(np.float64)
+    b = decode(y8).astype(np.float64)
+    return (a @ b.T) * (float(x_inv) * float(y_inv))

@@ -1,0 +1,208 @@
+"""The NumPy FP8 E4M3 twin (andrea/engine/fp8_numpy.py): every code decodes and re-encodes to
+itself, ties round to even, saturation at 448, NaN for non-finite input, the current-scaling
+recipe; and an independent check against torch's float8_e4m3fn cast where torch is installed.
+The fp8 engine's plan and refusals, without a GPU. (The CUDA casts against this twin:
+tests/test_fp8_gpu.py.)
+
+    python -m pytest -q tests/test_fp8.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from andrea.engine import fp8_numpy as f8
+from andrea.engine.model import ModelConfig
+from andrea.errors import AndreaError
+
+ALL = np.arange(256, dtype=np.uint8)
+FINITE = ALL[(ALL & 0x7F) != 0x7F]
+
+
+def test_every_code_decodes_exactly_and_reencodes_to_itself():
+    v = f8.decode(ALL)
+    assert np.isnan(v[0x7F]) and np.isnan(v[0xFF])
+    assert v[0x7E] == 448.0 and v[0xFE] == -448.0 and v[0x01] == 2.0 ** -9 and v[0x08] == 2.0 ** -6
+    assert v[0x38] == 1.0 and v[0x39] == 1.125                    # exponent field 7 = 2**0
+    np.testing.assert_array_equal(f8.encode(f8.decode(FINITE)), FINITE)
+    pos = f8.decode(FINITE[FINITE < 0x80])
+    assert np.all(np.diff(pos) > 0)                                # codes are ordered like their values
+
+
+def test_rounding_is_to_nearest_with_ties_to_even():
+    pos = f8.decode(np.arange(0, 0x7F, dtype=np.uint8)).astype(np.float64)
+    mids = (pos[:-1] + pos[1:]) / 2                                # exact in float32 (one more bit)
+    got = f8.encode(mids.astype(np.float32)).astype(np.int64)
+    lo = np.arange(0, 0x7E)
+    want = np.where(lo % 2 == 0, lo, lo + 1)                       # the even mantissa wins a tie
+    np.testing.assert_array_equal(got, want)
+    eps = np.float32(1e-3)
+    np.testing.assert_array_equal(f8.encode((mids * (1 - 1e-3)).astype(np.float32)), lo)
+    np.testing.assert_array_equal(f8.encode((mids * (1 + eps)).astype(np.float32)), lo + 1)
+
+
+def test_saturation_sign_and_non_finite():
+    big = np.array([448.0, 449.0, 463.9, 464.0, 500.0, 1e30], dtype=np.float32)
+    np.testing.assert_array_equal(f8.encode(big), np.full(6, 0x7E, np.uint8))
+    np.testing.assert_array_equal(f8.encode(-big), np.full(6, 0xFE, np.uint8))
+    np.testing.assert_array_equal(f8.encode(np.array([np.nan, np.inf, -np.inf], np.float32)), [0x7F] * 3)
+    np.testing.assert_array_equal(f8.encode(np.array([0.0, -0.0, 2.0 ** -11, -(2.0 ** -11)], np.float32)),
+                                  [0x00, 0x80, 0x00, 0x80])        # below half the smallest subnormal: signed 0
+    np.testing.assert_array_equal(f8.encode(np.array([3 * 2.0 ** -11], np.float32)), [0x01])   # 0.75 ulp rounds up
+
+
+def test_current_scaling_maps_amax_to_448_and_bounds_the_error():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(4096) * 3e-4).astype(np.float32)
+    x[17] = np.inf                                                 # ignored by amax, cast to NaN
+    q, inv = f8.quantize(x)
+    fin = np.isfinite(x)
+    am = np.abs(x[fin]).max()
+    s, inv2 = f8.scale_of(am)
+    assert inv == inv2 and s == np.float32(448.0) / np.float32(am)
+    assert q[17] == 0x7F and (q[fin] & 0x7F).max() == 0x7E          # the largest entry lands on 448
+    xh = f8.dequantize(q, inv)
+    err = np.abs(xh[fin] - x[fin])
+    assert np.all(err <= np.abs(x[fin]) / 16 + 2.0 ** -10 * inv * 1.0001)
+    assert f8.scale_of(0.0) == (1.0, 1.0)
+    z, zinv = f8.quantize(np.zeros(8, np.float32))
+    assert not z.any() and zinv == 1.0
+
+
+def test_gemm_reference_is_the_product_of_the_dequantized_operands():
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((32, 48)).astype(np.float32), rng.standard_normal((16, 48)).astype(np.float32)
+    (qa, ia), (qb, ib) = f8.quantize(a), f8.quantize(b)
+    ref = f8.dequantize(qa, ia).astype(np.float64) @ f8.dequantize(qb, ib).astype(np.float64).T
+    np.testing.assert_allclose(f8.gemm_nt(qa, ia, qb, ib), ref, rtol=1e-6, atol=1e-6)
+    err = np.abs(f8.gemm_nt(qa, ia, qb, ib) - a.astype(np.float64) @ b.T.astype(np.float64))
+    # each operand within 1/16 relative (+ the subnormal floor): |err| <= sum |a||b| (1/16 + 1/16 + 1/256) + floor
+    bound = (np.abs(a).astype(np.float64) @ np.abs(b).T.astype(np.float64)) * (33 / 256) + 48 * 2.0 ** -9 * 8
+    assert np.all(err <= bound) and err.max() > 0
+
+
+def test_bf16_payloads_widen_exactly():
+    bits = np.array([0x3F80, 0xBF80, 0x7F80, 0x0001], np.uint16)
+    np.testing.assert_array_equal(f8.bf16_to_f32(bits)[:2], [1.0, -1.0])
+    assert np.isinf(f8.bf16_to_f32(bits)[2]) and f8.bf16_to_f32(bits)[3] > 0
+
+
+def test_agrees_with_torch_float8_e4m3fn_where_torch_is_installed():
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    rng = np.random.default_rng(2)
+    y = np.concatenate([rng.uniform(-448, 448, 20000), rng.standard_normal(20000) * 1e-2,
+                        rng.standard_normal(5000) * 2.0 ** -8]).astype(np.float32)
+    ref = torch.from_numpy(y).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(f8.encode(y), ref)
+
+
+def test_fp8_engine_plan_and_refusals_without_a_gpu():
+    from andrea.cuda.engine import GpuEngine, arena_layout
+    from andrea.memory import plan_items
+
+    mc = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=2, context=128)
+    a8, a16 = arena_layout(mc, 2, "fp8"), arena_layout(mc, 2, "bf16")
+    names = {s[0] for s in a8.spec}
+    assert {"w8", "f8_a", "f8_at", "f8_g", "f8_gt", "f8_part", "f8_inv", "lt_ws"} <= names
+    assert a8.nbytes > a16.nbytes and sum(plan_items(mc, 2, "fp8").values()) == a8.nbytes
+    w8 = dict((s[0], s[1]) for s in a8.spec)["w8"][0]
+    n_mm = 2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64)
+    assert w8 == 2 * n_mm                                          # both orientations of every matmul weight
+    with pytest.raises(AndreaError, match="multiples of 64"):
+        GpuEngine(object(), ModelConfig(97, 48, 2, 2, 128), 2, precision="fp8")
+    with pytest.raises(AndreaError, match="fp32 | bf16 | fp16 | fp8"):
+        GpuEngine(object(), mc, 2, precision="fp4")
+    with pytest.raises(AndreaError, match="fp32 only"):
+        plan_items(mc, 1, "fp8", "numpy")
+    from andrea.cuda.fp8 import require_fp8
+
+    require_fp8("90"), require_fp8("89")
+    with pytest.raises(AndreaError, match="sm_80: use train.precision=bf16"):
+        require_fp8("80")
+
+
+# ----------------------------------------------------------------------------- the GEMM path's orientations
+class _Dev(np.ndarray):
+    """A host array with CuPy's ``.data.ptr``: Fp8Gemm's bookkeeping runs on it unchanged."""
+
+    @property
+    def data(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def _dev(x):
+    return np.ascontiguousarray(x).view(_Dev)
+
+
+def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
+    """Fp8Gemm.mm (the fp8 engine's _mm) with the casts and cuBLASLt replaced by the NumPy twin:
+    X W, dY W^T then X^T dY (reusing dY's cast), and the tied head passed to bf16 Blas, against
+    NumPy of the dequantized operands. Checks the orientations and the dY reuse, not the kernels
+    (tests/test_fp8_gpu.py does those)."""
+    from types import SimpleNamespace
+
+    import andrea.cuda.fp8 as k8
+    from andrea.cuda.cublaslt import CUDA_R_32F
+
+    casts = []
+
+    def quantize(out, out_t, x, part, inv, R=None, C=None):
+        q, iv = f8.quantize(f8.bf16_to_f32(np.asarray(x)))
+        casts.append(x.data.ptr)
+        inv[0] = iv
+        if out is not None:
+            out.reshape(-1)[:] = q.reshape(-1)
+        if out_t is not None:
+            out_t[:] = q.reshape(R, C).T
+
+    inv_arr = _dev(np.zeros(k8.SLOT * 4, np.float32))
+
+    def inv_at(ptr):
+        return inv_arr[(ptr - inv_arr.data.ptr) // 4]
+
+    def mm_nt(D, X8, Y8, x_inv, y_inv, M, N, K, d_type, beta=0.0, fast_accum=False, stream=0):
+        assert X8.shape == (M, K) and Y8.shape == (N, K)
+        ref = f8.gemm_nt(X8, inv_at(x_inv), Y8, inv_at(y_inv))
+        if d_type == CUDA_R_32F:
+            D[:] = ref + (D if beta else 0)
+        else:
+            D[:] = (ref.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)   # truncation is enough here
+
+    monkeypatch.setattr(k8, "quantize", quantize)
+    rng = np.random.default_rng(3)
+    N, C = 128, 64
+    bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    W = _dev(bf((C, 4 * C)))
+    head = _dev(bf((96, C)))
+    a = {"w8": _dev(np.zeros(4 * 256 * 64 * 4, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
+         "f8_inv": inv_arr, **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
+    layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=W.size)])
+    plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
+    bf16_calls = []
+    blas = SimpleNamespace(mm=lambda *a_, **k: bf16_calls.append(k))
+    g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, {head.data.ptr}, blas, lt=SimpleNamespace(mm_nt=mm_nt))
+    g._stream = lambda: 0
+    g.cast_weights()
+    dq = lambda x: f8.dequantize(*f8.quantize(f8.bf16_to_f32(np.asarray(x)))).astype(np.float64)  # noqa: E731
+    widen = lambda d: f8.bf16_to_f32(np.asarray(d)).astype(np.float64)  # noqa: E731
+    X, dY = _dev(bf((N, C))), _dev(bf((N, 4 * C), 1e-3))
+    out = _dev(np.zeros((N, 4 * C), np.uint16))
+    g.mm(out, X, W)
+    np.testing.assert_allclose(widen(out), dq(X) @ dq(W), rtol=2 ** -7, atol=1e-6)
+    dX, dW = _dev(np.zeros((N, C), np.uint16)), _dev(np.full((C, 4 * C), 0.5, np.float32))
+    casts.clear()
+    g.mm(dX, dY, W, tb=True)
+    g.mm(dW, X, dY, ta=True, beta=1.0)
+    assert casts == [dY.data.ptr, X.data.ptr]                  # dY cast once for both GEMMs
+    np.testing.assert_allclose(widen(dX), dq(dY) @ dq(W).T, rtol=2 ** -7, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(dW), dq(X).T @ dq(dY) + 0.5, rtol=1e-6, atol=1e-9)
+    g.mm(out[:, :96], X, head, tb=True)                        # the head (its weight in bf16_ptrs) stays bf16
+    assert len(bf16_calls) == 1
+    casts.clear()
+    g.mm(dW, X, dY, ta=True, beta=1.0)                         # a reuse lasts one call only: cast afresh
+    assert casts == [X.data.ptr, dY.data.ptr]

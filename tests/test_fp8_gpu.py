@@ -1,0 +1,268 @@
+"""The fp8 engine on the GPU: the E4M3 casts bit-exact against the NumPy twin; the cuBLASLt FP8
+GEMM against the product of the dequantized operands; the engine's gradients against the
+fp32 NumPy engine; two runs byte-identical, resume bit-exact, CUDA graph == eager, the
+dY-cast reuse == casting afresh; a non-finite input skips the step.
+
+    PYTHONPATH=. python3 -m pytest -m gpu -s tests/test_fp8_gpu.py      # on a Hopper (sm_90) GPU
+
+Skipped cleanly without CuPy/a CUDA device, and on GPUs before sm_89 (no FP8 tensor cores).
+Tolerances (each stated where it is used):
+- casts: bit-exact (codes and the fp32 dequantization factor);
+- GEMM: |D - ref| <= 2**-8 |ref| (bf16 output rounding; 0 for fp32 D) + 2**-12 (|X| |Y|^T)
+  (fp32 accumulation in cuBLASLt's order, fast accumulation in the forward);
+- engine vs fp32 NumPy, per parameter tensor relative to its largest entry: 0.25. E4M3 keeps 3
+  mantissa bits, so every GEMM operand carries up to 1/16 relative error (bf16: 1/256); a
+  gradient passes through 2-3 such GEMMs per layer and the errors of a K-term dot product
+  average out only partly, so per-tensor errors of 5-15% of the largest entry are what FP8
+  training runs with (measured figures printed with -s); losses within 3e-2 relative.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from andrea.cuda.loader import cupy_or_none
+from andrea.engine import fp8_numpy as f8
+from andrea.engine.backend import NumpyBackend
+from andrea.engine.engine import Engine, Hyper
+from andrea.engine.model import ModelConfig
+
+cp = cupy_or_none()
+
+
+def _fp8_capable() -> bool:
+    if cp is None:
+        return False
+    major = cp.cuda.Device().compute_capability
+    return int(major) >= 89
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _fp8_capable(), reason="needs CuPy and an sm_89+ GPU (FP8)")]
+
+MC = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=2, context=128)
+B = 2
+HP = Hyper(grad_clip=1.0)
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 payloads, round to nearest even (NaN kept NaN)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), r)
+
+
+def special_tensor(n: int, seed: int, scale: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    x[:12] = [0.0, -0.0, np.inf, -np.inf, np.nan, scale * 1e-6, -scale * 1e-6, scale * 40, 1e-30, -1e-38, 3.0, -3.0]
+    return to_bf16(x)
+
+
+def gpu(a):
+    return cp.asarray(a)
+
+
+def _engine_modules():
+    from andrea.cuda import fp8 as k8
+
+    return k8
+
+
+@pytest.mark.parametrize("scale", [1.0, 3e-5, 700.0])
+def test_casts_are_bit_exact_with_numpy(scale):
+    k8 = _engine_modules()
+    R, C = 128, 192
+    xb = special_tensor(R * C, 7, scale)
+    xf = f8.bf16_to_f32(xb)
+    q_ref, inv_ref = f8.quantize(xf)
+    x = gpu(xb)
+    part = cp.full(k8.AMAX_BLOCKS, np.nan, dtype=np.float32)
+    inv = cp.full(1, np.nan, dtype=np.float32)
+    out = cp.full(R * C, 0xAA, dtype=np.uint8)
+    k8.quantize(out, None, x, part, inv)
+    assert float(cp.asnumpy(part).max()) == float(f8.amax(xf))
+    assert cp.asnumpy(inv)[0] == inv_ref
+    np.testing.assert_array_equal(cp.asnumpy(out), q_ref)
+    nat = cp.full((R, C), 0xAA, dtype=np.uint8)
+    tr = cp.full((C, R), 0xAA, dtype=np.uint8)
+    inv2 = cp.full(1, np.nan, dtype=np.float32)
+    k8.quantize(nat, tr, x, part, inv2, R, C)
+    np.testing.assert_array_equal(cp.asnumpy(nat).reshape(-1), q_ref)
+    np.testing.assert_array_equal(cp.asnumpy(tr), q_ref.reshape(R, C).T)
+    assert cp.asnumpy(inv2)[0] == inv_ref
+    tr_only = cp.full((C, R), 0xAA, dtype=np.uint8)
+    k8.quantize(None, tr_only, x, part, inv2, R, C)
+    np.testing.assert_array_equal(cp.asnumpy(tr_only), q_ref.reshape(R, C).T)
+
+
+def _lt():
+    from andrea.cuda.cublaslt import Lt
+
+    return Lt(cp.zeros(32 << 20, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("M,N,K", [(256, 192, 64), (64, 256, 256), (128, 64, 512)])
+def test_fp8_gemm_matches_the_dequantized_product(M, N, K):
+    from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F
+
+    rng = np.random.default_rng(M + N + K)
+    xa = rng.standard_normal((M, K)).astype(np.float32)
+    ya = (rng.standard_normal((N, K)) * 1e-3).astype(np.float32)
+    (qx, ix), (qy, iy) = f8.quantize(xa), f8.quantize(ya)
+    ref = f8.gemm_nt(qx, ix, qy, iy)
+    mag = np.abs(f8.dequantize(qx, ix)).astype(np.float64) @ np.abs(f8.dequantize(qy, iy)).T.astype(np.float64)
+    inv = gpu(np.array([ix] + [0] * 15 + [iy], np.float32))        # 16-byte aligned factors, as cuBLASLt needs
+    lt = _lt()
+    for fast in (False, True):
+        d16 = cp.full((M, N), 0x7FC0, dtype=np.uint16)
+        lt.mm_nt(d16, gpu(qx), gpu(qy), inv.data.ptr, inv.data.ptr + 64, M, N, K, CUDA_R_16BF, fast_accum=fast)
+        got = f8.bf16_to_f32(cp.asnumpy(d16)).astype(np.float64)
+        err = np.abs(got - ref)
+        assert np.all(err <= 2.0 ** -8 * np.abs(ref) + 2.0 ** -12 * mag), (fast, float(err.max()))
+        d32 = cp.full((M, N), 0.5, dtype=np.float32)
+        lt.mm_nt(d32, gpu(qx), gpu(qy), inv.data.ptr, inv.data.ptr + 64, M, N, K, CUDA_R_32F, beta=1.0, fast_accum=fast)
+        err = np.abs(cp.asnumpy(d32) - (ref + 0.5))
+        assert np.all(err <= 2.0 ** -12 * mag + 1e-6), (fast, float(err.max()))
+        print(f"fp8 gemm {M}x{N}x{K} fast={fast}: max |err| / max|ref| = {float(err.max() / np.abs(ref).max()):.2e}")
+
+
+def _bf16_gpu(rng, shape, scale=1.0):
+    return gpu(to_bf16((rng.standard_normal(shape) * scale).astype(np.float32)).reshape(shape))
+
+
+def test_the_three_gemm_forms_match_numpy():
+    """Fp8Gemm.mm (the engine's _mm): X W, dY W^T (tb) and X^T dY (ta, fp32 beta=1)."""
+    from andrea.cuda.backend import make_backend
+
+    eng = make_backend().make_engine(MC, B, precision="fp8")
+    eng.init_weights(3)
+    f = eng.f8
+    with eng.stream:
+        f.cast_weights()
+    rng = np.random.default_rng(5)
+    N, C = B * MC.context, MC.d_model
+    W = eng.WL["h.0.mlp.w_fc"]                               # (C, 4C) bf16
+    Wf = f8.bf16_to_f32(cp.asnumpy(W))
+
+    def deq(xf):
+        q, inv = f8.quantize(xf)
+        return f8.dequantize(q, inv).astype(np.float64)
+
+    def check(got, ref, what, bf16_out=True):
+        got = f8.bf16_to_f32(cp.asnumpy(got)) if bf16_out else cp.asnumpy(got)
+        mag = np.abs(ref).max()
+        err = np.abs(got.astype(np.float64) - ref)
+        assert np.all(err <= (2.0 ** -8 if bf16_out else 0) * np.abs(ref) + 1e-3 * mag), (what, float(err.max()))
+
+    X = _bf16_gpu(rng, (N, C))
+    out = cp.full((N, 4 * C), 0x7FC0, dtype=np.uint16)
+    with eng.stream:
+        f.mm(out, X, W)
+    eng.stream.synchronize()
+    check(out, deq(f8.bf16_to_f32(cp.asnumpy(X))) @ deq(Wf), "X W")
+    dY = _bf16_gpu(rng, (N, 4 * C), 1e-4)
+    dX = cp.full((N, C), 0x7FC0, dtype=np.uint16)
+    dW = cp.full((C, 4 * C), 0.25, dtype=np.float32)
+    with eng.stream:
+        f.mm(dX, dY, W, tb=True)
+        f.mm(dW, X, dY, ta=True, beta=1.0)                   # reuses the transposed dY cast by the call above
+    eng.stream.synchronize()
+    dYf = f8.bf16_to_f32(cp.asnumpy(dY))
+    check(dX, deq(dYf) @ deq(Wf).T, "dY W^T")
+    check(dW, deq(f8.bf16_to_f32(cp.asnumpy(X))).T @ deq(dYf) + 0.25, "X^T dY", bf16_out=False)
+
+
+def numpy_engine(seed=0):
+    eng = Engine(MC, B, NumpyBackend())
+    eng.init_weights(seed)
+    return eng
+
+
+def batch(seed, mc=MC, b=B):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, mc.vocab_size, (b, mc.context)).astype(np.int32)
+    return x, np.roll(x, -1, axis=1)
+
+
+def test_fp8_engine_gradients_and_ten_steps_track_numpy():
+    from andrea.cuda.backend import make_backend
+
+    ref = numpy_engine()
+    g8 = make_backend().make_engine(MC, B, precision="fp8")
+    g8.init_weights(0)
+    x, y = batch(2)
+    ref.zero_grads()
+    l_ref = ref.forward(x, y)
+    ref.backward(1.0 / ref.N)
+    l8 = g8.compute_grads(x, y)
+    assert abs(l8 - l_ref) <= 3e-2 * abs(l_ref), (l8, l_ref)
+    got = g8.grads_host()
+    worst = {}
+    for t in ref.layout.tensors:
+        r = ref.g[t.offset:t.offset + t.size]
+        a = got[t.offset:t.offset + t.size]
+        worst[t.name] = float(np.abs(a - r).max()) / (float(np.abs(r).max()) or 1.0)
+    print("fp8 vs fp32 numpy, max |err| / max |ref| per tensor:",
+          " ".join(f"{k}={v:.3f}" for k, v in sorted(worst.items(), key=lambda kv: -kv[1])))
+    assert max(worst.values()) <= 0.25, worst
+    for t in range(1, 11):
+        xb, yb = batch(200 + t)
+        a = ref.train_step([(xb, yb)], 3e-3, t, HP)
+        b = g8.train_step([(xb, yb)], 3e-3, t, HP)
+        assert a.ok and b.ok
+        assert abs(a.loss - b.loss) <= 3e-2 * abs(a.loss), (t, a.loss, b.loss)
+    print(f"fp8 after 10 steps: loss {b.loss:.4f} vs numpy fp32 {a.loss:.4f}")
+
+
+def _run(steps, start=None, graph=True, accum=1, memo=True):
+    from andrea.cuda.backend import make_backend
+
+    eng = make_backend().make_engine(MC, B, precision="fp8", cuda_graph=graph)
+    eng.f8.memo_enabled = memo
+    t0 = 0
+    if start is None:
+        eng.init_weights(0)
+    else:
+        t0, w, m, v, extra = start
+        eng.load_state(w, m, v)
+        eng.load_extra_state(extra)
+    for t in range(t0 + 1, t0 + steps + 1):
+        eng.train_step([batch(300 + 7 * t + k) for k in range(accum)], 3e-3, t, HP)
+    return (t0 + steps, *eng.state_host(), eng.extra_state())
+
+
+def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager():
+    a = _run(6)
+    b = _run(6)
+    for x, y in zip(a[1:4], b[1:4]):
+        assert x.tobytes() == y.tobytes()
+    half = _run(3)
+    assert half[4] == {}                                     # current scaling: no state beyond w, m, v
+    resumed = _run(3, start=half)
+    for x, y in zip(a[1:4], resumed[1:4]):
+        assert x.tobytes() == y.tobytes()
+    eager = _run(6, graph=False)
+    for x, y in zip(a[1:4], eager[1:4]):
+        assert x.tobytes() == y.tobytes()
+    fresh = _run(6, memo=False)                               # every operand cast afresh: the reuse is exact
+    for x, y in zip(a[1:4], fresh[1:4]):
+        assert x.tobytes() == y.tobytes()
+    acc = _run(2, accum=2)
+    assert all(np.isfinite(x).all() for x in acc[1:4])
+
+
+def test_a_non_finite_input_skips_the_fp8_step():
+    from andrea.cuda.backend import make_backend
+
+    eng = make_backend().make_engine(MC, B, precision="fp8")
+    eng.init_weights(0)
+    w = eng.state_host()[0]
+    layer = eng.layout.tensors[[t.name for t in eng.layout.tensors].index("h.1.mlp.w_fc")]
+    w[layer.offset + 5] = np.inf                              # one overflowed weight entry
+    eng.load_state(w, np.zeros_like(w), np.zeros_like(w))
+    before = eng.state_host()
+    res = eng.train_step([batch(9)], 3e-3, 1, HP)
+    assert not res.ok
+    for p, q in zip(before, eng.state_host()):
+        assert p.tobytes() == q.tobytes()
