@@ -34,8 +34,12 @@ The three figures of each variant (means over seeds, against uniform in the same
     estimate (``.loss.json`` "val", every ``train.eval_every`` steps, warmup then main: each
     source's mean loss x its scored targets, over their bytes), the same windows for both.
 
-Also per source: bpb under every variant, its ratio and its share of training batches (from the
-main run's ``model.loss.json`` pulls, which include the warmup's). Writes ``<out>/compare.{json,md}``.
+Also per source: bpb under every variant, its ratio, its share of all training batches and of the
+batches of the run's last third (from the main run's ``model.loss.json`` pulls, which include the
+warmup's), and its mean pull reward over the last third beside the pooled within-source spread of
+those rewards (the unit of the UCB radius): where the spread dwarfs the gaps between the means the
+reward is not what sets the mix (docs/FIREHOSE-BANDIT.md, "Why the small sources starve").
+Writes ``<out>/compare.{json,md}``.
 """
 
 from __future__ import annotations
