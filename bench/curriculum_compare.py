@@ -34,8 +34,12 @@ The three figures of each variant (means over seeds, against uniform in the same
     estimate (``.loss.json`` "val", every ``train.eval_every`` steps, warmup then main: each
     source's mean loss x its scored targets, over their bytes), the same windows for both.
 
-Also per source: bpb under every variant, its ratio and its share of training batches (from the
-main run's ``model.loss.json`` pulls, which include the warmup's). Writes ``<out>/compare.{json,md}``.
+Also per source: bpb under every variant, its ratio, its share of all training batches and of the
+batches of the run's last third (from the main run's ``model.loss.json`` pulls, which include the
+warmup's), and its mean pull reward over the last third beside the pooled within-source spread of
+those rewards (the unit of the UCB radius): where the spread dwarfs the gaps between the means the
+reward is not what sets the mix (docs/FIREHOSE-BANDIT.md, "Why the small sources starve").
+Writes ``<out>/compare.{json,md}``.
 """
 
 from __future__ import annotations
@@ -127,14 +131,32 @@ def score(run: Path, st: Settings, tok, byte_len: np.ndarray, val: dict) -> dict
             "overall_bpb": ho["overall"]["bpb"]}
 
 
-def batch_shares(run: Path) -> dict[str, float]:
+def batch_shares(run: Path, since: int = 0) -> dict[str, float]:
+    """Each source's share of the training batches from step ``since`` on (the pull records of the
+    main run, which include the warmup's; a pull counts at the step it ended)."""
     lj = json.loads((run / "model.loss.json").read_text(encoding="utf-8"))
     counts: dict[str, int] = {}
     for r in lj.get("pulls", []):
-        if r.get("source") is not None:
+        if r.get("source") is not None and int(r.get("step", 0)) >= since:
             counts[r["source"]] = counts.get(r["source"], 0) + int(r.get("dwell", 1))
     n = sum(counts.values()) or 1
     return {s: c / n for s, c in counts.items()}
+
+
+def pull_rewards(run: Path, since: int = 0) -> dict:
+    """The bandit's learning signal from step ``since`` on: per source the mean and count of its pull
+    rewards (records with a reward), and their pooled within-source standard deviation, the unit of
+    the UCB radius under ``bandit.ucb_scale: std``. When the spread dwarfs the gaps between the
+    means, the radius, not the reward, decides the pulls."""
+    lj = json.loads((run / "model.loss.json").read_text(encoding="utf-8"))
+    by: dict[str, list[float]] = {}
+    for r in lj.get("pulls", []):
+        if r.get("source") is not None and r.get("reward") is not None and int(r.get("step", 0)) >= since:
+            by.setdefault(r["source"], []).append(float(r["reward"]))
+    ss = sum(float(np.sum((np.array(v) - np.mean(v)) ** 2)) for v in by.values())
+    dof = sum(len(v) - 1 for v in by.values())
+    return {"mean": {s: float(np.mean(v)) for s, v in by.items()}, "n": {s: len(v) for s, v in by.items()},
+            "spread": math.sqrt(ss / dof) if dof > 0 else None}
 
 
 def val_bytes(val: dict, byte_len: np.ndarray, B: int, T: int, max_batches: int) -> dict[str, tuple[int, int]]:
@@ -201,6 +223,10 @@ def figures(res: dict, variant: str, srcs: list[str]) -> dict:
             "source_ratio": per, "worst_source": worst, "worst_source_ratio": per[worst],
             "steps_to_reach_ratio": reach, "anchor_final_curve_bpb": anchor_curve[-1][1] if anchor_curve else None,
             "shares": {s: mean(variant, lambda r: r["shares"].get(s, 0.0)) for s in srcs},
+            "late_shares": {s: mean(variant, lambda r: r["late_shares"].get(s, 0.0)) for s in srcs},
+            "late_reward": {s: mean(variant, lambda r: r["late_reward"]["mean"].get(s, math.nan)) for s in srcs},
+            "late_reward_spread": mean(variant, lambda r: r["late_reward"]["spread"] if r["late_reward"]["spread"]
+                                       is not None else math.nan),
             "curve": curve}
 
 
@@ -250,7 +276,8 @@ def main(argv=None) -> int:
             sc = score(run / "main", st, tok, byte_len, val)
         res["runs"][run_name(var, seed)] = sc | {
             "variant": var, "seed": seed, "train_wall_s": walls.get(run_name(var, seed)),
-            "shares": batch_shares(run / "main"), "curve": curve}
+            "shares": batch_shares(run / "main"), "late_shares": batch_shares(run / "main", since=sc["step"] * 2 // 3),
+            "late_reward": pull_rewards(run / "main", since=sc["step"] * 2 // 3), "curve": curve}
 
     def mean(var: str, get) -> float:
         return float(np.mean([get(r) for r in res["runs"].values() if r["variant"] == var]))
@@ -268,19 +295,26 @@ def main(argv=None) -> int:
         f = res["figures"][v]
         reach = "not reached" if f["steps_to_reach_ratio"] is None else f"{f['steps_to_reach_ratio']:.3f}"
         lines.append(f"| {v} | {f['overall_ratio']:.4f} | {f['worst_source_ratio']:.4f} ({f['worst_source']}) | {reach} |")
-    lines += ["", f"| source | {ANCHOR} bpb | " + " | ".join(f"{v} bpb (ratio, share)" for v in others) +
+    lines += ["", f"| source | {ANCHOR} bpb | " + " | ".join(f"{v} bpb (ratio, share, late share)" for v in others) +
               f" | {ANCHOR} share |", "|---|---|" + "---|" * len(others) + "---|"]
     for s in srcs:
         ub = mean(ANCHOR, lambda r: r["per_source"][s])
         cells = [f"{mean(v, lambda r: r['per_source'][s]):.4f} ({res['figures'][v]['source_ratio'][s]:.3f}, "
-                 f"{res['figures'][v]['shares'][s]:.3f})" for v in others]
+                 f"{res['figures'][v]['shares'][s]:.3f}, {res['figures'][v]['late_shares'][s]:.3f})" for v in others]
         lines.append(f"| {s} | {ub:.4f} | " + " | ".join(cells) +
                      f" | {mean(ANCHOR, lambda r: r['shares'].get(s, 0.0)):.3f} |")
     lines.append(f"| **overall** | {mean(ANCHOR, lambda r: r['overall_bpb']):.4f} | " + " | ".join(
         f"{res['figures'][v]['overall_bpb']:.4f} ({res['figures'][v]['overall_ratio']:.3f})" for v in others) + " | |")
+    lines += ["", "| source | " + " | ".join(f"{v} mean pull reward, last third" for v in others) + " |",
+              "|---|" + "---|" * len(others)]
+    for s in srcs:
+        lines.append(f"| {s} | " + " | ".join(f"{res['figures'][v]['late_reward'][s]:.2f}" for v in others) + " |")
+    lines.append("| *pooled within-source std* | " + " | ".join(
+        f"{res['figures'][v]['late_reward_spread']:.2f}" for v in others) + " |")
     lines += ["", "steps-to-reach: the first step at which the variant's mean held-out curve (in-training "
               f"estimate, every train.eval_every steps) reaches {ANCHOR}'s final value on the same curve, "
-              "over the run's steps.", "", "per seed, overall bpb: " + ", ".join(
+              "over the run's steps. share: of all training batches (warmup included); late share: of the "
+              "batches of the run's last third.", "", "per seed, overall bpb: " + ", ".join(
         f"{name} {r['overall_bpb']:.4f}" for name, r in res["runs"].items())]
     md = "\n".join(lines) + "\n"
     atomic_write_json(Path(args.out) / "compare.json", res)

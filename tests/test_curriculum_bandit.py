@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from andrea.config import load_config
+from andrea.errors import AndreaError
 from andrea.curriculum import make_curriculum
 from andrea.curriculum.policy import apply_factor
 from andrea.curriculum.sampler import SourceStream
@@ -374,3 +375,37 @@ def test_excess_epochs_count_only_passes_beyond_the_uniform_mix(base_cfg, tmp_pa
     assert cur.policy.epochs("b", cur.streams) == 0.0
     c["bandit"]["epoch_penalty"] = "tokens"
     assert curriculum_of(c, shards, "main", 0).policy.epochs("a", cur.streams) == 15.0
+
+
+@pytest.mark.parametrize("unit,scale,die", [("tokens", "std", 1), ("excess", "std", 3), ("none", "one", 2)])
+def test_replay_recomputes_every_logged_score(base_cfg, tmp_path, unit, scale, die):
+    # The worked examples of docs/FIREHOSE-BANDIT.md come from andrea.curriculum.replay: rebuilt
+    # from the pull records alone (halvings, pooled spread, epochs, freshness), every finite score
+    # must match what the policy logged, over dwells, floors and a small source that repeats.
+    from andrea.curriculum.replay import max_gap, replay
+    curves, shards = _small_vs_big(tmp_path)
+    c = copy.deepcopy(base_cfg)
+    c["bandit"].update(epoch_penalty=unit, ucb_scale=scale, dice_main=die, floor=0.1)
+    cur, _, pulls = simulate(c, shards, 400, seed=1, curves=curves)
+    n_tokens = {s: st.n_tokens for s, st in cur.streams.items()}
+    bandit = Settings.from_dict(c).bandit
+    assert sum(r["why"] == "floor" for r in pulls) > 0 and any(r["phase"] > 3 for r in pulls)
+    assert max_gap(pulls, n_tokens, bandit, 2, 8) < 1e-5
+    finite = sum(v is not None for r in pulls for v in r["scores"].values())
+    checked = sum(len([s for s in t if s != "_"]) for _, t in replay(pulls, n_tokens, bandit, 2, 8))
+    assert checked == finite > 0.9 * 2 * len(pulls)     # every logged score was recomputed
+    # a replay that forgets the phase halvings is caught
+    flat = [dict(r, phase=0) for r in pulls]
+    assert max_gap(flat, n_tokens, bandit, 2, 8) > 1e-3
+
+
+def test_replay_names_a_missing_shard(tmp_path):
+    from andrea.curriculum import replay
+    loss = tmp_path / "model.loss.json"
+    loss.write_text(json.dumps({"pulls": [{"step": 0, "source": "a", "reward": None, "why": "explore", "dwell": 1,
+                                           "phase": 0, "scores": {"a": None}, "coverage": 0.5}]}), encoding="utf-8")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(AndreaError, match=r"train/a\.bin: missing; --tokens must be the folder the run trained on"):
+        replay.main(["--loss", str(loss), "--tokens", str(tmp_path), "--profile", "tiny"])
+    with pytest.raises(AndreaError, match="no pull records"):
+        replay.main(["--loss", str(tmp_path / "none.json"), "--tokens", str(tmp_path), "--profile", "tiny"])
