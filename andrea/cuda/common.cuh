@@ -31,6 +31,38 @@ template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) {
     f16_t r; r.x = h; return r;
 }
 
+// 16 bytes of storage type T as floats (4 fp32 or 8 16-bit values, in memory order), and back
+// (from_f's rounding): one vector access per 16 bytes.
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4 u, float* f) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (sizeof(T) == 4) {
+            f[i] = __uint_as_float(w[i]);
+        } else {
+            T lo, hi;
+            lo.x = (unsigned short)(w[i] & 0xffffu);
+            hi.x = (unsigned short)(w[i] >> 16);
+            f[2 * i] = to_f(lo);
+            f[2 * i + 1] = to_f(hi);
+        }
+    }
+}
+template <typename T>
+__device__ __forceinline__ uint4 pack16(const float* f) {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (sizeof(T) == 4) {
+            w[i] = __float_as_uint(f[i]);
+        } else {
+            w[i] = (unsigned)from_f<T>(f[2 * i]).x | ((unsigned)from_f<T>(f[2 * i + 1]).x << 16);
+        }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -48,31 +48,6 @@ extern "C" __global__ void k_dec_embed(const float* __restrict__ wte, const floa
         x[c] = wte[tok * C + c] + wpe[pos * C + c];
 }
 
-// 16 bytes of storage type T as floats
-template <typename T> __device__ __forceinline__ void unpack16(const uint4 u, float* f);
-template <> __device__ __forceinline__ void unpack16<float>(const uint4 u, float* f) {
-    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y); f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
-}
-template <> __device__ __forceinline__ void unpack16<bf16_t>(const uint4 u, float* f) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-template <> __device__ __forceinline__ void unpack16<f16_t>(const uint4 u, float* f) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f16_t lo, hi;
-        lo.x = (unsigned short)(w[i] & 0xffffu);
-        hi.x = (unsigned short)(w[i] >> 16);
-        f[2 * i] = to_f(lo);
-        f[2 * i + 1] = to_f(hi);
-    }
-}
-
 template <typename T> __device__ __forceinline__ T round_t(float v) { return from_f<T>(v); }
 
 __device__ __forceinline__ float gelu_dec(float x) {

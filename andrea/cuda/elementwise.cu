@@ -13,33 +13,17 @@
 #define GELU_C 0.044715f
 
 // 8 consecutive elements per thread: one 16-byte access for 16-bit storage, two for fp32.
-__device__ __forceinline__ void load8(const float* p, float* f) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-__device__ __forceinline__ void store8(float* p, const float* f) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
-}
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float* f) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        T lo, hi;
-        lo.x = (unsigned short)(w[i] & 0xffffu);
-        hi.x = (unsigned short)(w[i] >> 16);
-        f[2 * i] = to_f(lo);
-        f[2 * i + 1] = to_f(hi);
-    }
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    unpack16<T>(q[0], f);
+    if constexpr (sizeof(T) == 4) unpack16<T>(q[1], f + 4);
 }
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float* f) {
-    unsigned w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = (unsigned)from_f<T>(f[2 * i]).x | ((unsigned)from_f<T>(f[2 * i + 1]).x << 16);
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    uint4* q = reinterpret_cast<uint4*>(p);
+    q[0] = pack16<T>(f);
+    if constexpr (sizeof(T) == 4) q[1] = pack16<T>(f + 4);
 }
 
 // gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = k (x + a x^3): one expf, no tanhf.
