@@ -199,6 +199,17 @@ def nccl_env(launch: Launch, env=None) -> None:
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
 
+def device_of(launch: Launch, n_visible: int) -> int:
+    """This rank's GPU: its local rank among the visible devices, or the one device a launcher that
+    binds a GPU per task (srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES of one) left visible."""
+    if n_visible == 1:
+        return 0
+    if not 0 <= launch.local_rank < n_visible:
+        raise AndreaError(f"rank {launch.rank}: local rank {launch.local_rank} but this process sees {n_visible} "
+                          "GPU(s): start at most one process per GPU")
+    return launch.local_rank
+
+
 def rendezvous_path(folder: Path, launch: Launch) -> Path:
     folder = Path(folder)
     return folder.parent / f".{folder.name}.nccl-{''.join(c if c.isalnum() or c in '-_.' else '_' for c in launch.key)}"
@@ -254,11 +265,7 @@ class NcclComm:
         if not getattr(nccl, "available", False):
             raise AndreaError(f"train.gpus={launch.world}: CuPy was built without NCCL (cupy.cuda.nccl.available "
                               "is False; install nvidia-nccl for the CuPy's CUDA)")
-        n_dev = cupy.cuda.runtime.getDeviceCount()
-        if launch.local_rank >= n_dev:
-            raise AndreaError(f"rank {launch.rank}: LOCAL_RANK {launch.local_rank} but this host shows {n_dev} "
-                              "GPU(s): start at most one process per GPU")
-        cupy.cuda.Device(launch.local_rank).use()
+        cupy.cuda.Device(device_of(launch, cupy.cuda.runtime.getDeviceCount())).use()
         path = rendezvous_path(rendezvous, launch)
         uid = _share_id(launch, nccl.get_unique_id() if launch.rank == 0 else None, path)
         comm = cls(nccl.NcclCommunicator(launch.world, uid, launch.rank), launch.rank, launch.world, launch)

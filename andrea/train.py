@@ -721,7 +721,35 @@ def coherence_hook(trainer: Trainer) -> Hook:
     return Hook("coherence", mon.every, fn, mon.state_dict, mon.load_state_dict, mon.observe_loss)
 
 
+def launcher_cmd(gpus: int, argv: list[str], which=None) -> list[str]:
+    """The command that starts this ``andrea train`` as ``gpus`` processes on this host: torchrun's,
+    the standard launcher (the stage command stays ``andrea train ...`` for Snakemake and DVC)."""
+    import shutil
+
+    torchrun = (which or shutil.which)("torchrun")
+    if torchrun is None:
+        raise AndreaError(f"train.gpus={gpus}: no launcher on PATH (torchrun, from `pip install torch`); or start "
+                          f"one process per GPU yourself: mpirun -np {gpus} andrea {' '.join(argv)}, "
+                          f"srun --ntasks={gpus} --gpus-per-task=1 andrea {' '.join(argv)}")
+    return [torchrun, "--standalone", f"--nproc_per_node={gpus}", "-m", "andrea", *argv]
+
+
 def run(args: argparse.Namespace, cfg: dict) -> int:
+    gpus = Settings.from_dict(cfg).train.gpus
+    if CLI_PROCESS and gpus > 1 and dist.launch_env() is None:
+        # train.gpus > 1 and no launcher yet: become torchrun, which starts the ranks and forwards
+        # SIGTERM to them (a SIGTERM that came already stops here, as in the run). torchrun would die
+        # of a SIGUSR1 and orphan the ranks: it ignores it (the ranks catch their own, a signal to the
+        # process group reaches them all; one rank's is the whole job's)
+        if signal.SIGTERM in EARLY_SIGNALS:
+            return STOPPED
+        import os
+
+        cmd = launcher_cmd(gpus, sys.argv[1:])
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        sys.stderr.write(f"train.gpus={gpus}: {' '.join(cmd)}\n")
+        sys.stderr.flush()
+        os.execvp(cmd[0], cmd)
     try:
         tr = Trainer(cfg, args.phase, args.tokenizer, args.tokens, args.out, args.init,
                      on_mismatch=getattr(args, "on_mismatch", "refuse"))

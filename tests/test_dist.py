@@ -57,6 +57,14 @@ def test_nccl_env_keeps_multicast_off_and_loopback_on_one_host_without_overridin
     assert env == {"NCCL_NVLS_ENABLE": "0", "NCCL_SOCKET_IFNAME": "ib0"}
 
 
+def test_each_rank_takes_its_local_gpu_or_the_one_its_launcher_left_visible():
+    launch = dist.Launch(5, 8, 1, 4, "slurm", "k")
+    assert dist.device_of(launch, 4) == 1
+    assert dist.device_of(launch, 1) == 0                       # srun --gpus-per-task=1
+    with pytest.raises(AndreaError, match="local rank 3 but this process sees 2 GPU"):
+        dist.device_of(dist.Launch(3, 4, 3, 4, "torchrun", "k"), 2)
+
+
 # ----------------------------------------------------------------------------- shard arithmetic
 @pytest.mark.parametrize("n", [1, 63, 64, 1000, 123_457, 7_000_001])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -157,7 +165,10 @@ class NumpyZero1:
 
     P = 4
 
-    def __init__(self, w, g, m, v, world, clip, inv, t=3, lr=1e-2):
+    def __init__(self, w, g, m, v, world, clip, inv, t=3, lr=1e-2, hp=None):
+        from andrea.engine.engine import Hyper
+
+        self.hp = hp or Hyper()
         self.w, self.g, self.m, self.v = w, g, m, v
         self.part, self.part_all = np.zeros(self.P), np.zeros(self.P * world)
         self.clip, self.inv, self.t, self.lr = clip, inv, t, lr
@@ -182,8 +193,9 @@ class NumpyZero1:
         if not ok or not length:
             return
         gg = (g_shard[:length] * np.float32(scale)).astype(np.float32)
+        hp = self.hp
         ops_numpy.adamw(w_shard[:length], gg, self.m[:length], self.v[:length], n_decay, self.t, self.lr,
-                        0.9, 0.95, 1e-8, 0.1)
+                        hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
 
     def refresh(self):
         pass
@@ -352,3 +364,58 @@ def test_zero1_arena_holds_one_shard_of_m_and_v_and_one_rank_is_the_plain_arena(
         assert a["norm_all"] == world * sizes(one)["norm_part"] and a["loss_all"] == world
     a8 = sizes(arena_layout(mc, 8, "bf16", 8))
     assert (a8["m"] + a8["v"]) * 6 <= 2 * n
+
+
+# ----------------------------------------------------------------------------- launch from the stage command
+def test_the_stage_command_becomes_torchrun_when_train_gpus_asks_for_more(monkeypatch, tmp_path):
+    """`andrea train ...` with train.gpus = 4 and no launcher execs torchrun with the same arguments
+    (Snakemake, DVC and a SLURM job run the one stage command); without torchrun the refusal names
+    the other launchers."""
+    import os
+    import sys as _sys
+
+    import andrea.train as T
+    from tests.train_helpers import micro_cfg
+
+    assert T.launcher_cmd(4, ["train", "--phase", "warmup"], which=lambda _: "/x/torchrun") == [
+        "/x/torchrun", "--standalone", "--nproc_per_node=4", "-m", "andrea", "train", "--phase", "warmup"]
+    with pytest.raises(AndreaError, match="mpirun -np 2 andrea train.*srun --ntasks=2"):
+        T.launcher_cmd(2, ["train"], which=lambda _: None)
+    for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    execd = []
+
+    class Exec(Exception):
+        pass
+
+    def fake_exec(path, cmd):
+        execd.append(cmd)
+        raise Exec
+
+    monkeypatch.setattr(T, "CLI_PROCESS", True)
+    monkeypatch.setattr(os, "execvp", fake_exec)
+    monkeypatch.setattr(T, "launcher_cmd", lambda g, argv: ["torchrun", f"--nproc_per_node={g}", "-m", "andrea", *argv])
+    monkeypatch.setattr(_sys, "argv", ["andrea", "train", "--phase", "warmup", "-S", "train.gpus=4"])
+    import signal
+
+    old = signal.getsignal(signal.SIGUSR1)
+    try:
+        with pytest.raises(Exec):
+            T.run(None, micro_cfg(0, 4, **{"train.gpus": 4}))
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN     # torchrun inherits it: never dies of one
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert execd == [["torchrun", "--nproc_per_node=4", "-m", "andrea", "train", "--phase", "warmup", "-S",
+                      "train.gpus=4"]]
+    monkeypatch.setattr(T, "EARLY_SIGNALS", [15])
+    assert T.run(None, micro_cfg(0, 4, **{"train.gpus": 4})) == T.STOPPED     # a SIGTERM before it: stopped
+
+
+def test_a_training_job_asks_the_scheduler_for_train_gpus_gpus():
+    from andrea.resources import stage_resources
+    from tests.train_helpers import micro_cfg
+
+    one = stage_resources("train", micro_cfg(0, 4, **{"train.backend": "cupy"}), phase="warmup")
+    four = stage_resources("train", micro_cfg(0, 4, **{"train.backend": "cupy", "train.gpus": 4}), phase="warmup")
+    assert one["gpu"] == 1 and four["gpu"] == 4
+    assert four["threads"] == 4 * one["threads"] and four["mem_mb"] >= 4 * one["mem_mb"] - 4
