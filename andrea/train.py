@@ -721,17 +721,24 @@ def coherence_hook(trainer: Trainer) -> Hook:
     return Hook("coherence", mon.every, fn, mon.state_dict, mon.load_state_dict, mon.observe_loss)
 
 
-def launcher_cmd(gpus: int, argv: list[str], which=None) -> list[str]:
-    """The command that starts this ``andrea train`` as ``gpus`` processes on this host: torchrun's,
-    the standard launcher (the stage command stays ``andrea train ...`` for Snakemake and DVC)."""
+def launcher_cmd(gpus: int, argv: list[str], which=None, torch_here: bool | None = None) -> list[str]:
+    """The command that starts this ``andrea train`` as ``gpus`` processes on this host: torchrun,
+    the standard launcher (the stage command stays ``andrea train ...`` for Snakemake and DVC); this
+    interpreter's (``python -m torch.distributed.run``) where it has torch, so the ranks run the same
+    Python, else the ``torchrun`` on PATH."""
+    import importlib.util
     import shutil
 
-    torchrun = (which or shutil.which)("torchrun")
-    if torchrun is None:
-        raise AndreaError(f"train.gpus={gpus}: no launcher on PATH (torchrun, from `pip install torch`); or start "
-                          f"one process per GPU yourself: mpirun -np {gpus} andrea {' '.join(argv)}, "
-                          f"srun --ntasks={gpus} --gpus-per-task=1 andrea {' '.join(argv)}")
-    return [torchrun, "--standalone", f"--nproc_per_node={gpus}", "-m", "andrea", *argv]
+    if importlib.util.find_spec("torch") is not None if torch_here is None else torch_here:
+        base = [sys.executable, "-m", "torch.distributed.run"]
+    else:
+        torchrun = (which or shutil.which)("torchrun")
+        if torchrun is None:
+            raise AndreaError(f"train.gpus={gpus}: no launcher (torchrun, from `pip install torch`); or start "
+                              f"one process per GPU yourself: mpirun -np {gpus} andrea {' '.join(argv)}, "
+                              f"srun --ntasks={gpus} --gpus-per-task=1 andrea {' '.join(argv)}")
+        base = [torchrun]
+    return base + ["--standalone", f"--nproc_per_node={gpus}", "-m", "andrea", *argv]
 
 
 def run(args: argparse.Namespace, cfg: dict) -> int:

@@ -377,10 +377,12 @@ def test_the_stage_command_becomes_torchrun_when_train_gpus_asks_for_more(monkey
     import andrea.train as T
     from tests.train_helpers import micro_cfg
 
-    assert T.launcher_cmd(4, ["train", "--phase", "warmup"], which=lambda _: "/x/torchrun") == [
+    assert T.launcher_cmd(4, ["train", "--phase", "warmup"], which=lambda _: "/x/torchrun", torch_here=False) == [
         "/x/torchrun", "--standalone", "--nproc_per_node=4", "-m", "andrea", "train", "--phase", "warmup"]
+    assert T.launcher_cmd(2, ["train"], torch_here=True) == [
+        _sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "andrea", "train"]
     with pytest.raises(AndreaError, match="mpirun -np 2 andrea train.*srun --ntasks=2"):
-        T.launcher_cmd(2, ["train"], which=lambda _: None)
+        T.launcher_cmd(2, ["train"], which=lambda _: None, torch_here=False)
     for k in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
     execd = []

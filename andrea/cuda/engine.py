@@ -253,7 +253,10 @@ class GpuEngine:
                 f"L={mc.n_layer} T={mc.context}); batch {self.B}x{self.T}; backend cupy {self.prec}"
                 f"{' + CUDA graph' if self.use_graph else ''}\n"
                 f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
-                f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes")
+                f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes"
+                + ("" if self.comm is None or self.comm.size == 1 else
+                   f"\nZeRO-1 rank {self.comm.rank} of {self.comm.size}: m and v hold one shard of {self.m.size:,} "
+                   f"({8 * self.m.size / mib:.1f} MiB)"))
 
     def _low_refresh(self) -> None:
         if self.prec != "fp32":
