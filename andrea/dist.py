@@ -23,6 +23,8 @@ What a step does at world size N (andrea/cuda/engine.py ``GpuEngine`` with a com
     (optimizer memory per GPU 8 n / N bytes), takes the global gradient norm from every shard's
     partial sums of squares gathered in rank order (so every rank clips by the same float), runs
     AdamW on its shard, and the fp32 weights are all-gathered;
+  * held-out loss: each rank scores its share of every eval batch's rows (``rank_share``), the
+    sums and token counts added in rank order (``sum_over_ranks``);
   * SIGTERM / SIGUSR1 to any rank: ``agree_flags`` after every step makes it every rank's signal,
     so the job checkpoints once; rank 0 writes the checkpoint (m and v gathered, the seeds' format).
 
@@ -141,6 +143,22 @@ def rank_rows(a: np.ndarray, rank: int, world: int) -> np.ndarray:
     """This rank's rows of a microbatch of the whole batch: [rank b, (rank + 1) b), b = rows / world."""
     b = a.shape[0] // world
     return a[rank * b:(rank + 1) * b]
+
+
+def rank_share(a: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """This rank's share of rows that need not split evenly (a held-out batch, the last one short):
+    [rank b // world, (rank + 1) b // world); a rank's share may be empty."""
+    b = a.shape[0]
+    return a[rank * b // world:(rank + 1) * b // world]
+
+
+def sum_over_ranks(comm, values) -> list[float]:
+    """The ranks' host values summed element-wise in rank order (float64): the same list on every rank."""
+    rows = comm.all_gather_host(np.asarray(values, dtype=np.float64))
+    total = np.zeros(rows.shape[1], dtype=np.float64)
+    for row in rows:
+        total += row
+    return [float(t) for t in total]
 
 
 def local_batch(batch_size: int, world: int) -> int:
@@ -292,6 +310,13 @@ class NcclComm:
         self.comm.allReduce(buf.data.ptr, buf.data.ptr, host.size, self.nccl.NCCL_INT32, self.nccl.NCCL_MAX,
                             self._stream())
         return buf.get()
+
+    def all_gather_host(self, host: np.ndarray) -> np.ndarray:
+        """(size, k) float64: every rank's k host values, in rank order."""
+        src = self.cp.asarray(np.ascontiguousarray(host, dtype=np.float64).reshape(-1))
+        dst = self.cp.empty(self.size * src.size, dtype=np.float64)
+        self.comm.allGather(src.data.ptr, dst.data.ptr, src.size, self.nccl.NCCL_FLOAT64, self._stream())
+        return dst.get().reshape(self.size, src.size)
 
     def barrier(self) -> None:
         self.allreduce_max(np.zeros(1, dtype=np.int32))

@@ -438,12 +438,16 @@ class Trainer:
         per, uni = {}, {}
         for src, shard in sorted(self.val_shards.items()):
             tot, n, utot = 0.0, 0, 0.0
-            eb = self.engine.B                 # every rank evaluates the whole batch, in its engine's rows
             for x, y in sequential_windows(shard, self.B, self.T, self.settings.train.eval_batches):
-                for i in range(0, x.shape[0], eb):
-                    s, k = self.engine.eval_batch(x[i:i + eb], y[i:i + eb])
+                xs, ys = (x, y) if self.world == 1 else (dist.rank_share(x, self.rank, self.world),
+                                                         dist.rank_share(y, self.rank, self.world))
+                if xs.shape[0]:                # with ranks: this rank's share of the rows, summed below
+                    s, k = self.engine.eval_batch(xs, ys)
                     tot, n = tot + s, n + k
                 utot -= float(logp[y].sum())
+            if self.world > 1:
+                tot, n = dist.sum_over_ranks(self.comm, [tot, n])
+                n = int(n)
             if n:
                 per[src], uni[src] = tot / n, utot / n
         if not per:

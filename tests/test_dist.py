@@ -93,6 +93,10 @@ def test_rank_rows_split_the_microbatch_and_global_mean_is_rank_ordered():
     x = np.arange(24).reshape(8, 3)
     parts = [dist.rank_rows(x, r, 4) for r in range(4)]
     np.testing.assert_array_equal(np.concatenate(parts), x)
+    for b in (0, 1, 3, 8, 11):                            # a short held-out batch: shares, some empty
+        x = np.arange(b * 2).reshape(b, 2)
+        np.testing.assert_array_equal(np.concatenate([dist.rank_share(x, r, 4) for r in range(4)]), x)
+    assert run_ranks(3, lambda c: dist.sum_over_ranks(c, [c.rank + 0.5, 2])) == [[4.5, 6.0]] * 3
     assert dist.global_mean([2.5]) == 2.5
     vals = [0.1, 0.2, 0.7]
     assert dist.global_mean(vals) == ((0.0 + 0.1) + 0.2 + 0.7) / 3
@@ -133,6 +137,9 @@ class FakeComm:
 
     def allreduce_max(self, host):
         return np.max(np.stack(self._exchange(host)), axis=0)
+
+    def all_gather_host(self, host):
+        return np.stack(self._exchange(np.asarray(host, dtype=np.float64).reshape(-1)))
 
     def barrier(self) -> None:
         self._exchange(0)

@@ -67,6 +67,12 @@ class ShardedNumpyEngine(Engine):
         norm, _, ok = k.gstate
         return StepResult(loss, norm if ok else float("nan"), ok)
 
+    eval_rows: dict = {}                         # rank -> held-out rows it scored (class-wide, for the test)
+
+    def eval_batch(self, x, y):
+        ShardedNumpyEngine.eval_rows[self.comm.rank] = ShardedNumpyEngine.eval_rows.get(self.comm.rank, 0) + x.shape[0]
+        return super().eval_batch(x, y)
+
     def state_host(self):
         out = [self.w.copy()]
         for x in (self.m, self.v):
@@ -155,8 +161,12 @@ def _files(out):
 
 def test_two_ranks_train_one_run_and_rank_0_writes_it(world, tmp_path):
     tok, tokens = make_data(tmp_path)
+    ShardedNumpyEngine.eval_rows.clear()
     assert world(2, _cfg(2), tmp_path / "r2", tok, tokens) == [0, 0]
+    rows2 = dict(ShardedNumpyEngine.eval_rows)
+    ShardedNumpyEngine.eval_rows.clear()
     assert world(1, _cfg(1), tmp_path / "r1", tok, tokens) == [0]
+    assert rows2[0] == rows2[1] == ShardedNumpyEngine.eval_rows[0] // 2 > 0     # each rank scores half the rows
     s2 = json.loads((tmp_path / "r2" / "model.state.json").read_text())
     s1 = json.loads((tmp_path / "r1" / "model.state.json").read_text())
     assert s2["world_size"] == 2 and "world_size" not in s1 and s2["step"] == s1["step"] == 12
@@ -168,6 +178,10 @@ def test_two_ranks_train_one_run_and_rank_0_writes_it(world, tmp_path):
     assert [p["source"] for p in l2["pulls"]] == [p["source"] for p in l1["pulls"]]
     assert s2["curriculum"]["sources"] == s1["curriculum"]["sources"]
     np.testing.assert_allclose([r["loss"] for r in l2["train"]], [r["loss"] for r in l1["train"]], rtol=1e-4)
+    assert [v["step"] for v in l2["val"]] == [v["step"] for v in l1["val"]] == [5, 10, 12]
+    for v2, v1 in zip(l2["val"], l1["val"]):                             # each rank scored half the rows
+        assert v2["per_source"] == pytest.approx(v1["per_source"], rel=1e-4)
+        assert v2["unigram_per_source"] == pytest.approx(v1["unigram_per_source"], rel=1e-12)
     from andrea.engine.checkpoint import read_checkpoint
 
     (_, w2, m2, v2), (_, w1, m1, v1) = (read_checkpoint(tmp_path / d / "model.bin", None) for d in ("r2", "r1"))
