@@ -16,6 +16,12 @@ What it measures (N = 1 is the baseline, through the same launcher and the same 
  3. memory: m + v bytes per GPU of the engine's arena (``arena_layout``, what GpuEngine allocates,
     tests/test_memory_gpu.py) at N against N = 1; target at N = 8: <= 1/6.
 
+Runs left (no multi-GPU host has been lent yet), in order, on an x2 / x4 / x8 H200 host:
+    PYTHONPATH=. python3 -m pytest -m gpu tests/test_dist_gpu.py        # the ranks on one GPU, real NCCL at N = 2
+    PYTHONPATH=. python3 bench/multi_gpu.py --gpus 1,2 --json /tmp/mg/x2.json       # x2
+    PYTHONPATH=. python3 bench/multi_gpu.py --gpus 1,2,4 --json /tmp/mg/x4.json     # x4
+    PYTHONPATH=. python3 bench/multi_gpu.py --gpus 1,2,4,8 --json /tmp/mg/x8.json   # x8: all targets
+
 Data: synthetic shards at the profile's vocabulary (documents that repeat a random phrase, so the
 loss falls), written once under --out; or --tokenizer/--tokens of a real prep. Prints a table of
 same-run ratios and PASS/FAIL per target; exit 1 when a target fails.
@@ -82,7 +88,8 @@ def train(out: Path, n: int, variant: str, tok: Path, tokens: Path, steps: int, 
             "train.log_every": 1, "train.eval_every": 10 * steps, "train.checkpoint_every": 10 * steps,
             "curriculum.warmup_steps": steps, "curriculum.warmup_sources": "[alpha, beta, gamma]",
             "curriculum.polish_steps": 0, "coherence.every": 10 * steps}
-    cmd = ["torchrun", "--standalone", f"--nproc_per_node={n}", "-m", "andrea", "train", "--phase", "warmup",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "andrea",
+           "train", "--phase", "warmup",
            "--params", str(ROOT / "params.yaml"), "--profile", variant, "--tokenizer", str(tok),
            "--tokens", str(tokens), "--out", str(out)]
     for k, v in over.items():
