@@ -17,7 +17,8 @@ What a step does at world size N (andrea/cuda/engine.py ``GpuEngine`` with a com
     microbatch's loss is the mean of the ranks' losses in rank order (``global_mean``, all ranks get
     the same float), which every rank's curriculum observes, so the bandit's choices, pulls, rewards
     and coverage are the same on every rank and account for the whole batch. A run at N ranks draws
-    the very windows a 1-rank run of the same config draws;
+    the very windows a 1-rank run of the same config draws (``bandit.policy: uniform`` always;
+    ``ucb1`` while its choices, from losses that differ only in rounding, agree);
   * ZeRO-1 (``zero1_update``): the fp32 gradients are reduce-scattered (sum, NCCL) over N equal
     shards of the flat buffer padded to ``N * shard_size(n, N)``; each rank owns one shard's m and v
     (optimizer memory per GPU 8 n / N bytes), takes the global gradient norm from every shard's
@@ -36,7 +37,8 @@ gradient sum's rounding only, so a resume at another world size is sound but not
 Environment kept for every rank: NCCL_NVLS_ENABLE=0 (NVLink multicast off), and on one host
 NCCL_SOCKET_IFNAME=lo (the bootstrap binds loopback) unless the caller set them. Tests:
 ``pytest tests/test_dist.py`` (CPU: the arithmetic, ZeRO-1 against the unsharded update, the bandit
-across ranks), ``pytest -m gpu tests/test_dist_gpu.py``; bench/multi_gpu.py for N = 2, 4, 8.
+across ranks), ``pytest tests/test_dist_train.py`` (CPU: N trainers in one process: rank 0 writes,
+signals, resume), ``pytest -m gpu tests/test_dist_gpu.py``; bench/multi_gpu.py for N = 2, 4, 8.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import numpy as np
 from andrea.errors import AndreaError, ConfigError
 
 SHARD_ALIGN = 64          # elements: every shard starts 256-byte aligned (float32)
-RENDEZVOUS_TIMEOUT_S = float(os.environ.get("ANDREA_NCCL_TIMEOUT", "300"))
+RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank waits for rank 0's NCCL id (ANDREA_NCCL_TIMEOUT overrides)
 
 
 @dataclass(frozen=True)
@@ -249,13 +251,18 @@ def _share_id(launch: Launch, uid, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(list(uid)))
         return uid
+    try:
+        timeout = float(os.environ.get("ANDREA_NCCL_TIMEOUT", RENDEZVOUS_TIMEOUT_S))
+    except ValueError:
+        raise ConfigError(f"environment ANDREA_NCCL_TIMEOUT={os.environ['ANDREA_NCCL_TIMEOUT']!r}: expected "
+                          "seconds") from None
     t0 = time.monotonic()
     while True:
         try:
             return tuple(json.loads(path.read_text(encoding="utf-8")))
         except (FileNotFoundError, ValueError):
-            if time.monotonic() - t0 > RENDEZVOUS_TIMEOUT_S:
-                raise AndreaError(f"{path}: rank 0's NCCL id did not appear within {RENDEZVOUS_TIMEOUT_S:.0f} s "
+            if time.monotonic() - t0 > timeout:
+                raise AndreaError(f"{path}: rank 0's NCCL id did not appear within {timeout:.0f} s "
                                   "(is rank 0 running, with the same --out? ANDREA_NCCL_TIMEOUT sets the wait)") from None
             time.sleep(0.05)
 

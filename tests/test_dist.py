@@ -428,3 +428,28 @@ def test_a_training_job_asks_the_scheduler_for_train_gpus_gpus():
     four = stage_resources("train", micro_cfg(0, 4, **{"train.backend": "cupy", "train.gpus": 4}), phase="warmup")
     assert one["gpu"] == 1 and four["gpu"] == 4
     assert four["threads"] == 4 * one["threads"] and four["mem_mb"] >= 4 * one["mem_mb"] - 4
+
+
+def test_rank_0s_nccl_id_reaches_the_others_through_a_file_beside_the_run_folder(tmp_path, monkeypatch):
+    uid = tuple(range(-64, 64))
+    launches = [dist.Launch(r, 3, r, 3, "torchrun", "run:1/x") for r in range(3)]
+    path = dist.rendezvous_path(tmp_path / "runs" / "main", launches[0])
+    assert path.parent == tmp_path / "runs" and path.name == ".main.nccl-run_1_x"     # no separator from the key
+    got = [None] * 3
+
+    def rank(r):
+        got[r] = dist._share_id(launches[r], uid if r == 0 else None, path)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 1, 0)]    # the readers start first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [uid] * 3
+    path.unlink()
+    monkeypatch.setenv("ANDREA_NCCL_TIMEOUT", "0.2")
+    with pytest.raises(AndreaError, match=r"\.main\.nccl-run_1_x: rank 0's NCCL id did not appear within 0 s"):
+        dist._share_id(launches[1], None, path)
+    monkeypatch.setenv("ANDREA_NCCL_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="ANDREA_NCCL_TIMEOUT='soon'"):
+        dist._share_id(launches[1], None, path)
