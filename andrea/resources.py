@@ -133,8 +133,9 @@ def _model_job(cfg: dict, flops: float) -> dict:
     if uses_gpu(cfg):
         n = _n_params(cfg)
         prec = cfg["train"]["precision"]
-        return {"threads": GPU_HOST_THREADS, "mem_mb": CUDA_BASE_MB + _mb(16 * n),
-                "runtime": _minutes(flops, GPU_FLOPS[prec]), "gpu": 1}
+        g = int(cfg["train"].get("gpus", 1))            # data parallel: one process per GPU (andrea/dist.py)
+        return {"threads": GPU_HOST_THREADS * g, "mem_mb": g * (CUDA_BASE_MB + _mb(16 * n)),
+                "runtime": _minutes(flops, GPU_FLOPS[prec] * g), "gpu": g}
     threads = numpy_threads(cfg)
     return {"threads": threads, "mem_mb": BASE_MB + UNIGRAM_MB + _mb(numpy_planned_bytes(cfg)),
             "runtime": _minutes(flops, CPU_FLOPS_PER_THREAD * threads), "gpu": 0}

@@ -54,6 +54,7 @@ class TrainSettings:
     checkpoint_every: int
     max_bad_steps: int
     smma_period: int
+    gpus: int = 1          # data-parallel world size (andrea/dist.py); optional in params, 1 when absent
 
 
 @dataclass(frozen=True)
@@ -153,17 +154,20 @@ def section(cls: type, d: dict, where: str):
 def _build(cls: type, d: dict, where: str, others_ok: bool):
     if not isinstance(d, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(d).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields)
     unknown = sorted(set(d) - set(names))
     if unknown and not others_ok:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key (expected {', '.join(names)})")
     hints, out = typing.get_type_hints(cls), {}
     for n in names:
         key = f"{where}.{n}" if where else n
+        if n not in d and fields[n].default is not dataclasses.MISSING:
+            continue                                   # an optional key with its default
         if n not in d:
             raise ConfigError(f"{key}: missing (see workflow/schemas/params.schema.yaml)")
         out[n] = _value(hints[n], d[n], key)
-    return cls(**out)
+    return cls(**out)  # optional keys left out take their dataclass default
 
 
 def _value(t, v, where: str):

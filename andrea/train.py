@@ -78,6 +78,7 @@ if CLI_PROCESS:
         signal.signal(_sig, lambda signum, _frame: EARLY_SIGNALS.append(signum))
 
 import argparse  # noqa: E402  (after the early signal handlers, on purpose)
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
@@ -87,7 +88,7 @@ from typing import Callable
 
 import numpy as np  # noqa: E402
 
-from andrea import runs  # noqa: E402
+from andrea import dist, runs  # noqa: E402
 from andrea.config import check_polish_sources, config_hash  # noqa: E402
 from andrea.backends import select_backend  # noqa: E402
 from andrea.engine.engine import Engine, Hyper  # noqa: E402
@@ -108,7 +109,7 @@ STOPPED = 143
 TRAJECTORY_SECTIONS = ("seed", "model", "train", "curriculum", "bandit", "coherence")
 # ... minus the keys that only change what is logged, or how often
 TRAJECTORY_FREE = (("train", "log_every"), ("train", "checkpoint_every"), ("train", "eval_every"),
-                   ("train", "eval_batches"))
+                   ("train", "eval_batches"), ("train", "gpus"))   # gpus: the same windows, only the sums' rounding
 UNIGRAM_MAX_TOKENS = 10_000_000  # per train shard, for the baseline's token counts
 
 
@@ -221,6 +222,12 @@ class Trainer:
         W, total = st.curriculum.warmup_steps, tc.max_steps
         self.table = phase_table(tc, st.curriculum)   # the rows (warmup, main, polish) the loop enters
         self.start, self.end = (0, W) if phase == "warmup" else (W, total)
+        # data-parallel (andrea/dist.py): one process per GPU under a launcher; rank 0 writes the folder
+        self.launch = dist.launch_env()
+        self.world = dist.check_world(tc.gpus, self.launch)
+        self.rank = 0 if self.launch is None else self.launch.rank
+        self.comm = None if self.launch is None else dist.NcclComm.create(self.launch, self.out)
+        self.console.quiet = self.console.quiet or self.rank != 0
         be, self.backend_reason = select_backend(tc.backend)
         if tc.precision not in be.precisions:
             raise AndreaError(f"train.precision={tc.precision}: the {be.name} backend supports "
@@ -231,7 +238,12 @@ class Trainer:
             self.console.print(f"warning: {w}", markup=False, highlight=False)
         # a backend may bring its own engine with the same surface (the CuPy one: fused, mixed precision)
         make = getattr(be, "make_engine", None)
-        self.engine = make(self.mc, self.B, tc.precision) if make else Engine(self.mc, self.B, be)
+        if self.comm is not None and make is None:
+            raise AndreaError(f"train.gpus={self.world} (a {self.launch.launcher} launch): the data-parallel path runs on "
+                              f"the cupy backend with NCCL, not on {be.name} (set train.backend: cupy)")
+        eb = dist.local_batch(self.B, self.world)     # this rank's rows of every microbatch
+        self.engine = (make(self.mc, eb, tc.precision, **({"comm": self.comm} if self.comm else {})) if make
+                       else Engine(self.mc, self.B, be))
         self.hp = Hyper.of(tc)
         self.hash = trajectory_hash(cfg)
         self.seed = st.seed
@@ -309,6 +321,12 @@ class Trainer:
                         "(a run folder of an older version, which split by the thread count)")
                 self.console.print(f"note: {note}")
                 self.hist.events.append({"step": step, "kind": "threads", "detail": note})
+            was = state.get("world_size", 1)
+            if was != self.world:
+                note = (f"the run so far trained on {was} GPU(s), this start on {self.world}: the same batches, but the "
+                        "gradient sums round differently, so the continuation is sound but not bit-identical")
+                self.console.print(f"note: {note}")
+                self.hist.events.append({"step": step, "kind": "world_size", "detail": note})
             return f"resuming {self.phase} at step {step}"
         if self.phase == "main":
             if self._init is None:
@@ -356,7 +374,10 @@ class Trainer:
         """model.bin, model.state.json, model.loss.json, model.samples.json: one unit (andrea/runs.py);
         with ``archive``, archive/<archive>.{state,samples}.json in the same unit."""
         be = self.engine.be
-        host = [np.ascontiguousarray(be.to_host(a), dtype=np.float32) for a in (self.engine.w, self.engine.m, self.engine.v)]
+        if self.comm is not None:            # every rank: the m and v shards are gathered (a collective)
+            host = [np.ascontiguousarray(a, dtype=np.float32) for a in self.engine.state_host()]
+        else:
+            host = [np.ascontiguousarray(be.to_host(a), dtype=np.float32) for a in (self.engine.w, self.engine.m, self.engine.v)]
         state = {
             "format": STATE_FORMAT, "step": self.step, "phase": self.phase,
             "config_hash": self.hash, "tokenizer_sha256": self.tok.sha256,
@@ -373,6 +394,10 @@ class Trainer:
             "batch_slices": self._slices(),
             "saved_because": why, "config": self.cfg,
         }
+        if self.world > 1:
+            state["world_size"] = self.world
+        if self.rank != 0:                   # rank 0 writes the whole job's checkpoint
+            return
         extra = getattr(self.engine, "extra_state", None)
         if callable(extra):
             state["engine"] = extra()
@@ -382,6 +407,8 @@ class Trainer:
         self._flush_perf()
 
     def write_history(self) -> None:
+        if self.rank != 0:
+            return
         self.folder.write_history(self.hist.loss_doc(), self.hist.samples_doc())
         self._last_loss_write = time.time()
         self._flush_perf()
@@ -412,9 +439,15 @@ class Trainer:
         for src, shard in sorted(self.val_shards.items()):
             tot, n, utot = 0.0, 0, 0.0
             for x, y in sequential_windows(shard, self.B, self.T, self.settings.train.eval_batches):
-                s, k = self.engine.eval_batch(x, y)
-                tot, n = tot + s, n + k
+                xs, ys = (x, y) if self.world == 1 else (dist.rank_share(x, self.rank, self.world),
+                                                         dist.rank_share(y, self.rank, self.world))
+                if xs.shape[0]:                # with ranks: this rank's share of the rows, summed below
+                    s, k = self.engine.eval_batch(xs, ys)
+                    tot, n = tot + s, n + k
                 utot -= float(logp[y].sum())
+            if self.world > 1:
+                tot, n = dist.sum_over_ranks(self.comm, [tot, n])
+                n = int(n)
             if n:
                 per[src], uni[src] = tot / n, utot / n
         if not per:
@@ -436,6 +469,8 @@ class Trainer:
             for _ in range(self.accum):
                 src, x, y = cur.next_batch(self.B, self.T)
                 srcs.append(src)
+                if self.comm is not None:          # every rank draws the whole microbatch, keeps its rows
+                    x, y = dist.rank_rows(x, self.rank, self.world), dist.rank_rows(y, self.rank, self.world)
                 yield x, y
 
         def observe(li: float) -> None:
@@ -456,7 +491,7 @@ class Trainer:
         self._signals += EARLY_SIGNALS
         EARLY_SIGNALS.clear()
         try:
-            with self.folder.writing() as repaired:
+            with self.folder.writing() if self.rank == 0 else contextlib.nullcontext([]) as repaired:
                 for note in repaired:
                     self.console.print(f"{self.folder.dir}: {note}")
                 return self._run()
@@ -465,7 +500,7 @@ class Trainer:
                 signal.signal(s, h)
 
     def _run(self) -> int:
-        what = self.restore()
+        what = self._restore_in_turn()
         c = self.console
         c.print(f"train {self.phase}: {what}; backend {self.backend_reason}")
         c.print(self.engine.describe())
@@ -491,13 +526,34 @@ class Trainer:
             return STOPPED
         return self._loop()
 
+    def _restore_in_turn(self) -> str:
+        """restore(); with ranks, rank 0 first (it repairs the folder and may move it aside), then the others."""
+        if self.comm is None:
+            return self.restore()
+        if self.rank:
+            self.comm.barrier()
+        what = self.restore()
+        if not self.rank:
+            self.comm.barrier()
+        return what
+
+    def _agreed(self, sigs: list[int]) -> list[int]:
+        """The signals any rank caught, on every rank (andrea/dist.py agree_flags): the job acts once."""
+        if self.comm is None:
+            return sigs
+        usr1, term = dist.agree_flags(self.comm, [signal.SIGUSR1 in sigs, signal.SIGTERM in sigs])
+        return [s for s, f in ((signal.SIGUSR1, usr1), (signal.SIGTERM, term)) if f]
+
     def _early_signals(self) -> bool:
         """Signals that came while the run was set up; True when SIGTERM says stop. A run resumed
         from this folder has its checkpoint on disk already; a fresh one gets its first."""
         sigs, self._signals = self._signals, []
+        sigs = self._agreed(sigs)
         if not sigs:
             return False
         current = self.folder.committed_step == self.step
+        if self.comm is not None:            # rank 0's folder decides
+            current = not dist.agree_flags(self.comm, [int(self.rank == 0 and not current)])[0]
         name = "SIGTERM" if signal.SIGTERM in sigs else "SIGUSR1"
         if current:
             self.console.print(f"{name} before the first step: {self.folder.bin} (step {self.step}) is current")
@@ -605,6 +661,7 @@ class Trainer:
                 if self.step % eval_every == 0 and self.step < self.end:
                     self._print_val(self.evaluate())
                 sigs, self._signals = self._signals, []
+                sigs = self._agreed(sigs)
                 if signal.SIGUSR1 in sigs:
                     self.checkpoint_now("SIGUSR1")
                     c.print(f"SIGUSR1: checkpoint at step {self.step}, continuing")
@@ -668,7 +725,42 @@ def coherence_hook(trainer: Trainer) -> Hook:
     return Hook("coherence", mon.every, fn, mon.state_dict, mon.load_state_dict, mon.observe_loss)
 
 
+def launcher_cmd(gpus: int, argv: list[str], which=None, torch_here: bool | None = None) -> list[str]:
+    """The command that starts this ``andrea train`` as ``gpus`` processes on this host: torchrun,
+    the standard launcher (the stage command stays ``andrea train ...`` for Snakemake and DVC); this
+    interpreter's (``python -m torch.distributed.run``) where it has torch, so the ranks run the same
+    Python, else the ``torchrun`` on PATH."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("torch") is not None if torch_here is None else torch_here:
+        base = [sys.executable, "-m", "torch.distributed.run"]
+    else:
+        torchrun = (which or shutil.which)("torchrun")
+        if torchrun is None:
+            raise AndreaError(f"train.gpus={gpus}: no launcher (torchrun, from `pip install torch`); or start "
+                              f"one process per GPU yourself: mpirun -np {gpus} andrea {' '.join(argv)}, "
+                              f"srun --ntasks={gpus} --gpus-per-task=1 andrea {' '.join(argv)}")
+        base = [torchrun]
+    return base + ["--standalone", f"--nproc_per_node={gpus}", "-m", "andrea", *argv]
+
+
 def run(args: argparse.Namespace, cfg: dict) -> int:
+    gpus = Settings.from_dict(cfg).train.gpus
+    if CLI_PROCESS and gpus > 1 and dist.launch_env() is None:
+        # train.gpus > 1 and no launcher yet: become torchrun, which starts the ranks and forwards
+        # SIGTERM to them (a SIGTERM that came already stops here, as in the run). torchrun would die
+        # of a SIGUSR1 and orphan the ranks: it ignores it (the ranks catch their own, a signal to the
+        # process group reaches them all; one rank's is the whole job's)
+        if signal.SIGTERM in EARLY_SIGNALS:
+            return STOPPED
+        import os
+
+        cmd = launcher_cmd(gpus, sys.argv[1:])
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        sys.stderr.write(f"train.gpus={gpus}: {' '.join(cmd)}\n")
+        sys.stderr.flush()
+        os.execvp(cmd[0], cmd)
     try:
         tr = Trainer(cfg, args.phase, args.tokenizer, args.tokens, args.out, args.init,
                      on_mismatch=getattr(args, "on_mismatch", "refuse"))

@@ -40,7 +40,9 @@ def _check(cls, node: dict, d: dict, where: str):
     hints, obj = typing.get_type_hints(cls), section(cls, d, where)
     fields = [f.name for f in dataclasses.fields(cls)]
     assert fields == list(node["properties"]), where          # names and order = the schema's
-    assert set(node["required"]) == set(fields), where
+    optional = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    assert set(node["required"]) == set(fields) - set(optional), where     # optional: a default, not required
+    d = {**optional, **d}
     for name in fields:
         t, prop, got = hints[name], node["properties"][name], getattr(obj, name)
         st = _schema_type(prop)

@@ -26,7 +26,8 @@ DIST = {"yaml": "pyyaml", "hydra": "hydra-core"}
 # declared for the front ends and their tooling, not imported by the andrea package
 TOOLS = {"snakemake", "dvc", "hydra-core"}
 # optional: imported only where their extra is installed (gpu, oracle), guarded by ImportError
-OPTIONAL = {"cupy", "torch", "tokenizers", "transformers"}  # transformers: the shipped HF tokenizer (oracle)
+OPTIONAL = {"cupy", "torch", "tokenizers", "transformers",  # transformers: the shipped HF tokenizer (oracle)
+            "mpi4py"}  # mpi4py: shares NCCL's id under mpirun (andrea/dist.py), else a file
 
 
 def test_license_matches_pyproject():

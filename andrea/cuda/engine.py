@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from andrea import dist
 from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, SUFFIX, adam_hyper, attn_impl, cp,
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
-                                 k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd,
-                                 k_loss_fwd, k_loss_mean, k_residual_add)
+                                 k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
+                                 k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add)
 from andrea.cuda.fp8 import Fp8Gemm, fp8_buffers, n_slots, require_fp8, weight_plan
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
@@ -170,17 +171,23 @@ def fp8_plan(mc: ModelConfig) -> tuple[dict, int]:
     return weight_plan(param_layout(mc), recipe.MATMUL_WEIGHTS)
 
 
-def arena_layout(mc: ModelConfig, batch_size: int, precision: str) -> Arena:
+def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 1) -> Arena:
     """The arena GpuEngine(mc, batch_size, precision) allocates, computed without CuPy or a GPU
-    (andrea/memory.py itemises it; the memory preflight searches batch sizes with it). fp8 is
-    bf16's arena plus the entries of ``andrea.cuda.fp8.fp8_buffers``."""
+    (andrea/memory.py itemises it; the memory preflight searches batch sizes with it). With
+    ``world`` > 1 ranks (ZeRO-1, andrea/dist.py) w and g are padded to world shards, m and v are
+    one shard, and the gathered norm partials and losses get their buffers. fp8 is bf16's arena
+    plus the entries of ``andrea.cuda.fp8.fp8_buffers``."""
     B, n = int(batch_size), param_layout(mc).n_params
+    shard = dist.shard_size(n, world)
     policy = gpu_policy(mc, B, precision)
     plan = activation_plan(mc, B, policy)
     low = np.float32 if precision == "fp32" else np.uint16
     dtypes = {"act": low, "acc": np.float32, "int32": np.int32, "float64": np.float64}
-    spec = [("w", (n,), np.float32), ("g", (n,), np.float32), ("m", (n,), np.float32), ("v", (n,), np.float32)]
+    spec = [("w", (world * shard,), np.float32), ("g", (world * shard,), np.float32), ("m", (shard,), np.float32),
+            ("v", (shard,), np.float32)]
     spec += [(b.name, b.shape, dtypes[b.dtype]) for b in plan]
+    if world > 1:
+        spec += [("norm_all", (world * NORM_BLOCKS,), np.float32), ("loss_all", (world,), np.float32)]
     if precision != "fp32":
         spec.append(("wlow", (n,), low))
     if precision == "fp8":
@@ -197,7 +204,8 @@ class GpuEngine:
     """The training step on the GPU in fp32 | bf16 | fp16 with fp32 master weights, m and v.
     Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
 
-    def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True):
+    def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True,
+                 comm=None):
         """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses.
         A plan larger than the device's free memory (``backend.free_memory()``, with the
         preflight's headroom) is refused before CuPy allocates anything (andrea/preflight.py)."""
@@ -208,8 +216,9 @@ class GpuEngine:
             raise AndreaError(f"train.precision=fp8: d_model ({mc.d_model}) and batch x context "
                               f"({int(batch_size) * mc.context}) must be multiples of 64 (the E4M3 casts' tiles); "
                               f"use train.precision=bf16 for this model")
-        arena = arena_layout(mc, batch_size, precision)
-        check_memory(lambda b: arena_layout(mc, b, precision).nbytes, int(batch_size), backend.free_memory(),
+        self.comm, world = comm, 1 if comm is None else comm.size     # comm: andrea.dist.NcclComm (ZeRO-1)
+        arena = arena_layout(mc, batch_size, precision, world)
+        check_memory(lambda b: arena_layout(mc, b, precision, world).nbytes, int(batch_size), backend.free_memory(),
                      f"cupy {precision} engine")
         xp = cp()
         if precision == "fp8":
@@ -237,6 +246,8 @@ class GpuEngine:
             self.a[name] = self.arena[offs[name]:offs[name] + nb].view(dt).reshape(shape)
         a = self.a
         self.w, self.g, self.m, self.v = a["w"], a["g"], a["m"], a["v"]
+        if world > 1:                                  # the real n of the padded flat buffers
+            self.w, self.g = a["w"][:self.n_params], a["g"][:self.n_params]
         if precision == "fp32":
             a["wlow"] = a["w"]
         views = lambda flat: {t.name: flat[t.offset:t.offset + t.size].reshape(t.shape) for t in self.layout.tensors}
@@ -265,7 +276,10 @@ class GpuEngine:
                 f"L={mc.n_layer} T={mc.context}); batch {self.B}x{self.T}; backend cupy {self.prec}"
                 f"{' + CUDA graph' if self.use_graph else ''}\n"
                 f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
-                f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes")
+                f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes"
+                + ("" if self.comm is None or self.comm.size == 1 else
+                   f"\nZeRO-1 rank {self.comm.rank} of {self.comm.size}: m and v hold one shard of {self.m.size:,} "
+                   f"({8 * self.m.size / mib:.1f} MiB)"))
 
     def _low_refresh(self) -> None:
         if self.prec != "fp32":
@@ -277,6 +291,9 @@ class GpuEngine:
         self.load_state(host, np.zeros_like(host), np.zeros_like(host))
 
     def load_state(self, w: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
+        """The whole flat w, m, v (host); with a comm this rank keeps its shard of m and v."""
+        if self.comm is not None and self.comm.size > 1:
+            m, v = self._my_shard(m), self._my_shard(v)
         for dst, src in ((self.w, w), (self.m, m), (self.v, v)):
             dst.set(np.ascontiguousarray(src, dtype=np.float32).reshape(-1))
         self.g.fill(0)
@@ -358,6 +375,9 @@ class GpuEngine:
             else:
                 self._forward(True)
                 self._backward(self.loss_scale / self.N)
+            if self.comm is not None and self.comm.size > 1:     # the microbatch's loss over every rank's rows
+                self.comm.all_gather(self.a["loss_out"][:1], self.a["loss_all"])
+                return dist.global_mean(self.a["loss_all"].get(stream=self.stream))
             out = self.a["loss_out"][:1].get(stream=self.stream)
         return float(out[0])
 
@@ -368,12 +388,15 @@ class GpuEngine:
             self._scaler(False)
             return StepResult(loss, float("nan"), False)
         a, n = self.a, self.n_params
-        inv = 1.0 / (self.loss_scale * n_micro)
+        inv = 1.0 / (self.loss_scale * n_micro * (1 if self.comm is None else self.comm.size))
         with self.stream:
             a["hp"].set(adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay), stream=self.stream)
-            k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
-            wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
-            k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1)
+            if self.comm is not None:
+                dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
+            else:
+                k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
+                wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
+                k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1)
             out = a["gstate"][:3].get(stream=self.stream)
         ok = bool(out[2] != 0.0)
         self._scaler(ok)
@@ -439,4 +462,52 @@ class GpuEngine:
         return self.cp.asnumpy(self.g)
 
     def state_host(self):
-        return tuple(self.cp.asnumpy(x) for x in (self.w, self.m, self.v))
+        """The whole fp32 w, m, v on the host. With a comm of more than one rank this is a collective
+        (every rank calls it): the m and v shards are gathered through g, which is free between steps."""
+        if self.comm is None or self.comm.size == 1:
+            return tuple(self.cp.asnumpy(x) for x in (self.w, self.m, self.v))
+        out = [self.cp.asnumpy(self.w)]
+        with self.stream:
+            for x in (self.m, self.v):
+                self.comm.all_gather(x, self.a["g"])
+                out.append(self.a["g"][:self.n_params].get(stream=self.stream))
+            self.a["g"].fill(0)
+        self.stream.synchronize()
+        return tuple(out)
+
+    def _my_shard(self, full: np.ndarray) -> np.ndarray:
+        """This rank's shard (zero-padded to shard_size) of a whole host flat buffer."""
+        n, s = self.n_params, self.m.size
+        off, length = dist.shard_range(n, self.comm.size, self.comm.rank)
+        out = np.zeros(s, dtype=np.float32)
+        out[:length] = np.asarray(full, dtype=np.float32).reshape(-1)[off:off + length]
+        return out
+
+
+class _Zero1Kernels:
+    """The GPU engine's buffers and kernels in the shape andrea.dist.zero1_update drives them
+    (its NumPy twin is in tests/test_dist.py)."""
+
+    def __init__(self, eng: GpuEngine, clip: float, inv: float):
+        a = eng.a
+        self.e, self.clip, self.inv = eng, clip, inv
+        self.g, self.w, self.m, self.v = a["g"], a["w"], a["m"], a["v"]
+        self.part = a["norm_part"]
+        self.part_all = a.get("norm_all", a["norm_part"])     # one rank: its own partials are all of them
+
+    def sumsq(self, g_shard, length: int) -> None:
+        k_grad_norm_partial(g_shard, length, self.part)
+
+    def finish(self) -> None:
+        k_grad_norm_final(self.part_all, self.part_all.size, self.clip, self.inv, self.e.a["gstate"])
+
+    def adamw(self, w_shard, g_shard, length: int, n_decay: int) -> None:
+        e = self.e
+        off = dist.shard_range(e.n_params, self.e.comm.size, self.e.comm.rank)[0]
+        wlow = e.a["wlow"][off:off + length] if e.prec != "fp32" else np.uint64(0)
+        if length:                               # a shard wholly in the padding has nothing to update
+            k_adamw(e.kp, w_shard, g_shard, self.m, self.v, wlow, length, e.a["hp"], e.a["gstate"], n_decay, 1)
+
+    def refresh(self) -> None:
+        if self.e.comm.size > 1:               # every rank casts the gathered weights itself: the same bits
+            self.e._low_refresh()

@@ -336,8 +336,19 @@ def k_grad_norm_chunks(partials, grads, n, chunk, P):
 
 def k_grad_norm(g, n, part, grad_clip, inv, gstate):
     """gstate[:3] = [norm, clip scale, ok] of g (n,) / inv^-1, over NORM_BLOCKS partial sums in part."""
+    k_grad_norm_partial(g, n, part)
+    k_grad_norm_final(part, NORM_BLOCKS, grad_clip, inv, gstate)
+
+
+def k_grad_norm_partial(g, n, part):
+    """part (NORM_BLOCKS,) = the sums of squares of g's (n,) NORM_BLOCKS grid-stride slices."""
     kernel("optim.cu", "k_grad_norm_partial")((NORM_BLOCKS,), (256,), (g, np.int64(n), part))
-    kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (part, i32(NORM_BLOCKS), f32(grad_clip), f32(inv), gstate))
+
+
+def k_grad_norm_final(part, G, grad_clip, inv, gstate):
+    """gstate[:3] = [norm, clip scale, ok] from the G partial sums in part, in order (the sharded
+    step gathers every rank's NORM_BLOCKS partials in rank order: G = world * NORM_BLOCKS)."""
+    kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (part, i32(G), f32(grad_clip), f32(inv), gstate))
 
 
 def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate):
