@@ -4,15 +4,14 @@ seen by every rank. The NCCL path itself: tests/test_dist_gpu.py. Run: pytest te
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
 import pytest
 
 from andrea import dist
-from andrea.engine import ops_numpy
 from andrea.errors import AndreaError, ConfigError
+from dist_helpers import NumpyZero1, run_ranks
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -103,111 +102,6 @@ def test_rank_rows_split_the_microbatch_and_global_mean_is_rank_ordered():
 
 
 # ----------------------------------------------------------------------------- N ranks in one process
-class FakeGroup:
-    """N in-process ranks (one thread each): every collective is an exchange at a barrier, and the
-    sums run in rank order, as the NCCL ring does for a fixed world size."""
-
-    def __init__(self, n: int):
-        self.n, self.bar, self.slots = n, threading.Barrier(n, timeout=60), [None] * n
-
-    def comm(self, rank: int) -> "FakeComm":
-        return FakeComm(self, rank)
-
-
-class FakeComm:
-    def __init__(self, group: FakeGroup, rank: int):
-        self.g, self.rank, self.size = group, rank, group.n
-
-    def _exchange(self, x) -> list:
-        self.g.slots[self.rank] = np.array(x, copy=True)
-        self.g.bar.wait()
-        out = list(self.g.slots)
-        self.g.bar.wait()
-        return out
-
-    def reduce_scatter(self, full, shard) -> None:
-        parts, s = self._exchange(full), shard.size
-        acc = parts[0][self.rank * s:(self.rank + 1) * s].copy()
-        for p in parts[1:]:
-            acc += p[self.rank * s:(self.rank + 1) * s]
-        shard[...] = acc
-
-    def all_gather(self, shard, full) -> None:
-        full[...] = np.concatenate(self._exchange(shard))
-
-    def allreduce_max(self, host):
-        return np.max(np.stack(self._exchange(host)), axis=0)
-
-    def all_gather_host(self, host):
-        return np.stack(self._exchange(np.asarray(host, dtype=np.float64).reshape(-1)))
-
-    def barrier(self) -> None:
-        self._exchange(0)
-
-
-def run_ranks(n: int, fn) -> list:
-    """fn(comm) on n threads; their results in rank order (an exception in any rank is raised)."""
-    group, out, errs = FakeGroup(n), [None] * n, []
-
-    def body(r):
-        try:
-            out[r] = fn(group.comm(r))
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
-            group.bar.abort()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errs:
-        raise errs[0]
-    return out
-
-
-class NumpyZero1:
-    """The GPU engine's ZeRO-1 kernels' NumPy twins (andrea/cuda/engine.py _Zero1Kernels): chunked
-    float64 partial sums of squares, the clip rule of optim.cu k_grad_norm_final, ops_numpy.adamw."""
-
-    P = 4
-
-    def __init__(self, w, g, m, v, world, clip, inv, t=3, lr=1e-2, hp=None):
-        from andrea.engine.engine import Hyper
-
-        self.hp = hp or Hyper()
-        self.w, self.g, self.m, self.v = w, g, m, v
-        self.part, self.part_all = np.zeros(self.P), np.zeros(self.P * world)
-        self.clip, self.inv, self.t, self.lr = clip, inv, t, lr
-        self.gstate = None
-
-    def sumsq(self, g_shard, length):
-        for i in range(self.P):
-            c = g_shard[length * i // self.P:length * (i + 1) // self.P].astype(np.float64)
-            self.part[i] = float(np.dot(c, c))
-
-    def finish(self):
-        s = 0.0
-        for p in self.part_all:
-            s += float(p)
-        norm = math.sqrt(s) * self.inv
-        ok = math.isfinite(norm)
-        scale = self.inv * (self.clip / (norm + 1e-6) if self.clip > 0 and ok and norm > self.clip else 1.0)
-        self.gstate = (norm, scale, ok)
-
-    def adamw(self, w_shard, g_shard, length, n_decay):
-        norm, scale, ok = self.gstate
-        if not ok or not length:
-            return
-        gg = (g_shard[:length] * np.float32(scale)).astype(np.float32)
-        hp = self.hp
-        ops_numpy.adamw(w_shard[:length], gg, self.m[:length], self.v[:length], n_decay, self.t, self.lr,
-                        hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
-
-    def refresh(self):
-        pass
-
-
 def _state(n, seed):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal(n).astype(np.float32), (rng.standard_normal(n) * 1e-2).astype(np.float32),
@@ -297,7 +191,7 @@ def test_every_rank_runs_one_curriculum_and_draws_its_own_rows(tmp_path):
     state, pulls and coverage stay those of a single process drawing the same batches."""
     from andrea.curriculum import make_curriculum
     from andrea.settings import Settings
-    from tests.train_helpers import make_data, micro_cfg
+    from train_helpers import make_data, micro_cfg
     from andrea.train import load_shards
 
     tok, tokens = make_data(tmp_path)
@@ -338,7 +232,7 @@ def test_every_rank_runs_one_curriculum_and_draws_its_own_rows(tmp_path):
 # ----------------------------------------------------------------------------- the trainer's refusals
 def test_trainer_refuses_gpus_without_a_launcher_and_numpy_under_one(tmp_path, monkeypatch):
     from andrea.train import Trainer
-    from tests.train_helpers import make_data, micro_cfg
+    from train_helpers import make_data, micro_cfg
 
     tok, tokens = make_data(tmp_path)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
@@ -382,7 +276,7 @@ def test_the_stage_command_becomes_torchrun_when_train_gpus_asks_for_more(monkey
     import sys as _sys
 
     import andrea.train as T
-    from tests.train_helpers import micro_cfg
+    from train_helpers import micro_cfg
 
     assert T.launcher_cmd(4, ["train", "--phase", "warmup"], which=lambda _: "/x/torchrun", torch_here=False) == [
         "/x/torchrun", "--standalone", "--nproc_per_node=4", "-m", "andrea", "train", "--phase", "warmup"]
@@ -422,7 +316,7 @@ def test_the_stage_command_becomes_torchrun_when_train_gpus_asks_for_more(monkey
 
 def test_a_training_job_asks_the_scheduler_for_train_gpus_gpus():
     from andrea.resources import stage_resources
-    from tests.train_helpers import micro_cfg
+    from train_helpers import micro_cfg
 
     one = stage_resources("train", micro_cfg(0, 4, **{"train.backend": "cupy"}), phase="warmup")
     four = stage_resources("train", micro_cfg(0, 4, **{"train.backend": "cupy", "train.gpus": 4}), phase="warmup")

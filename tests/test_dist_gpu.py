@@ -105,7 +105,7 @@ def _sha(p):
 def test_a_one_rank_launch_writes_the_plain_runs_files(tmp_path):
     """`andrea train` with RANK=0 WORLD_SIZE=1 (and under torchrun) trains through NCCL; its
     model.bin, state, loss and samples are the plain single process's, byte for byte."""
-    from tests.train_helpers import andrea_cmd, child_env, make_data, micro_overrides
+    from train_helpers import andrea_cmd, child_env, make_data, micro_overrides
 
     tok, tokens = make_data(tmp_path)
     ov = micro_overrides(0, 12, **{"train.backend": "cupy", "train.precision": "bf16", "train.grad_accum": 2,
@@ -294,7 +294,7 @@ def test_two_gpus_draw_the_one_gpu_runs_windows_and_a_signalled_job_resumes_bit_
     import signal
     import time
 
-    from tests.train_helpers import andrea_cmd, child_env, make_data, micro_overrides
+    from train_helpers import andrea_cmd, child_env, make_data, micro_overrides
 
     tok, tokens = make_data(tmp_path)
     env = dict(child_env(), PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")

@@ -20,8 +20,8 @@ import pytest
 from andrea import dist
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.engine import Engine, StepResult
-from tests.test_dist import FakeGroup, NumpyZero1
-from tests.train_helpers import make_data, micro_cfg
+from dist_helpers import FakeGroup, NumpyZero1
+from train_helpers import make_data, micro_cfg
 
 
 class ShardedNumpyEngine(Engine):
