@@ -33,12 +33,12 @@ GIB = 1 << 30
 BATCHES = (1, 8, 16, 32, 64)
 CARDS = (8, 24, 80)                       # GiB: RTX 3060/3070-class, RTX 3090/4090, A100/H100 80 GB
 CONTEXT_RESERVE = 512 << 20               # assumed: the CUDA context, cuBLAS and the driver's share of a card
-ENGINES = (("numpy", "fp32"), ("cupy", "fp32"), ("cupy", "bf16"), ("cupy", "fp16"))
+ENGINES = (("numpy", "fp32"), ("cupy", "fp32"), ("cupy", "bf16"), ("cupy", "fp16"), ("cupy", "fp8"))
 GPT2_VOCAB = 50257
 # What the seeds (/work/shared/seeds, "Семья из трёх") call each variant, and the count they give.
 SEED_NAMES = {"andrea-12m": ("ANDREA-12M", 12.8e6), "andrea-120m": ("ANDREA-120M", 120e6),
               "andrea-480m": ("ANDREA-480M", 480e6)}
-ITEMS = (("master", "fp32 weights (master)"), ("copy", "16-bit weight copy"), ("grads", "gradients"),
+ITEMS = (("master", "fp32 weights (master)"), ("copy", "weight copies (16-bit; + E4M3 in fp8)"), ("grads", "gradients"),
          ("adam", "Adam m + v"), ("saved", "saved activations"), ("dgrad", "activation gradients"),
          ("work", "workspace"))
 
@@ -46,7 +46,7 @@ ITEMS = (("master", "fp32 weights (master)"), ("copy", "16-bit weight copy"), ("
 # ------------------------------------------------------------------------------ the planners
 def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy") -> dict[str, int]:
     """Planned bytes of one training engine by item (keys of ``ITEMS``); their sum is the
-    engine's planned_bytes. ``engine``: cupy (GpuEngine, fp32 | bf16 | fp16) or numpy (Engine, fp32)."""
+    engine's planned_bytes. ``engine``: cupy (GpuEngine, fp32 | bf16 | fp16 | fp8) or numpy (Engine, fp32)."""
     B = int(batch_size)
     out = {k: 0 for k, _ in ITEMS}
     if engine == "numpy":
@@ -68,7 +68,7 @@ def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy") -> dic
     arena = arena_layout(mc, B, precision)
     kind = {b.name: b.kind for b in arena.plan}
     for name, shape, dt in arena.spec:                 # each entry with its 256-byte alignment
-        key = {"w": "master", "wlow": "copy", "g": "grads", "m": "adam", "v": "adam"}.get(name)
+        key = {"w": "master", "wlow": "copy", "w8": "copy", "g": "grads", "m": "adam", "v": "adam"}.get(name)
         key = key or {"saved": "saved", "dgrad": "dgrad"}.get(kind.get(name), "work")
         out[key] += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
     out["work"] += arena.nbytes - sum(out.values())    # the arena's own 512-byte rounding
