@@ -38,8 +38,6 @@ Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor)
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import time
@@ -50,6 +48,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from andrea.fsutil import atomic_write_json  # noqa: E402
 
 PEAK_BF16 = 989.5e12
 
@@ -410,23 +410,34 @@ def main(argv=None) -> int:
         icfg.compile_threads = min(16, os.cpu_count() or 1)
     compiled = [a for a in args.anchors if a.startswith("compile-")]
     rows, allres = [], {}
+
+    def save(key=None, partial=None) -> None:
+        """--json after every measurement (a figure survives a later step's timeout or crash);
+        a shape still being measured is marked ``partial``."""
+        if args.json:
+            done = dict(allres) if partial is None else {**allres, key: {"partial": True, **partial}}
+            atomic_write_json(Path(args.json), done)
+
     for v, B in parse_variants(args.variants, args.batch):
         s = variant_shapes(v)
         tok = B * s["T"]
         key = f"{v}:B{B}"
         prec0, *others = args.precision
         r = {"ours": bench_ours(s, B, args.steps, args.warmup, prec0)}
+        save(key, r)
         print(f"{key}: ours {prec0} {r['ours']['ms']:.2f} ms/step, peak {r['ours']['peak_bytes'] / 2 ** 20:.0f} MiB",
               file=sys.stderr, flush=True)
         for p in others:
             r[f"ours-{p}"] = bench_ours(s, B, args.steps, args.warmup, p)
             print(f"{key}: ours {p} {r[f'ours-{p}']['ms']:.2f} ms/step ({r['ours']['ms'] / r[f'ours-{p}']['ms']:.3f}x "
                   f"{prec0}'s tokens/s)", file=sys.stderr, flush=True)
+            save(key, r)
         for a in args.anchors:
             prof = args.breakdown and compiled and a == compiled[0]
             r[a] = bench_torch(s, B, args.steps, args.warmup, a, profile=bool(prof))
             print(f"{key}: torch {a} {r[a]['ms']:.2f} ms/step, peak {r[a]['peak_bytes'] / 2 ** 20:.0f} MiB "
                   f"(warm-up incl. compile {r[a]['warmup_s']:.1f} s)", file=sys.stderr, flush=True)
+            save(key, r)
         fpt = flops_per_token(s, r["ours"]["n_params"])
         for x in r.values():
             x["tokens_per_s"] = tok / (x["ms"] / 1e3)
@@ -436,6 +447,7 @@ def main(argv=None) -> int:
         if best:
             allres[key]["ratio_vs_best"] = r["ours"]["tokens_per_s"] / r[best]["tokens_per_s"]
             allres[key]["mem_vs_best"] = r["ours"]["peak_bytes"] / r[best]["peak_bytes"]
+        save()
         for k, x in r.items():
             rows.append((v, B, k, x["ms"], x["tokens_per_s"], x["mfu"], x["peak_bytes"] / 2 ** 20,
                          x.get("warmup_s"), ratio_text(r, args.anchors, best) if k == "ours" else ""))
@@ -476,8 +488,7 @@ def main(argv=None) -> int:
     for p in args.precision[1:]:
         print(f"\n{p} / {args.precision[0]} tokens/s (same run): " + ", ".join(
             f"{key} {r[f'ours-{p}']['tokens_per_s'] / r['ours']['tokens_per_s']:.3f}x" for key, r in allres.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(allres, indent=1))
+    save()
     return 0
 
 

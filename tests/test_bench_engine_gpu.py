@@ -1,0 +1,57 @@
+"""bench/engine_gpu.py's bookkeeping without a GPU: --json keeps every figure measured before a
+later measurement dies (a device call's time limit, an engine refusing a precision).
+
+    pytest tests/test_bench_engine_gpu.py
+
+The timed functions are replaced by stand-ins; nothing here measures speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def eg():
+    spec = importlib.util.spec_from_file_location("engine_gpu", ROOT / "bench" / "engine_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fake_ours(ms: float) -> dict:
+    return {"ms": ms, "peak_bytes": 2 ** 30, "n_params": 12_000_000, "planned_bytes": 2 ** 30,
+            "pool_used_bytes": 2 ** 30}
+
+
+def test_json_keeps_the_figures_measured_before_a_later_one_dies(eg, tmp_path, monkeypatch):
+    def ours(s, B, steps, warmup, prec):
+        if prec == "fp8":
+            raise RuntimeError("killed at the call's time limit")
+        return fake_ours(6.0 if B == 8 else 40.0)
+
+    monkeypatch.setattr(eg, "bench_ours", ours)
+    out = tmp_path / "bench.json"
+    with pytest.raises(RuntimeError, match="time limit"):
+        eg.main(["--variants", "andrea-12m:8", "andrea-120m:8", "--precision", "bf16", "fp8", "--anchors",
+                 "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert list(got) == ["andrea-12m:B8"]                       # the second shape's bf16 was never reached
+    assert got["andrea-12m:B8"]["partial"] is True and got["andrea-12m:B8"]["ours"]["ms"] == 6.0
+
+
+def test_json_of_a_finished_run_has_every_shape_and_its_ratios(eg, tmp_path, monkeypatch):
+    monkeypatch.setattr(eg, "bench_ours", lambda s, B, steps, warmup, prec: fake_ours(5.0 if prec == "bf16" else 4.0))
+    out = tmp_path / "bench.json"
+    assert eg.main(["--variants", "andrea-12m:8,64", "--precision", "bf16", "fp8", "--anchors",
+                    "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert sorted(got) == ["andrea-12m:B64", "andrea-12m:B8"]
+    r = got["andrea-12m:B8"]
+    assert "partial" not in r and r["ours-fp8"]["tokens_per_s"] / r["ours"]["tokens_per_s"] == pytest.approx(1.25)
