@@ -54,13 +54,14 @@ class FakeComm:
         self._exchange(0)
 
 
-def run_ranks(n: int, fn) -> list:
-    """fn(comm) on n threads; their results in rank order (an exception in any rank is raised)."""
-    group, out, errs = FakeGroup(n), [None] * n, []
+def on_threads(n: int, fn, group: FakeGroup) -> list:
+    """fn(rank) on n threads, their results in rank order; an exception in any rank breaks the
+    group's barrier (so the others stop waiting) and is raised."""
+    out, errs = [None] * n, []
 
     def body(r):
         try:
-            out[r] = fn(group.comm(r))
+            out[r] = fn(r)
         except BaseException as e:  # noqa: BLE001
             errs.append(e)
             group.bar.abort()
@@ -73,6 +74,12 @@ def run_ranks(n: int, fn) -> list:
     if errs:
         raise errs[0]
     return out
+
+
+def run_ranks(n: int, fn) -> list:
+    """fn(comm) on n threads over one FakeGroup; their results in rank order."""
+    group = FakeGroup(n)
+    return on_threads(n, lambda r: fn(group.comm(r)), group)
 
 
 class NumpyZero1:

@@ -20,7 +20,7 @@ import pytest
 from andrea import dist
 from andrea.engine.backend import NumpyBackend
 from andrea.engine.engine import Engine, StepResult
-from dist_helpers import FakeGroup, NumpyZero1
+from dist_helpers import FakeGroup, NumpyZero1, on_threads
 from train_helpers import make_data, micro_cfg
 
 
@@ -120,26 +120,14 @@ def world(monkeypatch):
 
     def run(n, cfg, out, tok, tokens, pokes=(), phase="warmup"):
         state["group"] = FakeGroup(n)
-        codes, errs = [None] * n, []
 
         def body(r):
             tls.launch = dist.Launch(r, n, r, n, "torchrun", "t")
-            try:
-                tr = T.Trainer(cfg, phase, tok, tokens, out, console=_console())
-                tr.hooks += [p.hook() for p in pokes]
-                codes[r] = tr.run()
-            except BaseException as e:  # noqa: BLE001
-                errs.append(e)
-                state["group"].bar.abort()
+            tr = T.Trainer(cfg, phase, tok, tokens, out, console=_console())
+            tr.hooks += [p.hook() for p in pokes]
+            return tr.run()
 
-        ts = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        if errs:
-            raise errs[0]
-        return codes
+        return on_threads(n, body, state["group"])
 
     return run
 
