@@ -117,8 +117,12 @@ class CoherenceMonitor:
         self.diverge_ratio = c.diverge_ratio
         self.max_new_tokens, self.temperature, self.top_k = c.max_new_tokens, c.temperature, c.top_k
         self.streak = 0
-        self.n_loss = 0
         self.ema: dict[str, dict] = {}                 # source -> {"ema", "best", "n"}
+
+    @property
+    def n_loss(self) -> int:
+        """Finite training losses folded in, over all sources."""
+        return sum(e["n"] for e in self.ema.values())
 
     def due(self, step: int) -> bool:
         """Whether a coherence check belongs after ``step`` (every ``coherence.every`` steps)."""
@@ -175,7 +179,6 @@ class CoherenceMonitor:
         source's loss diverges."""
         if not math.isfinite(loss):
             return None  # NaN/inf steps are the engine's bad-step counter's business
-        self.n_loss += 1
         e = self.ema.setdefault(source, {"ema": loss, "best": None, "n": 0})
         e["ema"] = loss if e["n"] == 0 else DIVERGE_EMA * e["ema"] + (1 - DIVERGE_EMA) * loss
         e["n"] += 1
@@ -195,14 +198,14 @@ class CoherenceMonitor:
 
     def load_state_dict(self, d: dict) -> None:
         try:
-            self.streak, self.n_loss = int(d["streak"]), int(d["n_loss"])
+            self.streak = int(d["streak"])
             if "loss" in d:
                 self.ema = {str(k): {"ema": float(v["ema"]), "n": int(v["n"]),
                                      "best": None if v["best"] is None else float(v["best"])}
                             for k, v in d["loss"].items()}
             else:                                      # a run saved before the per-source EMA
                 self.ema = {} if d["loss_ema"] is None else {"": {
-                    "ema": float(d["loss_ema"]), "n": self.n_loss,
+                    "ema": float(d["loss_ema"]), "n": int(d["n_loss"]),
                     "best": None if d["best_ema"] is None else float(d["best_ema"])}}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise AndreaError(f"coherence state: malformed ({e})") from None
