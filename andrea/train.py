@@ -439,9 +439,8 @@ class Trainer:
         for src, shard in sorted(self.val_shards.items()):
             tot, n, utot = 0.0, 0, 0.0
             for x, y in sequential_windows(shard, self.B, self.T, self.settings.train.eval_batches):
-                xs, ys = (x, y) if self.world == 1 else (dist.rank_share(x, self.rank, self.world),
-                                                         dist.rank_share(y, self.rank, self.world))
-                if xs.shape[0]:                # with ranks: this rank's share of the rows, summed below
+                xs, ys = dist.rank_share(x, self.rank, self.world), dist.rank_share(y, self.rank, self.world)
+                if xs.shape[0]:                # this rank's share of the rows (all of them at world 1), summed below
                     s, k = self.engine.eval_batch(xs, ys)
                     tot, n = tot + s, n + k
                 utot -= float(logp[y].sum())
@@ -469,8 +468,8 @@ class Trainer:
             for _ in range(self.accum):
                 src, x, y = cur.next_batch(self.B, self.T)
                 srcs.append(src)
-                if self.comm is not None:          # every rank draws the whole microbatch, keeps its rows
-                    x, y = dist.rank_rows(x, self.rank, self.world), dist.rank_rows(y, self.rank, self.world)
+                # every rank draws the whole microbatch and keeps its rows (all of them at world 1)
+                x, y = dist.rank_rows(x, self.rank, self.world), dist.rank_rows(y, self.rank, self.world)
                 yield x, y
 
         def observe(li: float) -> None:

@@ -324,7 +324,7 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         d4, d3 = DATT[b0:b1], DATT[b0:b1].reshape(n, T, H * T)
         p4, p3 = att[b0:b1], att[b0:b1].reshape(n, T, H * T)
         pkq, dkq = p4.transpose(0, 2, 1, 3), d4.transpose(0, 2, 1, 3)   # (n, H, keys, queries)
-        pqk, dqk = p4.transpose(0, 2, 3, 1), d4.transpose(0, 2, 3, 1)   # (n, H, queries, keys)
+        dqk = d4.transpose(0, 2, 3, 1)                                  # (n, H, queries, keys)
         _heads_contig((qh, kh, vh), qkv[b0:b1], n, T, H, scale)        # qh = q * scale
         np.copyto(dy, dout[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3))
         for i0, i1 in blocks:                          # datt^T = v dy^T (zero where P is)
