@@ -21,71 +21,62 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from andrea.curriculum.policy import apply_factor
+from andrea.curriculum.policy import UCB1Policy
 from andrea.errors import AndreaError
 from andrea.settings import BanditSettings
+
+
+@dataclass
+class _Stream:
+    """The figures of a source's stream that ``UCB1Policy`` scores with, rebuilt from the records."""
+
+    n_tokens: int
+    tokens_drawn: int = 0
+    unseen_share: float = 1.0
+
+    @property
+    def epochs(self) -> int:
+        return self.tokens_drawn // self.n_tokens
 
 
 def replay(pulls: list[dict], n_tokens: dict[str, int], bandit: BanditSettings, B: int, T: int):
     """Yield ``(record, terms)`` for every pull, ``terms[source]`` the recomputed score and its parts
     (``n``, ``mean``, ``radius``, ``drawn``, ``epochs``, ``unseen``, ``score``) for each eligible
-    source with a finite score, plus ``"_"``: ``{"N", "u", "fair"}``."""
+    source with a finite score, plus ``"_"``: ``{"N", "u", "fair"}``. The scores are the policy's
+    own (``UCB1Policy.scores`` over the replayed counts and streams)."""
     srcs = sorted(n_tokens)
-    n = {s: 0.0 for s in srcs}
-    rsum, rsq, batches, unseen = dict(n), dict(n), {s: 0 for s in srcs}, {s: 1.0 for s in srcs}
+    pol = UCB1Policy(srcs, srcs, replace(bandit, floor=0.0), "main")
+    streams = {s: _Stream(int(n_tokens[s])) for s in srcs}
     phase = 0
     for rec in pulls:
         while phase < int(rec["phase"]):
             phase += 1
             for s in srcs:
-                n[s], rsum[s], rsq[s] = 0.5 * n[s], 0.5 * rsum[s], 0.5 * rsq[s]
-        elig = list(rec["scores"])
-        u = _spread(elig, n, rsum, rsq) if bandit.ucb_scale == "std" else 1.0
-        total = sum(n[s] for s in elig)
+                pol.n[s], pol.rsum[s], pol.rsq[s] = 0.5 * pol.n[s], 0.5 * pol.rsum[s], 0.5 * pol.rsq[s]
+        pol.eligible = elig = list(rec["scores"])
+        u = pol.reward_spread()
+        total = sum(pol.n[s] for s in elig)
         log_n = math.log(total) if total > 1.0 else 0.0
-        fair = sum(batches.values()) * B * T / len(elig)
+        fair = sum(st.tokens_drawn for st in streams.values()) / len(elig)
+        scores = pol.scores(streams)
         terms: dict = {"_": {"N": total, "u": u, "fair": fair}}
         for s in elig:
-            if n[s] <= 0.0:
+            if math.isinf(scores[s]):
                 continue
-            mean = rsum[s] / n[s]
-            radius = bandit.ucb_c * u * math.sqrt(2.0 * log_n / n[s])
-            drawn = batches[s] * B * T
-            if bandit.epoch_penalty == "tokens":
-                e = float(drawn // n_tokens[s])
-            elif bandit.epoch_penalty == "excess":
-                e = max(0.0, (drawn - fair) / n_tokens[s])
-            else:
-                e = 0.0
-            score = apply_factor(apply_factor(mean + radius, 1.0 / (1.0 + e)),
-                                 1.0 + (bandit.coverage_bonus - 1.0) * unseen[s])
-            terms[s] = {"n": n[s], "mean": mean, "radius": radius, "drawn": drawn, "epochs": e,
-                        "unseen": unseen[s], "score": score}
+            n = pol.n[s]
+            terms[s] = {"n": n, "mean": pol.rsum[s] / n, "radius": bandit.ucb_c * u * math.sqrt(2.0 * log_n / n),
+                        "drawn": streams[s].tokens_drawn, "epochs": pol.epochs(s, streams),
+                        "unseen": streams[s].unseen_share, "score": scores[s]}
         yield rec, terms
-        src = rec["source"]
-        batches[src] += int(rec.get("dwell", 1))
-        unseen[src] = 1.0 - float(rec["coverage"])
+        st = streams[rec["source"]]
+        st.tokens_drawn += int(rec.get("dwell", 1)) * B * T
+        st.unseen_share = 1.0 - float(rec["coverage"])
         if rec.get("reward") is not None:
-            r = float(rec["reward"])
-            n[src], rsum[src], rsq[src] = n[src] + 1.0, rsum[src] + r, rsq[src] + r * r
-
-
-def _spread(elig, n, rsum, rsq) -> float:
-    """UCB1Policy.reward_spread over the replayed counts."""
-    num = den = 0.0
-    for s in elig:
-        if n[s] > 1.0:
-            num += max(0.0, rsq[s] - rsum[s] ** 2 / n[s])
-            den += n[s] - 1.0
-    if den <= 0.0:
-        tot = sum(n[s] for s in elig)
-        if tot <= 1.0:
-            return 1.0
-        mean = sum(rsum[s] for s in elig) / tot
-        num, den = max(0.0, sum(rsq[s] for s in elig) - tot * mean * mean), tot - 1.0
-    return math.sqrt(num / den) if num > 0.0 else 1.0
+            r, src = float(rec["reward"]), rec["source"]
+            pol.n[src], pol.rsum[src], pol.rsq[src] = pol.n[src] + 1.0, pol.rsum[src] + r, pol.rsq[src] + r * r
 
 
 def max_gap(pulls, n_tokens, bandit, B, T) -> float:
