@@ -5,11 +5,16 @@ The 12M comparison of issue 14 (the recipe's bandit.* against uniform; data buil
 
     python bench/curriculum_compare.py --profile andrea-12m --tokenizer data/tokenizer/andrea-12m/tokenizer.json \
         --tokens data/tokens/andrea-12m --out bench/out/curriculum-12m --seeds 1337,1,2 --jobs 6 \
-        -S train.backend=cupy -S train.precision=bf16 -S train.max_steps=3000 -S curriculum.warmup_steps=1000
+        -S train.backend=cupy -S train.precision=bf16 -S train.max_steps=3000 -S curriculum.warmup_steps=1000 \
+        -S train.warmup_steps=60
     python bench/curriculum_compare.py --profile tiny --tokenizer data/tokenizer/tiny/tokenizer.json \
         --tokens data/tokens/tiny --out bench/out/curriculum --seeds 1337,1 --jobs 2      # CPU, ~25 min
     python bench/curriculum_compare.py ... --variant ucb1-d34=bandit.policy=ucb1,bandit.dice_main=4 ...
     python bench/curriculum_compare.py ... --eval-only      # re-score existing runs
+
+``train.warmup_steps=60`` keeps the recipe's LR-warmup share (2000 of its 100000 steps, 2%) in the
+3000-step run; without it the LR would still be rising at two thirds of the run, which no recipe run
+does (docs/FIREHOSE-BANDIT.md, "At the recipe's LR-warmup share"). Both policies get the same.
 
 Each ``--variant NAME=key=value[,key=value]`` is a policy setting (default: ``uniform`` and
 ``ucb1``, i.e. the params' bandit.*); ``uniform`` (bandit.policy=uniform) is always trained as
