@@ -1,9 +1,11 @@
 """Preflight: refuse a batch or context the token shards cannot feed, and a batch the memory
 cannot hold, before any slow work or any allocation.
 
-    from andrea.preflight import check_data, check_memory
+    from andrea.preflight import check_data, check_memory, check_schedule
     for w in check_data(train_shards, val_shards, batch_size=16, context=128):
         print("warning:", w)                 # raises ConfigError (exit 3) for what cannot work
+    for w in check_schedule(warmup_steps=2000, max_steps=3000):
+        print("warning:", w)                 # the LR would still be rising past the run's midpoint
     check_memory(lambda b: planned_bytes_at(b), 64, (free_bytes, "GPU 0"), "cupy bf16 engine")
                                              # raises AndreaError (exit 2) when the plan does not fit
 
@@ -20,6 +22,12 @@ from a single source (andrea/curriculum/sampler.py), so:
   source, and a refusal when it is true of every val shard (no held-out loss at all).
 
 Every message carries the numbers. Shards are read only through their headers.
+
+Schedule (``check_schedule``): a run shortened with ``-S train.max_steps=...`` keeps the
+recipe's ``train.warmup_steps``; when that is more than half the run, the learning rate is
+still rising past its midpoint (2000 of 3000 steps peaks at two thirds of the run, which
+bounded the curriculum comparison of docs/FIREHOSE-BANDIT.md), so that is a warning with the
+numbers and a setting that keeps warmup to a few percent of the run.
 
 Memory (``check_memory``): the engines call it with their own plan (``Engine``: the plan
 ``engine_plan`` gives; ``GpuEngine``: its arena, ``andrea.cuda.engine.arena_layout``) and
@@ -90,6 +98,16 @@ def check_data(train: dict[str, Shard], val: dict[str, Shard], batch_size: int, 
         warnings.append(f"model.context={T}: {len(dropped)} of {len(vsizes)} val shards are shorter than one window "
                         f"of {window} tokens and are left out of the held-out loss: {listed}")
     return warnings
+
+
+def check_schedule(warmup_steps: int, max_steps: int) -> list[str]:
+    """A one-line warning when the LR warmup covers more than half of the run, else []."""
+    W, total = int(warmup_steps), int(max_steps)
+    if total <= 0 or 2 * W <= total:
+        return []
+    return [f"train.warmup_steps={W} is {W / total:.0%} of train.max_steps={total}: the learning rate still rises "
+            f"past the run's midpoint and peaks at step {min(W, total)}; a short run usually warms up over a few "
+            f"percent of its steps (e.g. -S train.warmup_steps={max(1, total // 50)})"]
 
 
 # ----------------------------------------------------------------------------------- memory

@@ -97,7 +97,7 @@ from andrea.engine.schedule import lr_at  # noqa: E402
 from andrea.phases import phase_at, phase_table, stage_rows  # noqa: E402
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.runs import LOSS_FORMAT, SAMPLES_FORMAT, STATE_FORMAT, RunMismatch, SplitPair  # noqa: E402,F401
-from andrea.preflight import check_data  # noqa: E402
+from andrea.preflight import check_data, check_schedule  # noqa: E402
 from andrea.settings import Settings  # noqa: E402
 from andrea.shards import Shard  # noqa: E402
 
@@ -234,7 +234,8 @@ class Trainer:
                               f"{', '.join(be.precisions)}")
         self.mc = ModelConfig.of(st.model, self.tok.vocab_size)
         self.B, self.T, self.accum = tc.batch_size, self.mc.context, tc.grad_accum
-        for w in check_data(self.shards, self.val_shards, self.B, self.T):
+        for w in check_data(self.shards, self.val_shards, self.B, self.T) + \
+                check_schedule(tc.warmup_steps, tc.max_steps):
             self.console.print(f"warning: {w}", markup=False, highlight=False)
         # a backend may bring its own engine with the same surface (the CuPy one: fused, mixed precision)
         make = getattr(be, "make_engine", None)

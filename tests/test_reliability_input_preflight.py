@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from andrea.errors import ConfigError
-from andrea.preflight import check_data
+from andrea.preflight import check_data, check_schedule
 from andrea.shards import Shard, ShardWriter
 from train_helpers import SOURCES, make_data, micro_overrides, run_cli
 
@@ -112,3 +112,20 @@ def test_train_warns_about_val_shards_it_cannot_score(data, tmp_path):
     assert "py-code (20 tokens)" in r.stderr
     rec = json.loads((tmp_path / "run" / "model.loss.json").read_text())["val"][-1]
     assert sorted(rec["per_source"]) == ["chat-system", "py-topics"]     # what the warning said
+
+
+def test_a_warmup_longer_than_half_the_run_is_a_warning_with_the_numbers():
+    assert check_schedule(warmup_steps=50, max_steps=600) == []           # tiny's recipe: 8%
+    assert check_schedule(warmup_steps=1500, max_steps=3000) == []        # exactly half: still quiet
+    (w,) = check_schedule(warmup_steps=2000, max_steps=3000)              # the recipe's 2000 in a shortened run
+    assert w.startswith("train.warmup_steps=2000 is 67% of train.max_steps=3000:") and "peaks at step 2000" in w
+    assert w.endswith("(e.g. -S train.warmup_steps=60)")
+
+
+def test_train_warns_when_the_lr_warmup_outlasts_half_the_run(data, tmp_path):
+    tok, tokens = data
+    r = run_cli("warmup", tok, tokens, tmp_path / "run", micro_overrides(5, 8, **{"train.warmup_steps": 6}))
+    assert r.returncode == 0, r.stderr
+    assert "warning: train.warmup_steps=6 is 75% of train.max_steps=8:" in r.stderr
+    r = run_cli("warmup", tok, tokens, tmp_path / "run2", micro_overrides(5, 8, **{"train.warmup_steps": 4}))
+    assert r.returncode == 0 and "train.warmup_steps" not in r.stderr, r.stderr
