@@ -199,10 +199,10 @@ def test_the_numpy_engine_refuses_before_allocating():
 def test_the_gpu_engine_refuses_before_touching_cupy():
     class FakeDevice:                    # CupyBackend's free_memory, injected; nothing else is reached
         def free_memory(self):
-            return 8 * MIB, "GPU 0 (test double)"
+            return 48 * MIB, "GPU 0 (test double)"    # the bf16 arena holds cuBLASLt's 32 MiB workspace
 
     with pytest.raises(AndreaError, match=r"train\.batch_size=64: the cupy bf16 engine plans .* GPU 0 \(test double\) "
-                                          r"has 8\.0 MiB free; the largest batch that fits is \d+"):
+                                          r"has 48\.0 MiB free; the largest batch that fits is \d+"):
         GpuEngine(FakeDevice(), MC, 64, precision="bf16")
 
 
