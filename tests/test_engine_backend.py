@@ -113,3 +113,4 @@ def test_the_16bit_arena_pads_logits_rows_and_holds_the_cublaslt_workspace():
         assert ("lt_ws" in spec) == (prec != "fp32") and (prec == "fp32" or spec["lt_ws"][0] == (LT_WORKSPACE,))
         assert cols % LOGITS_PAD == 0 or prec in ("fp32", "fp8")
         assert spec["ln1"][0][0] == mc.n_layer and spec["h_act"][0][0] == 1, prec
+        assert ("wte_pad" in spec) == (prec in ("bf16", "fp16")) and spec.get("wte_pad", ((cols, 64),))[0] == (cols, 64)

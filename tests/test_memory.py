@@ -104,7 +104,8 @@ def test_the_gpu_items_sum_to_the_arena(prec):
     end = arena.offsets[name] + pad(math.prod(shape) * np.dtype(dt).itemsize)
     assert 0 <= arena.nbytes - end < 512 and arena.nbytes % 512 == 0
     assert items["master"] == items["grads"] == pad(4 * n) and items["adam"] == 2 * pad(4 * n)
-    assert items["copy"] == (0 if prec == "fp32" else pad(2 * n))
+    vp = -(-MC.vocab_size // 64) * 64                         # + the head's zero-padded wte (Vp, C), 16-bit
+    assert items["copy"] == (0 if prec == "fp32" else pad(2 * n) + pad(2 * vp * MC.d_model))
     assert all(items[k] > 0 for k in ("saved", "dgrad", "work"))
 
 

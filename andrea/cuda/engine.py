@@ -17,7 +17,8 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
 - what it saves: the attention's row log-sum-exp (B, H, T), the loss's row log-sum-exp (N,);
 - what it recomputes: the GELU activations (``RECOMPUTE``), one buffer for all layers;
 - GEMMs (bf16/fp16): cuBLASLt, one heuristic algorithm per shape kept from its first call, its
-  32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements;
+  32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements and the head's
+  forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte;
 - clipping, the NaN/inf skip and AdamW on the device; the fp16 dynamic loss scale on the host,
   saved and restored with ``extra_state``.
 """
@@ -137,11 +138,29 @@ class FastOps:
         if db.data.ptr != dout.data.ptr:                        # fp32: the branch gradient IS dres
             k_cast(self.p, db, dout, dout.size)
 
+    def _padded_head(self, logits, wte):
+        """(the logits' whole padded rows (N, Vp), the zero-row-padded head weight (Vp, C)) when
+        the arena has them (bf16/fp16: ``wte_pad``, refreshed by GpuEngine._forward) and logits
+        are its padded rows, else None. The head GEMMs then run on Vp = 64k columns: with V odd
+        they ran at ~100 TFLOP/s on the H200 (bench/engine_gpu.py --breakdown). The pad columns
+        of the logits are x . 0 = 0 and, being zero, add nothing to dx = dlogits wte."""
+        wp = self.a.get("wte_pad")
+        N, V = logits.shape
+        if wp is None or wte.data.ptr != self.a["wlow"].data.ptr or wte.shape != (V, wp.shape[1]) \
+                or logits.strides[0] != wp.shape[0] * logits.itemsize:
+            return None
+        full = cp().ndarray((N, wp.shape[0]), dtype=logits.dtype, memptr=logits.data)
+        return full, wp
+
     def loss_forward(self, losses, logits, probs, x, wte, targets, work):
         """probs is the row log-sum-exp (N,); the mean loss lands in the engine's loss_out[0].
         logits (N, V) may be a row-strided view (the padded rows of ``PlanPolicy.logits_pad``)."""
         N, V = logits.shape
-        self._mm(logits, x, wte, tb=True, tag="head fwd")
+        pad = self._padded_head(logits, wte)
+        if pad is None:
+            self._mm(logits, x, wte, tb=True, tag="head fwd")
+        else:
+            self._mm(pad[0], x, pad[1], tb=True, tag="head fwd")
         if targets is not None:
             k_loss_fwd(self.p, probs, losses, logits, targets, N, V)
             k_loss_mean(losses, self.a["loss_out"], N)
@@ -150,7 +169,11 @@ class FastOps:
         """dlogits is rebuilt in place in logits from the saved log-sum-exp ``probs``."""
         N, V = logits.shape
         k_loss_bwd(self.p, logits, logits, targets, probs, dloss, N, V)
-        self._mm(dx, logits, wte, tag="head dgrad")             # dx = dlogits @ wte
+        pad = self._padded_head(logits, wte)
+        if pad is None:
+            self._mm(dx, logits, wte, tag="head dgrad")         # dx = dlogits @ wte
+        else:
+            self._mm(dx, pad[0], pad[1], tag="head dgrad")      # the zero pad columns add nothing
         self._mm(dwte, logits, x, ta=True, beta=1.0, tag="head wgrad")   # dwte += dlogits.T @ x
 
 
@@ -211,6 +234,8 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec.append(("wlow", (n,), low))
     if precision in LT_PRECISIONS:
         spec.append(("lt_ws", (LT_WORKSPACE,), np.uint8))     # cuBLASLt's workspace (fp8's is in fp8_buffers)
+        vp = -(-mc.vocab_size // LOGITS_PAD) * LOGITS_PAD
+        spec.append(("wte_pad", (vp, mc.d_model), low))       # the head's wte, zero rows to Vp (FastOps._padded_head)
     if precision == "fp8":
         plan8, n8 = fp8_plan(mc)
         spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8))
@@ -351,6 +376,9 @@ class GpuEngine:
     def _forward(self, with_loss: bool) -> None:
         if self.f8 is not None:
             self.f8.cast_weights()                            # E4M3 copies of this step's weights
+        if "wte_pad" in self.a:                               # this step's 16-bit wte into the padded head copy
+            src, dst = self.WL["wte"], self.a["wte_pad"]
+            dst.data.copy_from_device_async(src.data, src.nbytes, self.cp.cuda.get_current_stream())
         recipe.forward(self.ops, self.z, self.mc.n_head, with_loss)
 
     def _backward(self, dscale: float) -> None:
