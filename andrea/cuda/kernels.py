@@ -1,6 +1,7 @@
 """Launch geometry, argument checks and cuBLAS for ANDREA's CUDA kernels: one Python launcher per
 kernel of ``andrea/cuda/*.cu`` (grid, block, argument order), the dtype/shape/contiguity checks
-made before a launch (``need``), and the row-major GEMM over cuBLAS (``Blas``). The op sets that
+made before a launch (``need``), and the row-major GEMM over cuBLAS (``Blas``: the fp32 engine's, the
+mirror's and fp8's bf16 head; the bf16/fp16 engine's GEMMs are ``cublaslt.Lt.mm``). The op sets that
 call these are ``andrea/cuda/mirror.py`` (fp32, ops_numpy's contract) and ``andrea/cuda/engine.py``
 (the mixed-precision engine).
 
