@@ -68,7 +68,7 @@ def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy") -> dic
     arena = arena_layout(mc, B, precision)
     kind = {b.name: b.kind for b in arena.plan}
     for name, shape, dt in arena.spec:                 # each entry with its 256-byte alignment
-        key = {"w": "master", "wlow": "copy", "w8": "copy", "g": "grads", "m": "adam", "v": "adam"}.get(name)
+        key = {"w": "master", "wlow": "copy", "w8": "copy", "wte_pad": "copy", "g": "grads", "m": "adam", "v": "adam"}.get(name)
         key = key or {"saved": "saved", "dgrad": "dgrad"}.get(kind.get(name), "work")
         out[key] += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
     out["work"] += arena.nbytes - sum(out.values())    # the arena's own 512-byte rounding

@@ -18,8 +18,8 @@ tokens/s, MFU and peak GPU memory of
 Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), and
 peak memory of ours over that mode's. MFU = (6 N + 12 L C T) x tokens / time / 989.5e12 (the
 H100/H200 SXM dense bf16 datasheet rate; N = parameters without the position embedding). Peak
-memory: ours = bytes the CuPy pool holds after the step loop (the engine's arena; cuBLAS's own
-workspace is outside every pool, as for torch); torch = torch.cuda.max_memory_reserved over the
+memory: ours = bytes the CuPy pool holds after the step loop (the engine's arena, cuBLASLt's 32 MiB
+workspace included; the cuBLAS handle's own workspace, used by fp32 only, is outside every pool, as for torch); torch = torch.cuda.max_memory_reserved over the
 timed steps (what its caching allocator holds, CUDA-graph pools included; max_memory_allocated
 misses those pools and is kept in the JSON as peak_allocated_bytes).
 Timing: ``--steps`` steps after ``--warmup`` steps (host clock, device drained at both ends),
@@ -31,7 +31,9 @@ choice of the tensor-core kernels (andrea.cuda.kernels.ATTN_MMA_ROWS picks one p
 ``--breakdown``: per kernel class (attention fwd / bwd, GEMM, LayerNorm, elementwise, loss, embed,
 optimizer) ms per step of ours (CUDA events around each launcher, eager) beside the anchor's
 (torch.profiler's CUDA kernel times of the first compile mode run, grouped by kernel name), with
-TFLOP/s for attention (causal flops: fwd 2 B T^2 C per layer, bwd 2.5x that) and the GEMMs.
+TFLOP/s for attention (causal flops: fwd 2 B T^2 C per layer, bwd 2.5x that) and the GEMMs; then
+ours per named GEMM (qkv, attn-out, fc, proj, head x fwd, dgrad, wgrad: ms, TFLOP/s, share), and
+(bf16) each GEMM alone through cublasGemmEx, cuBLASLt and cuBLASLt with padded logits rows.
 Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
 """
 
@@ -82,8 +84,11 @@ def _median_window(step, cuda_sync, steps: int, windows: int = 3) -> float:
     return float(np.median(times))
 
 
-def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str) -> dict:
+def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None) -> dict:
+    """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE for this run."""
     import cupy as cp
+
+    import andrea.cuda.engine as ce
 
     from andrea.cuda.backend import make_backend
     from andrea.engine.engine import Hyper
@@ -92,7 +97,12 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str) -> dict
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
-    eng = make_backend().make_engine(mc, B, precision=precision, cuda_graph=True)
+    default = ce.RECOMPUTE
+    ce.RECOMPUTE = default if recompute is None else recompute
+    try:
+        eng = make_backend().make_engine(mc, B, precision=precision, cuda_graph=True)
+    finally:
+        ce.RECOMPUTE = default
     print(eng.describe(), file=sys.stderr, flush=True)
     eng.init_weights(1337)
     rng = np.random.default_rng(0)
@@ -154,7 +164,7 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     pairs = []
     names = [n for n in OUR_CLASSES if hasattr(be, n)]
     saved = {n: getattr(be, n) for n in names}
-    mm = eng.blas.mm
+    mm = eng.ops._mm
 
     def timed(name, fn):
         def w(*a, **k):
@@ -165,9 +175,16 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
             pairs.append((name, e0, e1))
         return w
 
+    def timed_mm(*a, tag="gemm", **k):                    # FastOps._mm: one GEMM, named by its tag
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(eng.stream)
+        mm(*a, tag=tag, **k)
+        e1.record(eng.stream)
+        pairs.append(("gemm " + tag, e0, e1))
+
     for n in names:
         setattr(be, n, timed(OUR_CLASSES[n], saved[n]))
-    eng.blas.mm = timed("gemm", mm)
+    eng.ops._mm = timed_mm
     per_rep = []
     try:
         for _ in range(reps + 1):
@@ -184,16 +201,100 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
             out: dict[str, float] = {}
             for name, a, b in pairs:
                 out[name] = out.get(name, 0.0) + cp.cuda.get_elapsed_time(a, b)
+            out["gemm"] = sum(v for k, v in out.items() if k.startswith("gemm "))
             out["optimizer"] = cp.cuda.get_elapsed_time(o0, e1)
             out["total"] = cp.cuda.get_elapsed_time(e0, e1)
             per_rep.append(out)
     finally:
         for n in names:
             setattr(be, n, saved[n])
-        eng.blas.mm = mm
+        eng.ops._mm = mm
     del eng
     cp.get_default_memory_pool().free_all_blocks()
     return {k: float(np.median([r.get(k, 0.0) for r in per_rep[1:]])) for k in per_rep[-1]}
+
+
+GEMMS = ("qkv", "attn-out", "fc", "proj", "head")
+PASSES = ("fwd", "dgrad", "wgrad")
+
+
+def gemm_flops(s: dict, B: int) -> dict:
+    """Flops per step of each named GEMM (``FastOps._mm``'s tags): every pass of a linear layer
+    costs 2 N Cin Cout, times L for the blocks' (the head once)."""
+    N, C, L, V = B * s["T"], s["C"], s["L"], s["V"]
+    per = {"qkv": L * 3 * C * C, "attn-out": L * C * C, "fc": L * 4 * C * C, "proj": L * 4 * C * C, "head": V * C}
+    return {f"{g} {p}": 2.0 * N * per[g] for g in GEMMS for p in PASSES}
+
+
+def gemm_shapes(s: dict, B: int) -> dict:
+    """(M, N, K, ta, tb, C fp32) of every named GEMM as FastOps calls it (row-major C = op(A) op(B))."""
+    N, C, V = B * s["T"], s["C"], s["V"]
+    io = {"qkv": (C, 3 * C), "attn-out": (C, C), "fc": (C, 4 * C), "proj": (4 * C, C)}
+    out = {}
+    for g, (ci, co) in io.items():
+        out[f"{g} fwd"] = (N, co, ci, False, False, False)
+        out[f"{g} dgrad"] = (N, ci, co, False, True, False)
+        out[f"{g} wgrad"] = (ci, co, N, True, False, True)
+    out["head fwd"] = (N, V, C, False, True, False)
+    out["head dgrad"] = (N, C, V, False, False, False)
+    out["head wgrad"] = (V, C, N, True, False, True)
+    return out
+
+
+def gemm_compare(s: dict, B: int, reps: int = 5) -> dict:
+    """ms per call of every named GEMM alone (random bf16 operands) through cuBLAS's cublasGemmEx
+    (kernels.Blas, the engine's path before cuBLASLt) and through cuBLASLt (cublaslt.Lt.mm, the
+    engine's path now), the head's logits rows contiguous (ld = V) and padded (ld = V rounded up
+    to engine.LOGITS_PAD), the other GEMMs' operands contiguous as in the engine."""
+    import cupy as cp
+
+    from andrea.cuda.cublaslt import Lt
+    from andrea.cuda.engine import LOGITS_PAD
+    from andrea.cuda.fp8 import LT_WORKSPACE
+    from andrea.cuda.kernels import CUDA_R_16BF, Blas
+
+    blas, lt = Blas(), Lt(cp.zeros(LT_WORKSPACE, dtype=cp.uint8))
+    V, Vp = s["V"], -(-s["V"] // LOGITS_PAD) * LOGITS_PAD
+    cp.random.seed(0)
+    bf16 = lambda r, c: (cp.random.standard_normal((r, c), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+
+    def timed(fn) -> float:
+        fn()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) / reps
+
+    out = {}
+    for name, (M, N, K, ta, tb, c32) in gemm_shapes(s, B).items():
+        A = bf16(*((K, M) if ta else (M, K)))
+        Bm = bf16(*((N, K) if tb else (K, N)))
+        C = cp.zeros((M, N), cp.float32 if c32 else cp.uint16)
+        beta = 1.0 if c32 else 0.0
+        row = {"cublas": timed(lambda: blas.mm(C, A, Bm, ta=ta, tb=tb, beta=beta, lowtype=CUDA_R_16BF)),
+               "cublaslt": timed(lambda: lt.mm(C, A, Bm, ta=ta, tb=tb, beta=beta, lowtype=CUDA_R_16BF))}
+        if name.startswith("head"):        # as the engine runs it: logits rows of Vp, wte zero-padded to Vp rows
+            n_rows = B * s["T"]
+            lg = cp.zeros((n_rows, Vp), cp.uint16)
+            lg[:, :V] = bf16(n_rows, V)
+            wp = cp.zeros((Vp, s["C"]), cp.uint16)
+            wp[:V] = bf16(V, s["C"])
+            P = lg[:, :V]
+            if name == "head fwd":
+                fn = lambda: lt.mm(lg, A, wp, tb=True, lowtype=CUDA_R_16BF)
+            elif name == "head dgrad":
+                fn = lambda: lt.mm(C, lg, wp, lowtype=CUDA_R_16BF)
+            else:
+                fn = lambda: lt.mm(C, P, Bm, ta=True, beta=1.0, lowtype=CUDA_R_16BF)
+            row["cublaslt padded"] = timed(fn)
+            del lg, P, wp
+        out[name] = row
+        del A, Bm, C
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
 
 
 def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
@@ -398,6 +499,9 @@ def main(argv=None) -> int:
     ap.add_argument("--anchors", nargs="*", default=ANCHORS[:3], choices=ANCHORS,
                     help="torch anchors to run (none: `--anchors` alone, ours only)")
     ap.add_argument("--json", default=None, help="write all figures here")
+    ap.add_argument("--recompute", nargs="*", default=[],
+                    help="also time ours (first precision) recomputing these sets instead of engine.RECOMPUTE, "
+                         "e.g. ln,gelu gelu none")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--breakdown", action="store_true",
@@ -431,6 +535,12 @@ def main(argv=None) -> int:
             r[f"ours-{p}"] = bench_ours(s, B, args.steps, args.warmup, p)
             print(f"{key}: ours {p} {r[f'ours-{p}']['ms']:.2f} ms/step ({r['ours']['ms'] / r[f'ours-{p}']['ms']:.3f}x "
                   f"{prec0}'s tokens/s)", file=sys.stderr, flush=True)
+            save(key, r)
+        for rc in args.recompute:
+            sel = frozenset() if rc == "none" else frozenset(rc.split(","))
+            r[f"ours-recompute-{rc}"] = x = bench_ours(s, B, args.steps, args.warmup, prec0, sel)
+            print(f"{key}: ours recomputing {rc} {x['ms']:.2f} ms/step, peak {x['peak_bytes'] / 2 ** 20:.0f} MiB",
+                  file=sys.stderr, flush=True)
             save(key, r)
         for a in args.anchors:
             prof = args.breakdown and compiled and a == compiled[0]
@@ -478,6 +588,20 @@ def main(argv=None) -> int:
                 print(f"  {c:<16} {o if o is not None else float('nan'):8.2f} {tf(o)} "
                       f"{t if t is not None else float('nan'):8.2f} {tf(t)}")
             print(f"  {'total':<16} {bd['total']:8.2f} {'':8} {sum(theirs.values()) if theirs else float('nan'):8.2f}")
+            gf = gemm_flops(s, B)
+            print(f"  per GEMM (ours, in the step): {'ms':>8} {'TFLOP/s':>8} {'share':>6}")
+            for k in gf:
+                ms = bd.get("gemm " + k)
+                if ms:
+                    print(f"    {k:<26} {ms:8.3f} {gf[k] / ms / 1e9:8.0f} {ms / bd['gemm']:6.1%}")
+            if args.precision[0] == "bf16":
+                cmp = gemm_compare(s, B)
+                r["gemm_compare_ms"] = cmp
+                print("  each GEMM alone, one call, ms (TFLOP/s): cublasGemmEx | cuBLASLt | cuBLASLt padded as the "
+                      "engine runs the head (rows of Vp, wte zero-padded)")
+                for k, row in cmp.items():
+                    per_call = gf[k] / (1 if k.startswith("head") else s["L"])
+                    print(f"    {k:<26} " + " | ".join(f"{ms:7.3f} ({per_call / ms / 1e9:4.0f})" for ms in row.values()))
     if args.attn_sweep:
         for key, r in allres.items():
             sw = attn_sweep(r["shapes"], r["batch"])

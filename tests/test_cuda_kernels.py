@@ -345,3 +345,77 @@ def test_cublas_gemm_matches_and_is_bitwise_repeatable(be, prec):
     Cb = cp.zeros((M, K), np.float32)
     blas.mm(Cb, A, B3, tb=True, lowtype=lt)
     close(cp.asnumpy(Cb), A64 @ B364.T, "fp32", scale=30.0, what="gemm tb")
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_cublaslt_gemm_forms_match_and_are_bitwise_repeatable(be, prec):
+    """cublaslt.Lt.mm (the bf16/fp16 engine's GEMMs): the engine's three forms (X W, dY W^T,
+    X^T dY with an fp32 C and beta = 1), 16-bit and fp32 outputs, against the float64 product of
+    the rounded inputs (tol 2e-2 of the largest |entry| of A B plus 16-bit output rounding), and
+    the same bits on a repeat; then a row-strided operand and output (the padded logits)."""
+    from andrea.cuda.cublaslt import Lt
+
+    rng = np.random.default_rng(9)
+    lt = Lt(cp.zeros(32 << 20, dtype=np.uint8))
+    low = be.LOWTYPE[prec]
+    M, K, N = 512, 256, 768
+    A, A64 = to_dev(rng.normal(0, 1, (M, K)), prec)
+    W, W64 = to_dev(rng.normal(0, 1, (K, N)), prec)
+    out = empty((M, N), prec)
+    runs = []
+    for _ in range(2):
+        lt.mm(out, A, W, lowtype=low)
+        runs.append(cp.asnumpy(out))
+    assert runs[0].tobytes() == runs[1].tobytes()
+    close(from_dev(out, prec), A64 @ W64, prec, scale=20.0, what="X W")
+    dY, dY64 = to_dev(rng.normal(0, 1, (M, N)), prec)
+    dx = cp.full((M, K), np.nan, np.float32)
+    lt.mm(dx, dY, W, tb=True, lowtype=low)
+    close(cp.asnumpy(dx), dY64 @ W64.T, "fp32", scale=30.0, what="dY W^T")
+    dW = cp.ones((K, N), np.float32)
+    lt.mm(dW, A, dY, ta=True, beta=1.0, lowtype=low)
+    close(cp.asnumpy(dW), 1.0 + A64.T @ dY64, "fp32", scale=25.0, what="X^T dY beta=1")
+    # rows 64 elements wider than the matrix: logits (M, V) = X Wt^T into a padded buffer, and back
+    V = 1001
+    Wt, Wt64 = to_dev(rng.normal(0, 1, (V, K)), prec)
+    pad = empty((M, V + 87), prec)
+    lg = pad[:, :V]
+    lt.mm(lg, A, Wt, tb=True, lowtype=low)
+    got = from_dev(pad, prec)
+    close(got[:, :V], A64 @ Wt64.T, prec, scale=20.0, what="padded X Wt^T")
+    assert np.isnan(got[:, V:]).all(), "the padding columns were written"
+    L64 = got[:, :V]
+    dx2 = cp.full((M, K), np.nan, np.float32)
+    lt.mm(dx2, lg, Wt, lowtype=low)
+    close(cp.asnumpy(dx2), L64 @ Wt64, "fp32", scale=600.0, what="padded dlogits Wt")
+    dwt = cp.zeros((V, K), np.float32)
+    lt.mm(dwt, lg, A, ta=True, beta=1.0, lowtype=low)
+    close(cp.asnumpy(dwt), L64.T @ A64, "fp32", scale=600.0, what="padded dlogits^T X")
+    with pytest.raises(AndreaError, match="unit column stride"):
+        lt.mm(out, A[:, ::2], W[::2], lowtype=low)
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp32"])
+def test_loss_pair_on_padded_rows(be, prec):
+    """The loss kernels on the first V columns of rows padded to a multiple of 64 (the 16-bit
+    engines' logits): the figures of the contiguous (N, V) copy (to fp32 rounding: a row's
+    16-byte split, hence its summation order, follows its alignment), the padding untouched."""
+    rng = np.random.default_rng(6)
+    N, V, Vp = 48, 1001, 1024
+    logits, _ = to_dev(rng.normal(0, 3, (N, V)), prec)
+    tg = cp.asarray(rng.integers(0, V, N).astype(np.int32))
+    pad = empty((N, Vp), prec)
+    pad[:, :V] = logits
+    res = []
+    for lg in (logits, pad[:, :V]):
+        lse, losses = cp.full(N, np.nan, np.float32), cp.full(N, np.nan, np.float32)
+        be.k_loss_fwd(prec, lse, losses, lg, tg, N, V)
+        be.k_loss_bwd(prec, lg, lg, tg, lse, 1.0 / N, N, V)
+        res.append((cp.asnumpy(lse), cp.asnumpy(losses), cp.asnumpy(cp.ascontiguousarray(lg))))
+    (lse0, loss0, d0), (lse1, loss1, d1) = res
+    close(lse1, lse0, "fp32", what="lse")
+    close(loss1, loss0, "fp32", what="losses")
+    close(from_dev(cp.asarray(d1), prec), from_dev(cp.asarray(d0), prec), prec, scale=1.0 / N, what="dlogits")
+    assert np.isnan(from_dev(pad[:, V:], prec)).all()
+    with pytest.raises(AndreaError, match="row stride"):
+        be.k_loss_bwd(prec, pad[:, :V], logits, tg, cp.zeros(N, np.float32), 1.0, N, V)

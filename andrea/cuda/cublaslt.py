@@ -1,8 +1,16 @@
-"""cuBLASLt through ctypes: the FP8 GEMM of the fp8 engine (``andrea/cuda/fp8.py``).
+"""cuBLASLt through ctypes: the 16-bit GEMMs of the bf16/fp16 engine (``mm``) and the FP8 GEMM
+of the fp8 engine (``mm_nt``, used by ``andrea/cuda/fp8.py``).
 
     from andrea.cuda.cublaslt import Lt, CUDA_R_16BF
     lt = Lt(workspace)                                   # a CuPy uint8 buffer (the engine's arena)
+    lt.mm(C, A, B, ta=False, tb=True, beta=0.0, lowtype=CUDA_R_16BF, stream=s)   # Blas.mm's contract
     lt.mm_nt(D, X8, Y8, x_inv, y_inv, M, N, K, CUDA_R_16BF, beta=0.0)
+
+``mm``: row-major C (M, N) = op(A) op(B) + beta C (beta 0 or 1), A and B 16-bit (uint16 payloads
+of ``lowtype``), C 16-bit or fp32, fp32 accumulation and scale. Unlike ``kernels.Blas`` a matrix
+may be a row-strided view (unit column stride, rows ``strides[0]`` apart): the engine's logits are
+the first V columns of rows padded to a multiple of 64 elements, so every row of the head GEMMs
+starts 128-byte aligned.
 
 ``mm_nt``: row-major D (M, N) = (x_inv X8) (M, K) @ ((y_inv Y8) (N, K))^T + beta D, X8 and Y8
 E4M3 (uint8 payloads), both K-contiguous: the "TN" form Hopper's FP8 tensor cores require.
@@ -87,6 +95,7 @@ class Lt:
         self._check(self.lib.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
         self.h = h
         self.plans: dict[tuple, tuple] = {}
+        self.plans16: dict[tuple, list] = {}
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = {0.0: np.zeros(1, dtype=np.float32), 1.0: np.ones(1, dtype=np.float32)}
 
@@ -171,3 +180,77 @@ class Lt:
                 break
         raise AndreaError(f"cuBLASLt: cublasLtMatmul {M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation "
                           f"{fast_accum}) failed with status {statuses} over {len(statuses)} candidate algorithm(s)")
+
+    # ------------------------------------------------------------------ 16-bit GEMM
+    def _plan16(self, key: tuple):
+        """Descriptors and up to N_ALGOS heuristic candidates of a 16-bit problem (row-major
+        C = op(A) op(B) as column-major C^T = op(B)^T op(A)^T, as kernels.Blas calls cublasGemmEx)."""
+        plan = self.plans16.get(key)
+        if plan is not None:
+            return plan
+        M, N, K, ta, tb, ab_type, c_type, lda, ldb, ldc, beta, epilogue, aligns = key
+        L = self.lib
+        desc = _P()
+        self._check(L.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
+        sd = L.cublasLtMatmulDescSetAttribute
+        self._set(sd, desc, DESC_TRANSA, OP_T if tb else OP_N, ctypes.c_int32)
+        self._set(sd, desc, DESC_TRANSB, OP_T if ta else OP_N, ctypes.c_int32)
+        self._set(sd, desc, DESC_EPILOGUE, epilogue, ctypes.c_uint32)
+        a_l = self._layout(ab_type, *((K, N) if tb else (N, K)), ldb)     # B's storage, column-major
+        b_l = self._layout(ab_type, *((M, K) if ta else (K, M)), lda)     # A's storage
+        d_l = self._layout(c_type, N, M, ldc)
+        pref = _P()
+        self._check(L.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        sp = L.cublasLtMatmulPreferenceSetAttribute
+        self._set(sp, pref, PREF_MAX_WORKSPACE_BYTES, self.ws_bytes, ctypes.c_uint64)
+        for name, a in zip("ABCD", aligns):
+            self._set(sp, pref, PREF_MIN_ALIGNMENT[name], a, ctypes.c_uint32)
+        res = (ctypes.c_ubyte * (HEURISTIC_RESULT_BYTES * N_ALGOS))()
+        n = _I(0)
+        rc = L.cublasLtMatmulAlgoGetHeuristic(self.h, desc, a_l, b_l, d_l, d_l, pref, N_ALGOS, res, ctypes.byref(n))
+        if rc or n.value < 1:
+            raise AndreaError(f"cuBLASLt: no algorithm for C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/"
+                              f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns}; status {rc})")
+        algos = [ctypes.addressof(res) + i * HEURISTIC_RESULT_BYTES for i in range(n.value)]
+        plan = [desc, a_l, b_l, d_l, res, algos, None]
+        self.plans16[key] = plan
+        return plan
+
+    def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF,
+           stream: int = 0) -> None:
+        """C (M, N) = op(A) op(B) + beta C, row-major, A and B 16-bit, C 16-bit or fp32 (module
+        docstring). One algorithm per problem, kept from its first call: fixed bits per shape."""
+        if beta not in (0.0, 1.0):
+            raise AndreaError("cuBLASLt gemm: beta must be 0 or 1")
+        for nm, x in (("A", A), ("B", B), ("C", C)):
+            if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] % x.itemsize \
+                    or x.strides[0] < x.shape[1] * x.itemsize:
+                raise AndreaError(f"cuBLASLt gemm: {nm} must be a row-major matrix with unit column stride "
+                                  f"(shape {x.shape}, strides {x.strides})")
+        if A.dtype != np.uint16 or B.dtype != np.uint16 or C.dtype not in (np.uint16, np.float32):
+            raise AndreaError(f"cuBLASLt gemm: A and B must be 16-bit payloads and C 16-bit or fp32 "
+                              f"(got {A.dtype}, {B.dtype}, {C.dtype})")
+        M, K = (A.shape[1], A.shape[0]) if ta else A.shape
+        Kb, N = (B.shape[1], B.shape[0]) if tb else B.shape
+        if K != Kb or C.shape != (M, N):
+            raise AndreaError(f"cuBLASLt gemm: shapes do not chain: op(A) {M}x{K}, op(B) {Kb}x{N}, C {C.shape}")
+        ld = lambda x: x.strides[0] // x.itemsize
+        ptrs = (B.data.ptr, A.data.ptr, C.data.ptr, C.data.ptr)
+        c_type = CUDA_R_32F if C.dtype == np.float32 else int(lowtype)
+        key = (M, N, K, bool(ta), bool(tb), int(lowtype), c_type, ld(A), ld(B), ld(C), float(beta), EPILOGUE_DEFAULT,
+               tuple(_align(p) for p in ptrs))
+        plan = self._plan16(key)
+        desc, a_l, b_l, d_l, _, algos, chosen = plan
+        statuses = []
+        for i in ([chosen] if chosen is not None else range(len(algos))):
+            rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, B.data.ptr, a_l, A.data.ptr, b_l,
+                                         self._beta[float(beta)].ctypes.data, C.data.ptr, d_l, C.data.ptr, d_l,
+                                         algos[i], self.ws.data.ptr, self.ws_bytes, stream)
+            if rc == 0:
+                plan[6] = i
+                return
+            statuses.append(rc)
+            if rc != STATUS_NOT_SUPPORTED:
+                break
+        raise AndreaError(f"cuBLASLt: cublasLtMatmul {M}x{N}x{K} (ta={ta}, tb={tb}, C {C.dtype}, beta {beta}) "
+                          f"failed with status {statuses} over {len(statuses)} candidate algorithm(s)")

@@ -15,7 +15,10 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
   its gradient, LayerNorm statistics and the loss in fp32; the matmuls read a 16-bit copy of the
   weights (``WC``) refreshed by the AdamW kernel;
 - what it saves: the attention's row log-sum-exp (B, H, T), the loss's row log-sum-exp (N,);
-- what it recomputes: the LayerNorm outputs and the GELU activations, one buffer for all layers;
+- what it recomputes: the GELU activations (``RECOMPUTE``), one buffer for all layers;
+- GEMMs (bf16/fp16): cuBLASLt, one heuristic algorithm per shape kept from its first call, its
+  32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements and the head's
+  forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte;
 - clipping, the NaN/inf skip and AdamW on the device; the fp16 dynamic loss scale on the host,
   saved and restored with ``extra_state``.
 """
@@ -33,7 +36,8 @@ from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_h
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add)
-from andrea.cuda.fp8 import Fp8Gemm, fp8_buffers, n_slots, require_fp8, weight_plan
+from andrea.cuda.cublaslt import Lt
+from andrea.cuda.fp8 import LT_WORKSPACE, Fp8Gemm, fp8_buffers, n_slots, require_fp8, weight_plan
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
 from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
@@ -42,6 +46,13 @@ from andrea.preflight import check_memory
 
 FP16_SCALE0, FP16_GROWTH_EVERY, FP16_SCALE_MAX = 2.0 ** 12, 1000, 2.0 ** 24
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+LT_PRECISIONS = ("bf16", "fp16")    # their GEMMs go to cuBLASLt (fp32 keeps cuBLAS, fp8 its E4M3 path)
+LOGITS_PAD = 64                     # their logits rows: V rounded up to 64 elements (128-byte aligned rows)
+# Saved activations the backward recomputes (PlanPolicy.recompute): the GELU output h_act (N, 4C per
+# layer: the largest saved tensor). The LayerNorm outputs are kept per layer (2 N C 16-bit values a
+# layer: +1.2 GB at 120M B=32, inside the peak-memory budget of issue 19); bench/engine_gpu.py
+# --recompute times the other choices in the same run.
+RECOMPUTE = frozenset({"gelu"})
 
 
 class FastOps:
@@ -50,12 +61,19 @@ class FastOps:
     shapes come from the arrays. Backward outputs follow the op contract (+= into parameter
     gradients and dres, = elsewhere)."""
 
-    def __init__(self, prec: str, blas, a: dict, f8=None):
-        self.p, self.lt, self.blas, self.a = prec, LOWTYPE[prec], blas, a
+    def __init__(self, prec: str, blas, a: dict, f8=None, lt=None):
+        self.p, self.lowtype, self.blas, self.a = prec, LOWTYPE[prec], blas, a
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
+        self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
 
-    def _mm(self, C, A, B, ta=False, tb=False, beta=0.0):
-        (self.f8 or self.blas).mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lt)
+    def _mm(self, C, A, B, ta=False, tb=False, beta=0.0, tag="gemm"):
+        """One GEMM (Blas.mm's contract); ``tag`` names it for bench/engine_gpu.py --breakdown."""
+        if self.f8 is not None:
+            self.f8.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype)
+        elif self.lt is not None:
+            self.lt.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype, stream=cp().cuda.get_current_stream().ptr)
+        else:
+            self.blas.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype)
 
     def embed_forward(self, out, idx, wte, wpe):
         B, T = idx.shape
@@ -76,11 +94,11 @@ class FastOps:
         k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C)
 
     def attn_qkv_forward(self, qkv, x, w_qkv):
-        self._mm(qkv, x, w_qkv)
+        self._mm(qkv, x, w_qkv, tag="qkv fwd")
 
     def attn_qkv_backward(self, dx, dw_qkv, dqkv, x, w_qkv, work):
-        self._mm(dw_qkv, x, dqkv, ta=True, beta=1.0)
-        self._mm(dx, dqkv, w_qkv, tb=True)
+        self._mm(dw_qkv, x, dqkv, ta=True, beta=1.0, tag="qkv wgrad")
+        self._mm(dx, dqkv, w_qkv, tb=True, tag="qkv dgrad")
 
     def attn_forward(self, out, att, qkv, mask, n_head, work):
         B, T, C = out.shape
@@ -91,27 +109,27 @@ class FastOps:
         k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False)
 
     def attn_out_forward(self, out, y, w_o):
-        self._mm(out, y, w_o)
+        self._mm(out, y, w_o, tag="attn-out fwd")
 
     def attn_out_backward(self, dy, dw_o, dout, y, w_o, work):
-        self._mm(dy, dout, w_o, tb=True)
-        self._mm(dw_o, y, dout, ta=True, beta=1.0)
+        self._mm(dy, dout, w_o, tb=True, tag="attn-out dgrad")
+        self._mm(dw_o, y, dout, ta=True, beta=1.0, tag="attn-out wgrad")
 
     def gelu_forward(self, out, x):
         k_gelu_fwd(self.p, out, x, x.size)
 
     def mlp_forward(self, out, h_pre, h_act, x, w_fc, w_proj):
-        self._mm(h_pre, x, w_fc)
+        self._mm(h_pre, x, w_fc, tag="fc fwd")
         k_gelu_fwd(self.p, h_act, h_pre, h_pre.size)
-        self._mm(out, h_act, w_proj)
+        self._mm(out, h_act, w_proj, tag="proj fwd")
 
     def mlp_backward(self, dx, dw_fc, dw_proj, dout, x, h_pre, h_act, w_fc, w_proj, work):
         dh = self.a["dh"]
-        self._mm(dh, dout, w_proj, tb=True)                     # dL/dh_act
-        self._mm(dw_proj, h_act, dout, ta=True, beta=1.0)
+        self._mm(dh, dout, w_proj, tb=True, tag="proj dgrad")   # dL/dh_act
+        self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
         k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)           # dL/dh_pre, in place
-        self._mm(dw_fc, x, dh, ta=True, beta=1.0)
-        self._mm(dx, dh, w_fc, tb=True)
+        self._mm(dw_fc, x, dh, ta=True, beta=1.0, tag="fc wgrad")
+        self._mm(dx, dh, w_fc, tb=True, tag="fc dgrad")
 
     def residual_add_forward(self, out, a, b):
         k_residual_add(self.p, out, a, b, out.size)
@@ -120,10 +138,29 @@ class FastOps:
         if db.data.ptr != dout.data.ptr:                        # fp32: the branch gradient IS dres
             k_cast(self.p, db, dout, dout.size)
 
-    def loss_forward(self, losses, logits, probs, x, wte, targets, work):
-        """probs is the row log-sum-exp (N,); the mean loss lands in the engine's loss_out[0]."""
+    def _padded_head(self, logits, wte):
+        """(the logits' whole padded rows (N, Vp), the zero-row-padded head weight (Vp, C)) when
+        the arena has them (bf16/fp16: ``wte_pad``, refreshed by GpuEngine._forward) and logits
+        are its padded rows, else None. The head GEMMs then run on Vp = 64k columns: with V odd
+        they ran at ~100 TFLOP/s on the H200 (bench/engine_gpu.py --breakdown). The pad columns
+        of the logits are x . 0 = 0 and, being zero, add nothing to dx = dlogits wte."""
+        wp = self.a.get("wte_pad")
         N, V = logits.shape
-        self._mm(logits, x, wte, tb=True)
+        if wp is None or wte.data.ptr != self.a["wlow"].data.ptr or wte.shape != (V, wp.shape[1]) \
+                or logits.strides[0] != wp.shape[0] * logits.itemsize:
+            return None
+        full = cp().ndarray((N, wp.shape[0]), dtype=logits.dtype, memptr=logits.data)
+        return full, wp
+
+    def loss_forward(self, losses, logits, probs, x, wte, targets, work):
+        """probs is the row log-sum-exp (N,); the mean loss lands in the engine's loss_out[0].
+        logits (N, V) may be a row-strided view (the padded rows of ``PlanPolicy.logits_pad``)."""
+        N, V = logits.shape
+        pad = self._padded_head(logits, wte)
+        if pad is None:
+            self._mm(logits, x, wte, tb=True, tag="head fwd")
+        else:
+            self._mm(pad[0], x, pad[1], tb=True, tag="head fwd")
         if targets is not None:
             k_loss_fwd(self.p, probs, losses, logits, targets, N, V)
             k_loss_mean(losses, self.a["loss_out"], N)
@@ -132,8 +169,12 @@ class FastOps:
         """dlogits is rebuilt in place in logits from the saved log-sum-exp ``probs``."""
         N, V = logits.shape
         k_loss_bwd(self.p, logits, logits, targets, probs, dloss, N, V)
-        self._mm(dx, logits, wte)                               # dx = dlogits @ wte
-        self._mm(dwte, logits, x, ta=True, beta=1.0)            # dwte += dlogits.T @ x
+        pad = self._padded_head(logits, wte)
+        if pad is None:
+            self._mm(dx, logits, wte, tag="head dgrad")         # dx = dlogits @ wte
+        else:
+            self._mm(dx, pad[0], pad[1], tag="head dgrad")      # the zero pad columns add nothing
+        self._mm(dwte, logits, x, ta=True, beta=1.0, tag="head wgrad")   # dwte += dlogits.T @ x
 
 
 def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
@@ -149,8 +190,9 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
         Buffer("seg_order", (N,), "index", "int32"), Buffer("seg_start", (N + 1,), "index", "int32"),
         Buffer("seg_tok", (N,), "index", "int32"), Buffer("seg_n", (1,), "index", "int32"),
     )
-    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=frozenset({"ln", "gelu"}),
-                      cast_branch=precision != "fp32", scratch=scratch)
+    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=RECOMPUTE,
+                      cast_branch=precision != "fp32", scratch=scratch,
+                      logits_pad=LOGITS_PAD if precision in LT_PRECISIONS else 1)
 
 
 @dataclass(frozen=True)
@@ -190,6 +232,10 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec += [("norm_all", (world * NORM_BLOCKS,), np.float32), ("loss_all", (world,), np.float32)]
     if precision != "fp32":
         spec.append(("wlow", (n,), low))
+    if precision in LT_PRECISIONS:
+        spec.append(("lt_ws", (LT_WORKSPACE,), np.uint8))     # cuBLASLt's workspace (fp8's is in fp8_buffers)
+        vp = -(-mc.vocab_size // LOGITS_PAD) * LOGITS_PAD
+        spec.append(("wte_pad", (vp, mc.d_model), low))       # the head's wte, zero rows to Vp (FastOps._padded_head)
     if precision == "fp8":
         plan8, n8 = fp8_plan(mc)
         spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8))
@@ -258,7 +304,8 @@ class GpuEngine:
         if precision == "fp8":
             f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], {self.WL["wte"].data.ptr, self.G["wte"].data.ptr}, self.blas)
         self.f8 = f8
-        self.ops = FastOps(self.kp, self.blas, a, f8)
+        self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
+        self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
@@ -329,6 +376,9 @@ class GpuEngine:
     def _forward(self, with_loss: bool) -> None:
         if self.f8 is not None:
             self.f8.cast_weights()                            # E4M3 copies of this step's weights
+        if "wte_pad" in self.a:                               # this step's 16-bit wte into the padded head copy
+            src, dst = self.WL["wte"], self.a["wte_pad"]
+            dst.data.copy_from_device_async(src.data, src.nbytes, self.cp.cuda.get_current_stream())
         recipe.forward(self.ops, self.z, self.mc.n_head, with_loss)
 
     def _backward(self, dscale: float) -> None:
@@ -451,7 +501,7 @@ class GpuEngine:
 
     def logits_host(self) -> np.ndarray:
         """The last forward's logits (N, V) as float32 on the host."""
-        bits = self.cp.asnumpy(self.a["logits"])
+        bits = self.cp.asnumpy(self.a["logits"][:, :self.mc.vocab_size])
         if self.prec == "fp32":
             return bits
         if self.kp == "bf16":

@@ -1,6 +1,7 @@
 """Launch geometry, argument checks and cuBLAS for ANDREA's CUDA kernels: one Python launcher per
 kernel of ``andrea/cuda/*.cu`` (grid, block, argument order), the dtype/shape/contiguity checks
-made before a launch (``need``), and the row-major GEMM over cuBLAS (``Blas``). The op sets that
+made before a launch (``need``), and the row-major GEMM over cuBLAS (``Blas``: the fp32 engine's, the
+mirror's and fp8's bf16 head; the bf16/fp16 engine's GEMMs are ``cublaslt.Lt.mm``). The op sets that
 call these are ``andrea/cuda/mirror.py`` (fp32, ops_numpy's contract) and ``andrea/cuda/engine.py``
 (the mixed-precision engine).
 
@@ -268,18 +269,32 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
                       f32(sl2), f32(scale), acc))
 
 
+def _row_ld(op: str, x, N: int, V: int) -> int:
+    """Elements between rows of an (N, V) matrix that is contiguous or a row-strided view (the
+    engine's padded logits: the first V columns of wider rows)."""
+    if x.ndim != 2 or tuple(x.shape) != (N, V) or x.strides[1] != x.itemsize or x.strides[0] % x.itemsize:
+        raise AndreaError(f"cuda op {op}: expected an ({N}, {V}) matrix with unit column stride, "
+                          f"got shape {tuple(x.shape)} strides {x.strides}")
+    return x.strides[0] // x.itemsize if N > 1 else V
+
+
 def k_loss_fwd(prec, lse, losses, logits, targets, N, V):
-    kernel("loss.cu", f"k_loss_fwd_{SUFFIX[prec]}")((N,), (512,), (logits, targets, lse, losses, i32(N), i32(V)))
+    """lse, losses (N,) of logits (N, V), contiguous or rows further apart (``_row_ld``)."""
+    ld = _row_ld("loss_forward", logits, N, V)
+    kernel("loss.cu", f"k_loss_fwd_{SUFFIX[prec]}")((N,), (512,), (ptr(logits), targets, lse, losses, i32(N), i32(V),
+                                                                    i32(ld)))
 
 
 def k_loss_bwd(prec, dlogits, logits, targets, lse, dscale, N, V):
     """dlogits (N, V) = (softmax - onehot) * dscale; may be logits itself. The kernel reads and writes
-    16-byte vectors at the same offsets, so both buffers must share their alignment mod 16."""
-    if (dlogits.data.ptr - logits.data.ptr) % 16:
-        raise AndreaError("cuda op loss_backward: dlogits and logits differ in 16-byte alignment "
+    16-byte vectors at the same offsets, so both buffers must share their alignment mod 16 and
+    their row stride."""
+    ld = _row_ld("loss_backward", logits, N, V)
+    if (dlogits.data.ptr - logits.data.ptr) % 16 or _row_ld("loss_backward", dlogits, N, V) != ld:
+        raise AndreaError("cuda op loss_backward: dlogits and logits differ in 16-byte alignment or row stride "
                           f"({dlogits.data.ptr % 16} vs {logits.data.ptr % 16}); pass logits itself or a same-layout buffer")
-    kernel("loss.cu", f"k_loss_bwd_{SUFFIX[prec]}")((N,), (512,),
-                                                     (logits, targets, lse, dlogits, f32(dscale), i32(N), i32(V)))
+    kernel("loss.cu", f"k_loss_bwd_{SUFFIX[prec]}")((N,), (512,), (ptr(logits), targets, lse, ptr(dlogits), f32(dscale),
+                                                                    i32(N), i32(V), i32(ld)))
 
 
 def embed_segments(idx_host: np.ndarray):

@@ -1,6 +1,7 @@
 // loss.cu: cross-entropy over the vocabulary with a fused softmax (the `loss` op pair).
 //
-// k_loss_fwd_<t>:  logits (N, V) storage t, targets (N,) int32 -> lse (N,) fp32 and
+// k_loss_fwd_<t>:  logits (N, V) storage t, rows ld >= V elements apart (the engine pads them to a
+//                  multiple of 64), targets (N,) int32 -> lse (N,) fp32 and
 //                  losses (N,) fp32 = lse - logit[target]. One block per row, one pass (online
 //                  max / sum of exp), fixed merge order.
 // k_loss_mean:     out[0] = sum(losses) / N, one block, fixed order (deterministic).
@@ -41,12 +42,12 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float mo, float so)
 
 template <typename T>
 __device__ void loss_fwd(const T* __restrict__ logits, const int* __restrict__ targets, float* __restrict__ lse,
-                         float* __restrict__ losses, int N, int V) {
+                         float* __restrict__ losses, int N, int V, int ld) {
     __shared__ float bm[32], bs[32];
     constexpr int VN = Vec16<T>::n;
     const int row = blockIdx.x;
     if (row >= N) return;
-    const T* lr = logits + (long long)row * V;
+    const T* lr = logits + (long long)row * ld;
     int head, nvec;
     row_split(lr, V, head, nvec);
     const int tail0 = head + nvec * VN;
@@ -86,11 +87,11 @@ __device__ void loss_fwd(const T* __restrict__ logits, const int* __restrict__ t
 
 template <typename T>
 __device__ void loss_bwd(const T* logits, const int* __restrict__ targets, const float* __restrict__ lse,
-                         T* dlogits, float dscale, int N, int V) {
+                         T* dlogits, float dscale, int N, int V, int ld) {
     constexpr int VN = Vec16<T>::n;
     const int row = blockIdx.x;
     if (row >= N) return;
-    const long long base = (long long)row * V;
+    const long long base = (long long)row * ld;
     const float l = lse[row];
     const int t = targets[row];
     int head, nvec;
@@ -122,12 +123,12 @@ extern "C" __global__ void k_loss_mean(const float* __restrict__ losses, float* 
 
 #define LOSS_INST(SUF, T)                                                                               \
     extern "C" __global__ void k_loss_fwd_##SUF(const T* logits, const int* targets, float* lse,        \
-                                                float* losses, int N, int V) {                          \
-        loss_fwd<T>(logits, targets, lse, losses, N, V);                                                \
+                                                float* losses, int N, int V, int ld) {                  \
+        loss_fwd<T>(logits, targets, lse, losses, N, V, ld);                                            \
     }                                                                                                   \
     extern "C" __global__ void k_loss_bwd_##SUF(const T* logits, const int* targets, const float* lse,  \
-                                                T* dlogits, float dscale, int N, int V) {               \
-        loss_bwd<T>(logits, targets, lse, dlogits, dscale, N, V);                                       \
+                                                T* dlogits, float dscale, int N, int V, int ld) {       \
+        loss_bwd<T>(logits, targets, lse, dlogits, dscale, N, V, ld);                                   \
     }
 
 LOSS_INST(f32, float)

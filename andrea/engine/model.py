@@ -148,6 +148,9 @@ class PlanPolicy:
     cast_branch  the branch gradient dbranch is its own compute-dtype buffer, cast from dres
                  (else dbranch IS dres: no copy)
     scratch      the ops' own buffers (work, constants), declared by the backend
+    logits_pad   the logits' rows are V rounded up to a multiple of this many elements (1: (N, V);
+                 the GPU's 16-bit engines pad to 64 so the head GEMMs' rows start 128-byte aligned;
+                 the ops see the (N, V) view of the first V columns)
     """
 
     att_shape: tuple[int, ...]
@@ -155,6 +158,7 @@ class PlanPolicy:
     recompute: frozenset = frozenset()
     cast_branch: bool = False
     scratch: tuple[Buffer, ...] = ()
+    logits_pad: int = 1
 
 
 def activation_plan(mc: ModelConfig, batch_size: int, policy: PlanPolicy) -> list[Buffer]:
@@ -185,7 +189,7 @@ def activation_plan(mc: ModelConfig, batch_size: int, policy: PlanPolicy) -> lis
         Buffer("lnf", (N, C), "saved"),
         Buffer("lnf_mean", (N,), "saved", "acc"),
         Buffer("lnf_rstd", (N,), "saved", "acc"),
-        Buffer("logits", (N, V), "saved"),
+        Buffer("logits", (N, -(-V // policy.logits_pad) * policy.logits_pad), "saved"),
         Buffer("probs", policy.loss_saved, "saved", "acc" if len(policy.loss_saved) == 1 else "act"),
         Buffer("losses", (N,), "saved", "acc"),
         # activation gradients (reused layer after layer)

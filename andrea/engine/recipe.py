@@ -108,8 +108,9 @@ def views(a: dict, W: dict, WC: dict, G: dict, mc: ModelConfig, rows: tuple[int,
     b0, b1 = rows
     n, T, C = b1 - b0, mc.context, mc.d_model
     r0, r1 = b0 * T, b1 * T
-    rows_of = {k: a[k][r0:r1] for k in ("branch", "lnf", "lnf_mean", "lnf_rstd", "logits", "probs", "losses",
+    rows_of = {k: a[k][r0:r1] for k in ("branch", "lnf", "lnf_mean", "lnf_rstd", "probs", "losses",
                                          "dres", "dln", "dqkv", "datty")}
+    rows_of["logits"] = a["logits"][r0:r1, :mc.vocab_size]    # (n*T, V), rows may be padded (PlanPolicy)
     dbranch = a["dbranch"][r0:r1] if "dbranch" in a else rows_of["dres"]     # fp32: the branch grad IS dres
     z = SimpleNamespace(G=G, work=work, mask=mask, idx=a["idx"][b0:b1], targets=a["targets"][b0:b1].reshape(n * T),
                         emb3=a["res"][0][r0:r1].reshape(n, T, C), res_last=a["res"][-1][r0:r1],
