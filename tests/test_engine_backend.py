@@ -97,20 +97,21 @@ def test_every_op_the_recipe_calls_exists_on_every_op_set():
 
 
 def test_the_16bit_arena_pads_logits_rows_and_holds_the_cublaslt_workspace():
-    """bf16/fp16: logits rows of V rounded up to LOGITS_PAD elements, cuBLASLt's workspace in the
-    arena (planned, not beside it), the LayerNorm outputs kept per layer; fp32 and fp8 keep (N, V).
-    The recipe's views are (N, V) either way. Checked without a GPU."""
+    """bf16/fp16/fp8: logits rows of V rounded up to LOGITS_PAD elements and the zero-padded head
+    copy wte_pad (fp8's head is a bf16 GEMM), cuBLASLt's workspace in the arena (planned, not beside
+    it), the LayerNorm outputs kept per layer; fp32 keeps (N, V). The recipe's views are (N, V)
+    either way. Checked without a GPU."""
     from andrea.cuda.engine import LOGITS_PAD, arena_layout
     from andrea.cuda.fp8 import LT_WORKSPACE
     from andrea.engine.model import ModelConfig
 
     mc = ModelConfig(vocab_size=1001, d_model=64, n_head=2, n_layer=2, context=64)
     N = 2 * mc.context
-    for prec, cols in (("bf16", 1024), ("fp16", 1024), ("fp32", 1001), ("fp8", 1001)):
+    for prec, cols in (("bf16", 1024), ("fp16", 1024), ("fp32", 1001), ("fp8", 1024)):
         ar = arena_layout(mc, 2, prec)
         spec = {name: (shape, dt) for name, shape, dt in ar.spec}
         assert spec["logits"][0] == (N, cols), prec
         assert ("lt_ws" in spec) == (prec != "fp32") and (prec == "fp32" or spec["lt_ws"][0] == (LT_WORKSPACE,))
-        assert cols % LOGITS_PAD == 0 or prec in ("fp32", "fp8")
+        assert cols % LOGITS_PAD == 0 or prec == "fp32"
         assert spec["ln1"][0][0] == mc.n_layer and spec["h_act"][0][0] == 1, prec
-        assert ("wte_pad" in spec) == (prec in ("bf16", "fp16")) and spec.get("wte_pad", ((cols, 64),))[0] == (cols, 64)
+        assert ("wte_pad" in spec) == (prec != "fp32") and spec.get("wte_pad", ((cols, 64),))[0] == (cols, 64)

@@ -184,8 +184,9 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=W.size)])
     plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
     bf16_calls = []
-    blas = SimpleNamespace(mm=lambda *a_, **k: bf16_calls.append(k))
-    g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, {head.data.ptr}, blas, lt=SimpleNamespace(mm_nt=mm_nt))
+    blas = SimpleNamespace(mm=lambda *a_, **k: pytest.fail("fp8 gemm: the bf16 head goes to cuBLASLt, not cuBLAS"))
+    lt = SimpleNamespace(mm_nt=mm_nt, mm=lambda *a_, **k: bf16_calls.append(k))
+    g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, {head.data.ptr}, blas, lt=lt)
     g._stream = lambda: 0
     g.cast_weights()
     dq = lambda x: f8.dequantize(*f8.quantize(f8.bf16_to_f32(np.asarray(x)))).astype(np.float64)  # noqa: E731
@@ -202,7 +203,7 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     np.testing.assert_allclose(widen(dX), dq(dY) @ dq(W).T, rtol=2 ** -7, atol=1e-9)
     np.testing.assert_allclose(np.asarray(dW), dq(X).T @ dq(dY) + 0.5, rtol=1e-6, atol=1e-9)
     g.mm(out[:, :96], X, head, tb=True)                        # the head (its weight in bf16_ptrs) stays bf16
-    assert len(bf16_calls) == 1
+    assert len(bf16_calls) == 1 and bf16_calls[0]["stream"] == 0  # on cuBLASLt, on the engine's stream
     casts.clear()
     g.mm(dW, X, dY, ta=True, beta=1.0)                         # a reuse lasts one call only: cast afresh
     assert casts == [X.data.ptr, dY.data.ptr]

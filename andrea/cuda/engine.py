@@ -18,7 +18,8 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
 - what it recomputes: the GELU activations (``RECOMPUTE``), one buffer for all layers;
 - GEMMs (bf16/fp16): cuBLASLt, one heuristic algorithm per shape kept from its first call, its
   32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements and the head's
-  forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte;
+  forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte
+  (fp8 too: its head is a bf16 GEMM, on its own cuBLASLt handle in ``Fp8Gemm``);
 - clipping, the NaN/inf skip and AdamW on the device; the fp16 dynamic loss scale on the host,
   saved and restored with ``extra_state``.
 """
@@ -47,6 +48,7 @@ from andrea.preflight import check_memory
 FP16_SCALE0, FP16_GROWTH_EVERY, FP16_SCALE_MAX = 2.0 ** 12, 1000, 2.0 ** 24
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 LT_PRECISIONS = ("bf16", "fp16")    # their GEMMs go to cuBLASLt (fp32 keeps cuBLAS, fp8 its E4M3 path)
+PAD_PRECISIONS = ("bf16", "fp16", "fp8")   # the padded vocabulary head (fp8's stays bf16, through cuBLASLt)
 LOGITS_PAD = 64                     # their logits rows: V rounded up to 64 elements (128-byte aligned rows)
 # Saved activations the backward recomputes (PlanPolicy.recompute): the GELU output h_act (N, 4C per
 # layer: the largest saved tensor). The LayerNorm outputs are kept per layer (2 N C 16-bit values a
@@ -140,7 +142,7 @@ class FastOps:
 
     def _padded_head(self, logits, wte):
         """(the logits' whole padded rows (N, Vp), the zero-row-padded head weight (Vp, C)) when
-        the arena has them (bf16/fp16: ``wte_pad``, refreshed by GpuEngine._forward) and logits
+        the arena has them (bf16/fp16/fp8: ``wte_pad``, refreshed by GpuEngine._forward) and logits
         are its padded rows, else None. The head GEMMs then run on Vp = 64k columns: with V odd
         they ran at ~100 TFLOP/s on the H200 (bench/engine_gpu.py --breakdown). The pad columns
         of the logits are x . 0 = 0 and, being zero, add nothing to dx = dlogits wte."""
@@ -192,7 +194,7 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
     )
     return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=RECOMPUTE,
                       cast_branch=precision != "fp32", scratch=scratch,
-                      logits_pad=LOGITS_PAD if precision in LT_PRECISIONS else 1)
+                      logits_pad=LOGITS_PAD if precision in PAD_PRECISIONS else 1)
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec.append(("wlow", (n,), low))
     if precision in LT_PRECISIONS:
         spec.append(("lt_ws", (LT_WORKSPACE,), np.uint8))     # cuBLASLt's workspace (fp8's is in fp8_buffers)
+    if precision in PAD_PRECISIONS:
         vp = -(-mc.vocab_size // LOGITS_PAD) * LOGITS_PAD
         spec.append(("wte_pad", (vp, mc.d_model), low))       # the head's wte, zero rows to Vp (FastOps._padded_head)
     if precision == "fp8":
@@ -302,7 +305,8 @@ class GpuEngine:
         a["gstate"].set(np.array([0.0, 1.0, 1.0, 0.0], dtype=np.float32))
         f8 = None
         if precision == "fp8":
-            f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], {self.WL["wte"].data.ptr, self.G["wte"].data.ptr}, self.blas)
+            head = {self.WL["wte"].data.ptr, self.G["wte"].data.ptr, a["wte_pad"].data.ptr}   # bf16 GEMMs
+            f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], head, self.blas)
         self.f8 = f8
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)

@@ -167,8 +167,8 @@ class Fp8Gemm:
 
     def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF) -> None:
         prev, self._memo = self._memo, {}
-        if {A.data.ptr, B.data.ptr, C.data.ptr} & self.bf16_ptrs:     # the tied head stays bf16
-            self.blas.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=lowtype)
+        if {A.data.ptr, B.data.ptr, C.data.ptr} & self.bf16_ptrs:     # the tied head stays bf16 (cuBLASLt)
+            self.lt.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=lowtype, stream=self._stream())
             return
         for nm, x in (("A", A), ("B", B), ("C", C)):
             need("fp8 gemm", nm, x)
