@@ -241,6 +241,20 @@ def gemm_shapes(s: dict, B: int) -> dict:
     return out
 
 
+def event_ms(fn, reps: int) -> float:
+    """ms per call of ``fn`` on the current stream: one untimed call, then ``reps`` between CUDA events."""
+    import cupy as cp
+
+    fn()
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record()
+    for _ in range(reps):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) / reps
+
+
 def gemm_compare(s: dict, B: int, reps: int = 5) -> dict:
     """ms per call of every named GEMM alone (random bf16 operands) through cuBLAS's cublasGemmEx
     (kernels.Blas, the engine's path before cuBLASLt) and through cuBLASLt (cublaslt.Lt.mm, the
@@ -258,15 +272,7 @@ def gemm_compare(s: dict, B: int, reps: int = 5) -> dict:
     cp.random.seed(0)
     bf16 = lambda r, c: (cp.random.standard_normal((r, c), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
 
-    def timed(fn) -> float:
-        fn()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        return cp.cuda.get_elapsed_time(e0, e1) / reps
+    timed = lambda fn: event_ms(fn, reps)  # noqa: E731
 
     out = {}
     for name, (M, N, K, ta, tb, c32) in gemm_shapes(s, B).items():
@@ -313,15 +319,7 @@ def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
     lse, dvec = cp.zeros(B * H * T, cp.float32), cp.zeros(B * H * T, cp.float32)
     fwd_fl = 2.0 * B * T * T * C
 
-    def timed(fn) -> float:
-        fn()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        return cp.cuda.get_elapsed_time(e0, e1) / reps
+    timed = lambda fn: event_ms(fn, reps)  # noqa: E731
 
     out = {}
     for r in (64, 128):

@@ -71,8 +71,9 @@ def _load():
             f = getattr(lib, fn)
             f.argtypes, f.restype = args, _I
         return lib
-    raise AndreaError("train.precision=fp8: libcublasLt (cuBLASLt, part of the CUDA toolkit's cuBLAS) "
-                      "could not be loaded; install the CUDA 12/13 cuBLAS libraries or use train.precision=bf16")
+    raise AndreaError("cupy engine: libcublasLt (cuBLASLt, part of the CUDA toolkit's cuBLAS; the bf16, fp16 and "
+                      "fp8 GEMMs use it) could not be loaded; install the CUDA 12/13 cuBLAS libraries or use "
+                      "train.precision=fp32")
 
 
 def _align(ptr: int) -> int:
@@ -133,6 +134,16 @@ class Lt:
         a_l = self._layout(CUDA_R_8F_E4M3, K, N, K)
         b_l = self._layout(CUDA_R_8F_E4M3, K, M, K)
         d_l = self._layout(d_type, N, M, N)
+        plan = self._candidates(desc, a_l, b_l, d_l, aligns,
+                                f"FP8 D {M}x{N} (type {d_type}) K={K} beta={beta}", "; M, N, K must be multiples of 16")
+        self.plans[key] = plan
+        return plan
+
+    def _candidates(self, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "") -> list:
+        """The plan of a problem whose descriptor and layouts are made: [desc, a_l, b_l, d_l, the
+        heuristic's result buffer, the addresses of up to N_ALGOS candidate algorithms, None]; the
+        last entry becomes the index of the candidate that ran (``_run``)."""
+        L = self.lib
         pref = _P()
         self._check(L.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         sp = L.cublasLtMatmulPreferenceSetAttribute
@@ -143,12 +154,27 @@ class Lt:
         n = _I(0)
         rc = L.cublasLtMatmulAlgoGetHeuristic(self.h, desc, a_l, b_l, d_l, d_l, pref, N_ALGOS, res, ctypes.byref(n))
         if rc or n.value < 1:
-            raise AndreaError(f"cuBLASLt: no FP8 algorithm for D {M}x{N} (type {d_type}) K={K} beta={beta} "
-                              f"(status {rc}); M, N, K must be multiples of 16")
+            raise AndreaError(f"cuBLASLt: no algorithm for {what} (status {rc}){hint}")
         algos = [ctypes.addressof(res) + i * HEURISTIC_RESULT_BYTES for i in range(n.value)]
-        plan = [desc, a_l, b_l, d_l, res, algos, None]          # [6]: the candidate that ran, once known
-        self.plans[key] = plan
-        return plan
+        return [desc, a_l, b_l, d_l, res, algos, None]
+
+    def _run(self, plan: list, a_ptr: int, b_ptr: int, d_ptr: int, beta: float, stream: int, what: str) -> None:
+        """cublasLtMatmul of a plan (D = alpha op(A) op(B) + beta D in place, cuBLASLt's column-major
+        A and B): its kept candidate, or on first use each in turn until one runs (kept from then on)."""
+        desc, a_l, b_l, d_l, _, algos, chosen = plan
+        statuses = []
+        for i in ([chosen] if chosen is not None else range(len(algos))):
+            rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
+                                         self._beta[float(beta)].ctypes.data, d_ptr, d_l, d_ptr, d_l,
+                                         algos[i], self.ws.data.ptr, self.ws_bytes, stream)
+            if rc == 0:
+                plan[6] = i                                     # this problem runs this candidate from now on
+                return
+            statuses.append(rc)
+            if rc != STATUS_NOT_SUPPORTED:
+                break
+        raise AndreaError(f"cuBLASLt: cublasLtMatmul {what} failed with status {statuses} over {len(statuses)} "
+                          "candidate algorithm(s)")
 
     def mm_nt(self, D, X8, Y8, x_inv, y_inv, M: int, N: int, K: int, d_type: int, beta: float = 0.0,
               fast_accum: bool = False, epilogue: int = EPILOGUE_DEFAULT, stream: int = 0) -> None:
@@ -163,23 +189,11 @@ class Lt:
             raise AndreaError(f"cuBLASLt fp8 gemm: buffers and scale pointers must be 16-byte aligned "
                               f"(alignments {aligns}, scales at {int(x_inv) % 16} and {int(y_inv) % 16} mod 16)")
         plan = self._plan((M, N, K, d_type, float(beta), bool(fast_accum), int(epilogue), aligns), x_inv, y_inv)
-        desc, a_l, b_l, d_l, _, algos, chosen = plan
         sd = self.lib.cublasLtMatmulDescSetAttribute
-        self._set(sd, desc, DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
-        self._set(sd, desc, DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
-        statuses = []
-        for i in ([chosen] if chosen is not None else range(len(algos))):
-            rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, Y8.data.ptr, a_l, X8.data.ptr, b_l,
-                                         self._beta[float(beta)].ctypes.data, D.data.ptr, d_l, D.data.ptr, d_l,
-                                         algos[i], self.ws.data.ptr, self.ws_bytes, stream)
-            if rc == 0:
-                plan[6] = i                                     # this problem runs this candidate from now on
-                return
-            statuses.append(rc)
-            if rc != STATUS_NOT_SUPPORTED:
-                break
-        raise AndreaError(f"cuBLASLt: cublasLtMatmul {M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation "
-                          f"{fast_accum}) failed with status {statuses} over {len(statuses)} candidate algorithm(s)")
+        self._set(sd, plan[0], DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
+        self._set(sd, plan[0], DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
+        self._run(plan, Y8.data.ptr, X8.data.ptr, D.data.ptr, beta, stream,
+                  f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum})")
 
     # ------------------------------------------------------------------ 16-bit GEMM
     def _plan16(self, key: tuple):
@@ -199,20 +213,8 @@ class Lt:
         a_l = self._layout(ab_type, *((K, N) if tb else (N, K)), ldb)     # B's storage, column-major
         b_l = self._layout(ab_type, *((M, K) if ta else (K, M)), lda)     # A's storage
         d_l = self._layout(c_type, N, M, ldc)
-        pref = _P()
-        self._check(L.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-        sp = L.cublasLtMatmulPreferenceSetAttribute
-        self._set(sp, pref, PREF_MAX_WORKSPACE_BYTES, self.ws_bytes, ctypes.c_uint64)
-        for name, a in zip("ABCD", aligns):
-            self._set(sp, pref, PREF_MIN_ALIGNMENT[name], a, ctypes.c_uint32)
-        res = (ctypes.c_ubyte * (HEURISTIC_RESULT_BYTES * N_ALGOS))()
-        n = _I(0)
-        rc = L.cublasLtMatmulAlgoGetHeuristic(self.h, desc, a_l, b_l, d_l, d_l, pref, N_ALGOS, res, ctypes.byref(n))
-        if rc or n.value < 1:
-            raise AndreaError(f"cuBLASLt: no algorithm for C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/"
-                              f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns}; status {rc})")
-        algos = [ctypes.addressof(res) + i * HEURISTIC_RESULT_BYTES for i in range(n.value)]
-        plan = [desc, a_l, b_l, d_l, res, algos, None]
+        plan = self._candidates(desc, a_l, b_l, d_l, aligns, f"C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/"
+                                f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns})")
         self.plans16[key] = plan
         return plan
 
@@ -239,18 +241,5 @@ class Lt:
         c_type = CUDA_R_32F if C.dtype == np.float32 else int(lowtype)
         key = (M, N, K, bool(ta), bool(tb), int(lowtype), c_type, ld(A), ld(B), ld(C), float(beta), EPILOGUE_DEFAULT,
                tuple(_align(p) for p in ptrs))
-        plan = self._plan16(key)
-        desc, a_l, b_l, d_l, _, algos, chosen = plan
-        statuses = []
-        for i in ([chosen] if chosen is not None else range(len(algos))):
-            rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, B.data.ptr, a_l, A.data.ptr, b_l,
-                                         self._beta[float(beta)].ctypes.data, C.data.ptr, d_l, C.data.ptr, d_l,
-                                         algos[i], self.ws.data.ptr, self.ws_bytes, stream)
-            if rc == 0:
-                plan[6] = i
-                return
-            statuses.append(rc)
-            if rc != STATUS_NOT_SUPPORTED:
-                break
-        raise AndreaError(f"cuBLASLt: cublasLtMatmul {M}x{N}x{K} (ta={ta}, tb={tb}, C {C.dtype}, beta {beta}) "
-                          f"failed with status {statuses} over {len(statuses)} candidate algorithm(s)")
+        self._run(self._plan16(key), B.data.ptr, A.data.ptr, C.data.ptr, beta, stream,
+                  f"{M}x{N}x{K} (ta={ta}, tb={tb}, C {C.dtype}, beta {beta})")
