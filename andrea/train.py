@@ -374,11 +374,8 @@ class Trainer:
     def checkpoint(self, why: str, archive: str | None = None) -> None:
         """model.bin, model.state.json, model.loss.json, model.samples.json: one unit (andrea/runs.py);
         with ``archive``, archive/<archive>.{state,samples}.json in the same unit."""
-        be = self.engine.be
-        if self.comm is not None:            # every rank: the m and v shards are gathered (a collective)
-            host = [np.ascontiguousarray(a, dtype=np.float32) for a in self.engine.state_host()]
-        else:
-            host = [np.ascontiguousarray(be.to_host(a), dtype=np.float32) for a in (self.engine.w, self.engine.m, self.engine.v)]
+        # with ranks, every rank calls it: the m and v shards are gathered (a collective)
+        host = [np.ascontiguousarray(a, dtype=np.float32) for a in self.engine.state_host()]
         state = {
             "format": STATE_FORMAT, "step": self.step, "phase": self.phase,
             "config_hash": self.hash, "tokenizer_sha256": self.tok.sha256,

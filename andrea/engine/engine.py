@@ -217,6 +217,10 @@ class Engine:
         for dst, src in ((self.w, w), (self.m, m), (self.v, v)):
             self.be.copy_from_host(dst, src)
 
+    def state_host(self):
+        """The whole fp32 w, m, v on the host (what a checkpoint saves; GpuEngine's has the same name)."""
+        return tuple(self.be.to_host(x) for x in (self.w, self.m, self.v))
+
     def extra_state(self) -> dict:
         """Optimizer state beyond w, m, v that later steps depend on (none here; the fp16 GPU
         engine has its loss scale). JSON-able; ``load_extra_state`` takes it back."""
