@@ -174,12 +174,7 @@ def local_batch(batch_size: int, world: int) -> int:
 def global_mean(values) -> float:
     """The mean of the ranks' values, summed in rank order in float64 (the same float on every rank)."""
     vals = [float(v) for v in values]
-    if len(vals) == 1:
-        return vals[0]
-    s = 0.0
-    for v in vals:
-        s += v
-    return s / len(vals)
+    return sum(vals) / len(vals)              # sum() adds left to right: rank order; one value is itself
 
 
 def agree_flags(comm, flags: list[int]) -> list[int]:
