@@ -200,6 +200,14 @@ def check_polish_sources(cfg: dict) -> None:
                               f"{', '.join(made)})")
 
 
+def check_floor_sources(cfg: dict) -> None:
+    """The train stage's rule for ``bandit.floors``: every key is a source ``megachat.sources`` makes."""
+    made = [s["name"] for s in cfg["megachat"]["sources"]]
+    for name in cfg["bandit"].get("floors") or {}:
+        if name not in made:
+            raise ConfigError(f"bandit.floors.{name}: unknown source (megachat.sources makes {', '.join(made)})")
+
+
 def get(cfg: dict, dotted: str) -> Any:
     node: Any = cfg
     for p in dotted.split("."):

@@ -9,7 +9,8 @@ state's ``config`` and ``config_hash``).
 
 Field names are the param keys; types follow workflow/schemas/params.schema.yaml: an
 ``integer`` is an ``int`` (a whole float such as 16.0 is taken as 16), a ``number`` a
-``float``, an array a tuple, an object with named keys a nested dataclass. Sections the
+``float``, an array a tuple, an object with named keys a nested dataclass, an object with free keys
+(``bandit.floors``) a dict. Sections the
 training path does not read (hermes3, megachat, tokenizer, diet: their stages read the dict)
 are not typed here. ``from_dict`` expects a config ``andrea.config.load_config`` validated;
 for a hand-made dict (tests) a missing, unknown or mistyped key is a ``ConfigError`` naming
@@ -81,6 +82,7 @@ class BanditSettings:
     floor: float
     coverage_bonus: float
     epoch_penalty: str
+    floors: dict[str, float] = dataclasses.field(default_factory=dict)  # per-source floor shares over ``floor``
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,11 @@ def _build(cls: type, d: dict, where: str, others_ok: bool):
 def _value(t, v, where: str):
     if dataclasses.is_dataclass(t):
         return section(t, v, where)
+    if typing.get_origin(t) is dict:
+        if not isinstance(v, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(v).__name__}")
+        (_, elem) = typing.get_args(t)
+        return {str(k): _value(elem, x, f"{where}.{k}") for k, x in v.items()}
     if typing.get_origin(t) is tuple:
         if not isinstance(v, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(v).__name__}")

@@ -40,7 +40,9 @@ def _check(cls, node: dict, d: dict, where: str):
     hints, obj = typing.get_type_hints(cls), section(cls, d, where)
     fields = [f.name for f in dataclasses.fields(cls)]
     assert fields == list(node["properties"]), where          # names and order = the schema's
-    optional = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    optional = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     assert set(node["required"]) == set(fields) - set(optional), where     # optional: a default, not required
     d = {**optional, **d}
     for name in fields:
@@ -48,6 +50,10 @@ def _check(cls, node: dict, d: dict, where: str):
         st = _schema_type(prop)
         if dataclasses.is_dataclass(t):
             _check(t, prop, d[name], f"{where}.{name}")
+        elif st == "object":                                  # free keys (bandit.floors): a dict
+            values = _schema_type(prop["additionalProperties"])
+            assert typing.get_origin(t) is dict and typing.get_args(t)[1] is TYPES.get(values, values), where
+            assert isinstance(got, dict) and got == d[name]
         elif st == "array":
             items = _schema_type(prop["items"])
             assert typing.get_origin(t) is tuple and typing.get_args(t)[0] is TYPES.get(items, items), where
@@ -92,7 +98,9 @@ def test_a_whole_float_is_an_integer_and_anything_else_is_refused_by_key(cfg):
                                  (("bandit", "progress_per_step"), 1, r"^bandit\.progress_per_step: expected true"),
                                  (("bandit", "phases"), 7, r"^bandit\.phases: expected a list"),
                                  (("coherence", "max_repeat"), 0.5, r"^coherence\.max_repeat: expected a mapping"),
-                                 (("train", "backend"), 3, r"^train\.backend: expected a string")]:
+                                 (("train", "backend"), 3, r"^train\.backend: expected a string"),
+                                 (("bandit", "floors"), [0.1], r"^bandit\.floors: expected a mapping"),
+                                 (("bandit", "floors"), {"chat-multi": "x"}, r"^bandit\.floors\.chat-multi: expected a number")]:
         bad = copy.deepcopy(cfg)
         bad[path[0]][path[1]] = value
         with pytest.raises(ConfigError, match=message):

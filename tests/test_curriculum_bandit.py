@@ -128,6 +128,31 @@ def test_floor_that_cannot_hold_is_refused(base_cfg, big_shards):
         curriculum_of(c, big_shards, "main", 0)
 
 
+def test_per_source_floors_hold_each_their_own_share(base_cfg, big_shards):
+    # bandit.floors gives one source a share of its own; the others keep bandit.floor. Without it
+    # that source falls far below the share (the test above), so the floor pulls are what hold it.
+    c = copy.deepcopy(base_cfg)
+    src = sorted(big_shards)[0]
+    c["bandit"].update(floor=0.05, floors={src: 0.5})
+    steps = 900
+    _, order, pulls = simulate(c, big_shards, steps)
+    slack = (c["bandit"]["dice_main"] + 1) / steps
+    assert order.count(src) / steps >= 0.5 - slack, order.count(src)
+    for s in big_shards:
+        assert order.count(s) / steps >= 0.05 - slack, (s, order.count(s))
+    c["bandit"]["floors"] = {}
+    _, order0, _ = simulate(c, big_shards, steps)
+    assert order0.count(src) / steps < 0.45, order0.count(src)
+
+
+def test_per_source_floors_that_cannot_hold_are_refused(base_cfg, big_shards):
+    c = copy.deepcopy(base_cfg)
+    a, b = sorted(big_shards)[:2]
+    c["bandit"].update(floor=0.1, floors={a: 0.5, b: 0.45})
+    with pytest.raises(AndreaError, match=f"bandit.floors: {a} 0.5, {b} 0.45"):
+        curriculum_of(c, big_shards, "main", 0)
+
+
 def test_epoch_penalty_spreads_pulls(base_cfg, tmp_path):
     # Source "a" learns faster than "b", so with both shards large the bandit leans to "a".
     # Make "a" small enough that its epochs count climbs during the run: its score is cut

@@ -104,6 +104,8 @@ def test_phase_table_and_the_polish_lr_shape():
     ("curriculum.polish_sources=[]", r"curriculum\.polish_sources: \[\] should be non-empty"),
     ("curriculum.polish_steps=-1", r"curriculum\.polish_steps: -1 is less than the minimum of 0"),
     ("train.smma_period=0", r"train\.smma_period: 0 is less than the minimum of 1"),
+    ("bandit.floors.chat-robot=0.1", r"bandit\.floors\.chat-robot: unknown source"),
+    ("bandit.floors.chat-multi=1.5", r"bandit\.floors\.chat-multi: 1\.5 is greater than the maximum of 1"),
 ])
 def test_bad_polish_params_are_one_line_config_errors(override, match, capsys, monkeypatch, data, tmp_path):
     if "unknown source" in match:       # the train stage's check (other stages may rename the sources)

@@ -33,9 +33,10 @@ measurements behind the defaults; docs/curriculum.md the reading of the seeds):
     freshness factor ``1 + (bonus - 1) * unseen_share_i``. A factor below one always
     lowers a score and one above one always raises it: a negative score is divided by
     the factor instead of multiplied;
-  * floors: before scoring, a source that is a whole batch or more behind
-    ``bandit.floor`` x (this phase's batches) is pulled (largest deficit first), so every
-    source keeps its floor share to within a batch and a dwell.
+  * floors: before scoring, a source that is a whole batch or more behind its floor share
+    x (this phase's batches) is pulled (largest deficit first), so every source keeps its
+    floor share to within a batch and a dwell. The share is ``bandit.floors[source]`` where
+    given, else ``bandit.floor``.
 
 Policies hold no RNG of their own: the curriculum passes its seeded dice generator, so
 the whole state is the curriculum's ``state_dict()``. Tests: ``pytest tests/test_curriculum.py``.
@@ -164,12 +165,14 @@ class UCB1Policy:
         self.phases = list(b.phases)
         self.unit = b.phase_unit
         self.die = b.dice_warmup if phase == "warmup" else b.dice_main
-        self.floor = b.floor
+        self.floor = {s: float(b.floors.get(s, b.floor)) for s in sources}
         self.bonus = b.coverage_bonus
         self.epoch_unit = b.epoch_penalty
-        if self.floor * len(eligible) > 1.0:
-            raise AndreaError(f"bandit.floor = {self.floor}: {len(eligible)} sources cannot each keep that share "
-                              f"(floor x sources must be <= 1)")
+        if sum(self.floor[s] for s in eligible) > 1.0 + 1e-9:
+            named = ", ".join(f"{s} {self.floor[s]:g}" for s in eligible if s in b.floors)
+            raise AndreaError(f"bandit.floor = {b.floor}" + (f" (bandit.floors: {named})" if named else "")
+                              + f": the {len(eligible)} sources cannot each keep their share (the floors of "
+                              f"{', '.join(eligible)} must add up to <= 1)")
         self.n = {s: 0.0 for s in sources}        # pulls, halved at each phase boundary
         self.rsum = {s: 0.0 for s in sources}     # summed pull rewards, halved alongside
         self.rsq = {s: 0.0 for s in sources}      # summed squared pull rewards, halved alongside
@@ -238,8 +241,8 @@ class UCB1Policy:
 
     def _choose(self, dice: np.random.Generator, scores: dict[str, float]) -> tuple[str, str]:
         total = sum(self.batches[s] for s in self.eligible)
-        if total > 0 and self.floor > 0:
-            deficit = {s: self.floor * total - self.batches[s] for s in self.eligible}
+        if total > 0:
+            deficit = {s: self.floor[s] * total - self.batches[s] for s in self.eligible}
             worst = max(self.eligible, key=lambda s: (deficit[s], -self.eligible.index(s)))
             if deficit[worst] >= 1.0:  # a whole batch behind its floor share
                 return worst, "floor"

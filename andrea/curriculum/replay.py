@@ -48,7 +48,7 @@ def replay(pulls: list[dict], n_tokens: dict[str, int], bandit: BanditSettings, 
     source with a finite score, plus ``"_"``: ``{"N", "u", "fair"}``. The scores are the policy's
     own (``UCB1Policy.scores`` over the replayed counts and streams)."""
     srcs = sorted(n_tokens)
-    pol = UCB1Policy(srcs, srcs, replace(bandit, floor=0.0), "main")
+    pol = UCB1Policy(srcs, srcs, replace(bandit, floor=0.0, floors={}), "main")
     streams = {s: _Stream(int(n_tokens[s])) for s in srcs}
     phase = 0
     for rec in pulls:
