@@ -13,8 +13,9 @@ docs/FIREHOSE-BANDIT.md, "Why the small sources starve"), so the epoch penalty, 
 UCB radius set the shares, and those this replay runs for real. The defaults are the measured late
 figures (means 1.6-3.3, spread 8.5). Checked against one device call (FIREHOSE-BANDIT.md, "At the
 recipe's LR-warmup share"): floors are predicted to the batch (``floor: 0.1``: every source 0.10 of
-the last third, py-code 0.30; measured 0.100 and 0.297), penalties roughly (defaults: py-code 0.40
-of all batches, measured 0.32, since its real rewards are the lowest). Use it to choose the mixes
+the last third, py-code 0.30; measured 0.100 and 0.297), penalties roughly (``floors: {}``: py-code
+0.40 of all batches, measured 0.32, since its real rewards are the lowest); with today's per-source
+floors the rest is close (py-code 0.228 of all batches, 0.337 of the last third; measured 0.222, 0.320). Use it to choose the mixes
 worth a device call, not to replace one.
 
 Prints each source's share of all batches and of the last third's (the two shares
