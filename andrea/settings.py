@@ -56,6 +56,8 @@ class TrainSettings:
     max_bad_steps: int
     smma_period: int
     gpus: int = 1          # data-parallel world size (andrea/dist.py); optional in params, 1 when absent
+    fp8_scaling: str = "delayed"   # fp8 only: delayed | current (docs/FP8.md); optional, like gpus
+    fp8_amax_history: int = 16     # fp8 delayed: steps of amax history per cast site
 
 
 @dataclass(frozen=True)

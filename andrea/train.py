@@ -244,8 +244,10 @@ class Trainer:
             raise AndreaError(f"train.gpus={self.world} (a {self.launch.launcher} launch): the data-parallel path runs on "
                               f"the cupy backend with NCCL, not on {be.name} (set train.backend: cupy)")
         eb = dist.local_batch(self.B, self.world)     # this rank's rows of every microbatch
-        self.engine = (make(self.mc, eb, tc.precision, **({"comm": self.comm} if self.comm else {})) if make
-                       else Engine(self.mc, self.B, be))
+        kw = {"comm": self.comm} if self.comm else {}
+        if tc.precision == "fp8":                      # train.fp8_scaling (docs/FP8.md)
+            kw.update(fp8_scaling=tc.fp8_scaling, fp8_amax_history=tc.fp8_amax_history)
+        self.engine = make(self.mc, eb, tc.precision, **kw) if make else Engine(self.mc, self.B, be)
         self.hp = Hyper.of(tc)
         self.hash = trajectory_hash(cfg)
         self.seed = st.seed
@@ -633,6 +635,9 @@ class Trainer:
                     self.hist.train.append({"step": s, "phase": self.phase, "loss": _num(res.loss), "lr": lr,
                                             "grad_norm": _num(res.grad_norm), "source": src,
                                             "smma": None if self.smma is None else _num(self.smma)})
+                    clipped = getattr(self.engine, "fp8_clipped_total", None)   # fp8 delayed scaling only
+                    if clipped is not None:
+                        self.hist.train[-1]["fp8_clipped"] = clipped
                     self._perf.append({"step": s, "phase": self.phase, "time": round(time.time(), 3),
                                        "tokens_per_s": round(tps, 1)})
                     if live:

@@ -84,8 +84,16 @@ def _median_window(step, cuda_sync, steps: int, windows: int = 3) -> float:
     return float(np.median(times))
 
 
+def engine_args(spec: str) -> tuple[str, dict]:
+    """A --precision value: ``bf16`` ... or ``fp8:current`` / ``fp8:delayed`` (train.fp8_scaling;
+    plain ``fp8`` is current) -> (precision, make_engine's extra keywords)."""
+    prec, _, scaling = spec.partition(":")
+    return prec, ({"fp8_scaling": scaling} if scaling else {})
+
+
 def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None) -> dict:
-    """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE for this run."""
+    """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE for this run;
+    ``precision`` as ``engine_args`` reads it."""
     import cupy as cp
 
     import andrea.cuda.engine as ce
@@ -100,7 +108,8 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     default = ce.RECOMPUTE
     ce.RECOMPUTE = default if recompute is None else recompute
     try:
-        eng = make_backend().make_engine(mc, B, precision=precision, cuda_graph=True)
+        prec, kw = engine_args(precision)
+        eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, **kw)
     finally:
         ce.RECOMPUTE = default
     print(eng.describe(), file=sys.stderr, flush=True)
@@ -156,7 +165,8 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     from andrea.engine.model import ModelConfig
 
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
-    eng = make_backend().make_engine(mc, B, precision=precision, cuda_graph=False)
+    prec, kw = engine_args(precision)
+    eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=False, **kw)
     eng.init_weights(1)
     rng = np.random.default_rng(0)
     x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
@@ -491,9 +501,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--precision", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "fp8"],
+    ap.add_argument("--precision", nargs="+", default=["bf16"],
+                    choices=["bf16", "fp16", "fp32", "fp8", "fp8:current", "fp8:delayed"],
                     help="ours in each (same run); the first is the one the anchors compare with, and "
-                         "every other is also printed as tokens/s over the first's")
+                         "every other is also printed as tokens/s over the first's; fp8:delayed is "
+                         "train.fp8_scaling=delayed (fp8 and fp8:current: current)")
     ap.add_argument("--anchors", nargs="*", default=ANCHORS[:3], choices=ANCHORS,
                     help="torch anchors to run (none: `--anchors` alone, ours only)")
     ap.add_argument("--json", default=None, help="write all figures here")

@@ -45,7 +45,8 @@ def lr_at(t: int, steps: int, lr: float, warm: int = 100) -> float:
 def train(prec: str, mc: ModelConfig, B: int, data: np.ndarray, val: dict, byte_len, eot: int, args) -> dict:
     from andrea.cuda.backend import make_backend
 
-    eng = make_backend().make_engine(mc, B, precision=prec)
+    precision, _, scaling = prec.partition(":")          # fp8:delayed = train.fp8_scaling=delayed
+    eng = make_backend().make_engine(mc, B, precision=precision, **({"fp8_scaling": scaling} if scaling else {}))
     eng.init_weights(args.seed)
     hp = Hyper(grad_clip=1.0)
     T = mc.context
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=4)
-    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"])
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
+                    help="bf16, fp8 (current scaling), fp8:delayed (train.fp8_scaling=delayed)")
     ap.add_argument("--shape", default="768,12,12,1024", help="C,H,L,T (default: the andrea-120m shapes)")
     args = ap.parse_args(argv)
     from andrea.shards import Shard

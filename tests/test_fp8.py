@@ -17,6 +17,7 @@ from andrea.engine.model import ModelConfig
 from andrea.errors import AndreaError
 
 ALL = np.arange(256, dtype=np.uint8)
+EMAX = np.float32(448.0)
 FINITE = ALL[(ALL & 0x7F) != 0x7F]
 
 
@@ -68,6 +69,50 @@ def test_current_scaling_maps_amax_to_448_and_bounds_the_error():
     assert f8.scale_of(0.0) == (1.0, 1.0)
     z, zinv = f8.quantize(np.zeros(8, np.float32))
     assert not z.any() and zinv == 1.0
+
+
+def test_delayed_cast_uses_the_given_scale_saturates_and_reports_its_amax():
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(2048) * 0.5).astype(np.float32)
+    x[3], x[9] = np.nan, -np.inf
+    q_cur, inv_cur = f8.quantize(x)
+    s_cur, _ = f8.scale_of(f8.amax(x))
+    q, am, clipped = f8.quantize_delayed(x, s_cur)             # the scale current scaling would take: same codes
+    np.testing.assert_array_equal(q, q_cur)
+    assert am == f8.amax(x) and not clipped and q[3] == 0x7F and q[9] == 0x7F
+    small, _ = f8.scale_of(f8.amax(x) / 4)                      # a history 4x below this tensor's amax
+    q, am, clipped = f8.quantize_delayed(x, small)
+    fin = np.isfinite(x)
+    y = np.clip(x[fin] * small, -EMAX, EMAX)
+    np.testing.assert_array_equal(q[fin], f8.encode(y))         # what lies beyond 448 / scale lands on +-448
+    assert clipped and np.count_nonzero((q[fin] & 0x7F) == 0x7E) >= np.count_nonzero(np.abs(x[fin]) * small > EMAX) > 0
+    assert f8.quantize_delayed(np.zeros(8, np.float32), 1.0)[1:] == (0.0, False)
+
+
+def test_amax_history_rule_ring_clip_count_and_state_round_trip():
+    import json
+
+    h = f8.AmaxHistory(2, 3)
+    assert h.empty and h.push([2.0, 0.0]) == 0                  # the first step (current scaling) never clips
+    scale, inv = h.scales()
+    assert scale[0] == EMAX / np.float32(2.0) and scale[1] == 1.0 and inv[0] == np.float32(1) / scale[0]
+    assert h.push([3.0, 1.0]) == 1                              # 3 * (448 / 2) > 448: site 0 clipped
+    assert h.scales()[0][0] == EMAX / np.float32(3.0)           # ... and its scale follows the new amax
+    for _ in range(2):
+        h.push([1.0, 1.0])
+    assert h.scales()[0][0] == EMAX / np.float32(3.0)           # 3 is still among the last 3 steps
+    h.push([1.0, 1.0])
+    assert h.scales()[0][0] == EMAX and h.steps == 5 and h.clipped_total == 1   # ... now it is out
+    back = f8.AmaxHistory(2, 3)
+    back.load(json.loads(json.dumps(h.state())))               # the run state is JSON (.state.json "engine")
+    assert back.hist.tobytes() == h.hist.tobytes() and back.steps == 5 and back.clipped_total == 1
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(back.scales(), h.scales()))
+    with pytest.raises(ValueError, match="history of shape"):
+        f8.AmaxHistory(2, 4).load(h.state())
+    with pytest.raises(ValueError, match="3 sites"):
+        h.push([1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="at least 1"):
+        f8.AmaxHistory(2, 0)
 
 
 def test_gemm_reference_is_the_product_of_the_dequantized_operands():
@@ -134,6 +179,12 @@ class _Dev(np.ndarray):
 
         return SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
+    def get(self, stream=None):
+        return np.array(self)
+
+    def set(self, arr, stream=None):
+        self[...] = arr
+
 
 def _dev(x):
     return np.ascontiguousarray(x).view(_Dev)
@@ -151,7 +202,8 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
 
     casts = []
 
-    def quantize(out, out_t, x, part, inv, R=None, C=None):
+    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None):
+        assert scale is None and rec is None                   # current scaling
         q, iv = f8.quantize(f8.bf16_to_f32(np.asarray(x)))
         casts.append(x.data.ptr)
         inv[0] = iv
@@ -180,6 +232,7 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     W = _dev(bf((C, 4 * C)))
     head = _dev(bf((96, C)))
     a = {"w8": _dev(np.zeros(4 * 256 * 64 * 4, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
+         "f8_cur": _dev(np.zeros(1, np.float32)),
          "f8_inv": inv_arr, **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
     layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=W.size)])
     plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
@@ -207,3 +260,120 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     casts.clear()
     g.mm(dW, X, dY, ta=True, beta=1.0)                         # a reuse lasts one call only: cast afresh
     assert casts == [X.data.ptr, dY.data.ptr]
+
+
+def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_memo_off(monkeypatch):
+    """Fp8Gemm with train.fp8_scaling=delayed, the casts replaced by the twin: the first step casts
+    with current scaling and records each site's amax; after ``after_step`` every cast of the same
+    call sequence reads its site's scale (448 / history max) and records again; a gradient reused
+    by the next call keeps its site whether its bytes are reused (memo) or cast again."""
+    from types import SimpleNamespace
+
+    import andrea.cuda.fp8 as k8
+
+    calls = []
+
+    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None):
+        xf = f8.bf16_to_f32(np.asarray(x))
+        if scale is None:
+            q, iv = f8.quantize(xf)
+            inv[0] = iv
+        else:
+            q, _, _ = f8.quantize_delayed(xf, scale[0])
+        rec[0] = max(rec[0], f8.amax(xf))
+        site = (rec.data.ptr - cur.data.ptr) // 4
+        calls.append((x.data.ptr, site, None if scale is None else float(scale[0])))
+        if out is not None:
+            out.reshape(-1)[:] = q.reshape(-1)
+        if out_t is not None:
+            out_t[:] = q.reshape(R, C).T
+
+    monkeypatch.setattr(k8, "quantize", quantize)
+    rng = np.random.default_rng(8)
+    N, C = 128, 64
+    bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    W = _dev(bf((C, 4 * C)))
+    layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=W.size)])
+    plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
+    n_sites = 3
+    cur = _dev(np.zeros(n_sites, np.float32))
+    inv_arr = _dev(np.zeros(k8.SLOT * (k8.n_slots(plan) + n_sites), np.float32))
+    a = {"w8": _dev(np.zeros(2 * 256 * 64 * 4, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
+         "f8_inv": inv_arr, "f8_cur": cur, **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
+    lt = SimpleNamespace(mm_nt=lambda *a_, **k: None, mm=lambda *a_, **k: None)
+    g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, set(), None, lt=lt, scaling="delayed", n_sites=n_sites, history=4)
+    g._stream = lambda: 0
+    X, dY = _dev(bf((N, C))), _dev(bf((N, 4 * C), 1e-3))
+    out, dX, dW = (_dev(np.zeros((N, 4 * C), np.uint16)), _dev(np.zeros((N, C), np.uint16)),
+                   _dev(np.zeros((C, 4 * C), np.float32)))
+
+    def step():
+        calls.clear()
+        g.reset_amax()
+        g.begin()
+        g.mm(out, X, W)                      # site 0: X
+        g.mm(dX, dY, W, tb=True)             # site 1: dY (both orientations)
+        g.mm(dW, X, dY, ta=True, beta=1.0)   # site 2: X^T; dY reused at site 1
+        g.check_pass(backward=True)
+        return list(calls)
+
+    assert g.calibrating
+    first = step()
+    assert [(p, s) for p, s, _ in first] == [(X.data.ptr, 0), (dY.data.ptr, 1), (X.data.ptr, 2)]
+    assert all(sc is None for _, _, sc in first)                # no history yet: current scaling
+    amaxes = [f8.amax(f8.bf16_to_f32(np.asarray(t))) for t in (X, dY, X)]
+    np.testing.assert_array_equal(np.asarray(cur), amaxes)
+    assert g.after_step(None) == 0 and not g.calibrating
+    second = step()
+    want = [float(f8.scale_of(m)[0]) for m in amaxes]
+    assert [(s, sc) for _, s, sc in second] == list(zip(range(3), want))   # delayed: the history's scales
+    for s, m in enumerate(amaxes):                              # inv (what cuBLASLt reads) is the slot's first float
+        slot = k8.n_slots(plan) + s
+        assert inv_arr[k8.SLOT * slot] == f8.scale_of(m)[1] and inv_arr[k8.SLOT * slot + 1] == f8.scale_of(m)[0]
+    g.memo_enabled = False
+    third = step()
+    assert [(p, s) for p, s, _ in third] == [(X.data.ptr, 0), (dY.data.ptr, 1), (X.data.ptr, 2), (dY.data.ptr, 1)]
+    g.begin()
+    g.site = n_sites
+    with pytest.raises(AndreaError, match="more than the 3 planned cast sites"):
+        g.mm(out, X, W)
+    g.site = 2
+    with pytest.raises(AndreaError, match="cast 2 activation/gradient tensors"):
+        g.check_pass(backward=True)
+
+
+def test_fp8_scaling_params_are_optional_validated_and_logged(tmp_path):
+    """train.fp8_scaling / train.fp8_amax_history: optional (delayed, 16), checked by the schema;
+    an engine reporting fp8_clipped_total (fp8 delayed) gets it into every .loss.json train record,
+    and an engine without it (every other one) leaves the records as they were."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from andrea.errors import ConfigError
+    from andrea.settings import Settings
+    from andrea.train import Trainer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from train_helpers import make_data, micro_cfg
+
+    tc = Settings.from_dict(micro_cfg(2, 2)).train
+    assert (tc.fp8_scaling, tc.fp8_amax_history) == ("delayed", 16)     # the default: docs/FP8.md says why
+    tc = Settings.from_dict(micro_cfg(2, 2, **{"train.fp8_scaling": "current", "train.fp8_amax_history": 4})).train
+    assert (tc.fp8_scaling, tc.fp8_amax_history) == ("current", 4)
+    with pytest.raises(ConfigError, match="fp8_scaling"):
+        micro_cfg(2, 2, **{"train.fp8_scaling": "lagged"})
+    with pytest.raises(ConfigError, match="fp8_amax_history"):
+        micro_cfg(2, 2, **{"train.fp8_amax_history": 0})
+    tok, tokens = make_data(tmp_path / "data")
+    for clipped in (None, 3):
+        out = tmp_path / f"run{clipped}"
+        tr = Trainer(micro_cfg(2, 2), "warmup", tok, tokens, out, console=Console(stderr=True, force_terminal=False))
+        if clipped is not None:
+            tr.engine.fp8_clipped_total = clipped
+        assert tr.run() == 0
+        recs = json.loads((out / "model.loss.json").read_text())["train"]
+        assert recs and all(r.get("fp8_clipped") == clipped for r in recs)
+        assert all(("fp8_clipped" in r) == (clipped is not None) for r in recs)

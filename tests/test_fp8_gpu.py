@@ -1,13 +1,15 @@
-"""The fp8 engine on the GPU: the E4M3 casts bit-exact against the NumPy twin; the cuBLASLt FP8
-GEMM against the product of the dequantized operands; the engine's gradients against the
-fp32 NumPy engine; two runs byte-identical, resume bit-exact, CUDA graph == eager, the
-dY-cast reuse == casting afresh; a non-finite input skips the step.
+"""The fp8 engine on the GPU: the E4M3 casts (current scaling, and delayed scaling's fused
+cast + amax) bit-exact against the NumPy twin; the cuBLASLt FP8 GEMM against the product of
+the dequantized operands; the engine's gradients against the fp32 NumPy engine; under both
+scalings two runs byte-identical, resume (w, m, v and the amax history) bit-exact, CUDA
+graph == eager, the dY-cast reuse == casting afresh; a non-finite input skips the step;
+delayed scaling counts the casts a jump in magnitude clipped and its scales follow.
 
     PYTHONPATH=. python3 -m pytest -m gpu -s tests/test_fp8_gpu.py      # on a Hopper (sm_90) GPU
 
 Skipped cleanly without CuPy/a CUDA device, and on GPUs before sm_89 (no FP8 tensor cores).
 Tolerances (each stated where it is used):
-- casts: bit-exact (codes and the fp32 dequantization factor);
+- casts: bit-exact (codes, the fp32 dequantization factor, the fused amax);
 - GEMM: |D - ref| <= 2**-8 |ref| (bf16 output rounding; 0 for fp32 D) + 2**-12 (|X| |Y|^T)
   (fp32 accumulation in cuBLASLt's order, fast accumulation in the forward);
 - engine vs fp32 NumPy, per parameter tensor relative to its largest entry: 0.25. E4M3 keeps 3
@@ -94,6 +96,69 @@ def test_casts_are_bit_exact_with_numpy(scale):
     tr_only = cp.full((C, R), 0xAA, dtype=np.uint8)
     k8.quantize(None, tr_only, x, part, inv2, R, C)
     np.testing.assert_array_equal(cp.asnumpy(tr_only), q_ref.reshape(R, C).T)
+
+
+@pytest.mark.parametrize("scale,factor", [(1.0, 1.0), (3e-5, 0.25), (700.0, 3.0)])
+def test_fused_delayed_cast_and_amax_are_bit_exact_with_numpy(scale, factor):
+    """Delayed scaling's one pass: E4M3 at a given scale (factor < 1: the history's amax below
+    this tensor's, so values saturate at 448) and the tensor's amax atomicMax-ed into rec; the
+    first step's current casts with rec. Tolerance: none (codes and amax bit-exact)."""
+    k8 = _engine_modules()
+    R, C = 128, 192
+    xb = special_tensor(R * C, 11, scale)
+    xf = f8.bf16_to_f32(xb)
+    am = f8.amax(xf)
+    s, _ = f8.scale_of(np.float32(am) * np.float32(factor))
+    q_ref, am_ref, clipped = f8.quantize_delayed(xf, s)
+    assert clipped == (factor < 1)
+    x, sc = gpu(xb), gpu(np.array([s], np.float32))
+    part = cp.full(k8.AMAX_BLOCKS, np.nan, dtype=np.float32)
+    inv = cp.full(1, np.nan, dtype=np.float32)
+    for shape in ("flat", "both", "t"):
+        rec = cp.zeros(1, dtype=np.float32)
+        nat = cp.full((R, C), 0xAA, dtype=np.uint8)
+        tr = cp.full((C, R), 0xAA, dtype=np.uint8)
+        if shape == "flat":
+            k8.quantize(nat.reshape(-1), None, x, part, inv, scale=sc, rec=rec)
+        else:
+            k8.quantize(nat if shape == "both" else None, tr, x, part, inv, R, C, scale=sc, rec=rec)
+            np.testing.assert_array_equal(cp.asnumpy(tr), q_ref.reshape(R, C).T)
+        if shape != "t":
+            np.testing.assert_array_equal(cp.asnumpy(nat).reshape(-1), q_ref)
+        assert cp.asnumpy(rec)[0] == am_ref, shape
+    assert np.isnan(cp.asnumpy(inv)[0])                      # the delayed cast leaves inv to the host
+    big = cp.full(1, 2 * am_ref + 1, dtype=np.float32)
+    k8.quantize(nat.reshape(-1), None, x, part, inv, scale=sc, rec=big)
+    assert cp.asnumpy(big)[0] == 2 * am_ref + 1              # a max: a larger amax already there stays
+    q_cur, inv_cur = f8.quantize(xf)
+    rec = cp.zeros(1, dtype=np.float32)
+    k8.quantize(None, tr, x, part, inv, R, C, rec=rec)       # current scaling recording its amax (first step)
+    np.testing.assert_array_equal(cp.asnumpy(tr), q_cur.reshape(R, C).T)
+    assert cp.asnumpy(rec)[0] == am_ref and cp.asnumpy(inv)[0] == inv_cur
+
+
+def test_fused_cast_over_more_tiles_than_blocks_is_bit_exact():
+    """A (4096, 4096) tensor: 4096 tiles for at most 2112 blocks (the grid-stride tile loop) and
+    1056 blocks of the flat cast, each adding its max; bit-exact, the amax too."""
+    k8 = _engine_modules()
+    R = C = 4096
+    rng = np.random.default_rng(12)
+    xf32 = (rng.standard_normal(R * C) * 0.02).astype(np.float32)
+    xf32[rng.integers(0, R * C, 50)] = 7.0                     # a few outliers beyond the scale
+    xb = to_bf16(xf32)
+    xf = f8.bf16_to_f32(xb)
+    s, _ = f8.scale_of(np.float32(1.0))
+    q_ref, am_ref, clipped = f8.quantize_delayed(xf, s)
+    assert clipped
+    x, sc = gpu(xb), gpu(np.array([s], np.float32))
+    part, inv = cp.zeros(k8.AMAX_BLOCKS, np.float32), cp.zeros(1, np.float32)
+    rec, rec_t = cp.zeros(1, np.float32), cp.zeros(1, np.float32)
+    flat, tr = cp.zeros(R * C, np.uint8), cp.zeros((C, R), np.uint8)
+    k8.quantize(flat, None, x, part, inv, scale=sc, rec=rec)
+    k8.quantize(None, tr, x, part, inv, R, C, scale=sc, rec=rec_t)
+    np.testing.assert_array_equal(cp.asnumpy(flat), q_ref)
+    np.testing.assert_array_equal(cp.asnumpy(tr), q_ref.reshape(R, C).T)
+    assert cp.asnumpy(rec)[0] == am_ref == cp.asnumpy(rec_t)[0]
 
 
 def _lt():
@@ -185,11 +250,13 @@ def batch(seed, mc=MC, b=B):
     return x, np.roll(x, -1, axis=1)
 
 
-def test_fp8_engine_gradients_and_ten_steps_track_numpy():
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_engine_gradients_and_ten_steps_track_numpy(scaling):
+    """Delayed: the gradients are its first (current-scaled) step; the 10 steps run on the history."""
     from andrea.cuda.backend import make_backend
 
     ref = numpy_engine()
-    g8 = make_backend().make_engine(MC, B, precision="fp8")
+    g8 = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling=scaling)
     g8.init_weights(0)
     x, y = batch(2)
     ref.zero_grads()
@@ -212,13 +279,14 @@ def test_fp8_engine_gradients_and_ten_steps_track_numpy():
         b = g8.train_step([(xb, yb)], 3e-3, t, HP)
         assert a.ok and b.ok
         assert abs(a.loss - b.loss) <= 3e-2 * abs(a.loss), (t, a.loss, b.loss)
-    print(f"fp8 after 10 steps: loss {b.loss:.4f} vs numpy fp32 {a.loss:.4f}")
+    print(f"fp8 {scaling} after 10 steps: loss {b.loss:.4f} vs numpy fp32 {a.loss:.4f}"
+          + (f", clipped casts {g8.fp8_clipped_total}" if scaling == "delayed" else ""))
 
 
-def _run(steps, start=None, graph=True, accum=1, memo=True):
+def _run(steps, start=None, graph=True, accum=1, memo=True, scaling="current"):
     from andrea.cuda.backend import make_backend
 
-    eng = make_backend().make_engine(MC, B, precision="fp8", cuda_graph=graph)
+    eng = make_backend().make_engine(MC, B, precision="fp8", cuda_graph=graph, fp8_scaling=scaling, fp8_amax_history=4)
     eng.f8.memo_enabled = memo
     t0 = 0
     if start is None:
@@ -232,30 +300,40 @@ def _run(steps, start=None, graph=True, accum=1, memo=True):
     return (t0 + steps, *eng.state_host(), eng.extra_state())
 
 
-def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager():
-    a = _run(6)
-    b = _run(6)
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scaling):
+    """Delayed with a 4-step history over 6 steps: the ring wraps, and the resume at step 3
+    restores it (and the step count) from extra_state, as a checkpoint does."""
+    a = _run(6, scaling=scaling)
+    b = _run(6, scaling=scaling)
     for x, y in zip(a[1:4], b[1:4]):
         assert x.tobytes() == y.tobytes()
-    half = _run(3)
-    assert half[4] == {}                                     # current scaling: no state beyond w, m, v
-    resumed = _run(3, start=half)
+    assert a[4] == b[4]
+    half = _run(3, scaling=scaling)
+    if scaling == "current":
+        assert half[4] == {}                                 # current scaling: no state beyond w, m, v
+    else:
+        assert half[4]["steps"] == 3 and len(half[4]["amax_history"]) == 12 * MC.n_layer
+        assert a[4]["steps"] == 6 and max(max(r) for r in a[4]["amax_history"]) > 0
+    resumed = _run(3, start=half, scaling=scaling)
     for x, y in zip(a[1:4], resumed[1:4]):
         assert x.tobytes() == y.tobytes()
-    eager = _run(6, graph=False)
+    assert resumed[4] == a[4]
+    eager = _run(6, graph=False, scaling=scaling)
     for x, y in zip(a[1:4], eager[1:4]):
         assert x.tobytes() == y.tobytes()
-    fresh = _run(6, memo=False)                               # every operand cast afresh: the reuse is exact
+    fresh = _run(6, memo=False, scaling=scaling)              # every operand cast afresh: the reuse is exact
     for x, y in zip(a[1:4], fresh[1:4]):
         assert x.tobytes() == y.tobytes()
-    acc = _run(2, accum=2)
+    acc = _run(3, accum=2, scaling=scaling)
     assert all(np.isfinite(x).all() for x in acc[1:4])
 
 
-def test_a_non_finite_input_skips_the_fp8_step():
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_a_non_finite_input_skips_the_fp8_step(scaling):
     from andrea.cuda.backend import make_backend
 
-    eng = make_backend().make_engine(MC, B, precision="fp8")
+    eng = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling=scaling)
     eng.init_weights(0)
     w = eng.state_host()[0]
     layer = eng.layout.tensors[[t.name for t in eng.layout.tensors].index("h.1.mlp.w_fc")]
@@ -266,3 +344,37 @@ def test_a_non_finite_input_skips_the_fp8_step():
     assert not res.ok
     for p, q in zip(before, eng.state_host()):
         assert p.tobytes() == q.tobytes()
+    if scaling == "delayed":                                  # the skipped step's amaxes still enter the history
+        assert eng.extra_state()["steps"] == 1
+        res = eng.train_step([batch(9)], 3e-3, 2, HP)         # now on delayed scales: still skipped
+        assert not res.ok and eng.extra_state()["steps"] == 2
+
+
+def test_delayed_scaling_counts_clipped_casts_and_its_scales_follow_a_jump():
+    """lr = 0 keeps the weights: step 2 repeats step 1 on the history's scales (nothing clips);
+    then one layer's w_fc grows 8x: its activations and gradients exceed their scales, they
+    saturate at 448 (the step stays finite) and are counted; the history takes the new amaxes,
+    and with the same batch and weights the count falls back to 0 within a few steps."""
+    from andrea.cuda.backend import make_backend
+
+    eng = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling="delayed", fp8_amax_history=16)
+    eng.init_weights(0)
+    xb = batch(21)
+    counts = []
+
+    def step(t):
+        res = eng.train_step([xb], 0.0, t, HP)
+        assert res.ok
+        counts.append(eng.fp8_clipped_total - sum(counts))
+        return res.loss
+
+    l1, l2 = step(1), step(2)
+    assert counts == [0, 0] and l1 == l2
+    w, m, v = eng.state_host()
+    layer = eng.layout.tensors[[t.name for t in eng.layout.tensors].index("h.1.mlp.w_fc")]
+    w[layer.offset:layer.offset + layer.size] *= 8
+    eng.load_state(w, m, v)
+    for t in range(3, 9):
+        step(t)
+    print(f"fp8 delayed, clipped casts per step (w_fc x8 at step 3): {counts}")
+    assert counts[2] > 0 and counts[-1] == 0

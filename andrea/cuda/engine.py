@@ -38,7 +38,8 @@ from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_h
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add)
 from andrea.cuda.cublaslt import Lt
-from andrea.cuda.fp8 import LT_WORKSPACE, Fp8Gemm, fp8_buffers, n_slots, require_fp8, weight_plan
+from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, fp8_buffers, n_slots, require_fp8,
+                             weight_plan)
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
 from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
@@ -241,7 +242,7 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec.append(("wte_pad", (vp, mc.d_model), low))       # the head's wte, zero rows to Vp (FastOps._padded_head)
     if precision == "fp8":
         plan8, n8 = fp8_plan(mc)
-        spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8))
+        spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8), SITES_PER_LAYER * mc.n_layer)
     offs, off = {}, 0
     for name, shape, dt in spec:
         offs[name] = off
@@ -254,8 +255,9 @@ class GpuEngine:
     Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
 
     def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True,
-                 comm=None):
+                 comm=None, fp8_scaling: str = "current", fp8_amax_history: int = 16):
         """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses.
+        ``fp8_scaling`` / ``fp8_amax_history``: train.fp8_scaling and train.fp8_amax_history (fp8 only).
         A plan larger than the device's free memory (``backend.free_memory()``, with the
         preflight's headroom) is refused before CuPy allocates anything (andrea/preflight.py)."""
         if precision not in PRECISIONS:
@@ -265,7 +267,13 @@ class GpuEngine:
             raise AndreaError(f"train.precision=fp8: d_model ({mc.d_model}) and batch x context "
                               f"({int(batch_size) * mc.context}) must be multiples of 64 (the E4M3 casts' tiles); "
                               f"use train.precision=bf16 for this model")
+        if fp8_scaling not in SCALINGS or int(fp8_amax_history) < 1:
+            raise AndreaError(f"train.fp8_scaling={fp8_scaling!r}, train.fp8_amax_history={fp8_amax_history!r}: "
+                              f"expected current | delayed and a history of at least 1 step")
         self.comm, world = comm, 1 if comm is None else comm.size     # comm: andrea.dist.NcclComm (ZeRO-1)
+        if precision == "fp8" and fp8_scaling == "delayed" and world > 1:
+            raise AndreaError(f"train.fp8_scaling=delayed runs on one GPU (its amax history is per rank; "
+                              f"train.gpus={world}): use train.fp8_scaling=current with more than one GPU")
         arena = arena_layout(mc, batch_size, precision, world)
         check_memory(lambda b: arena_layout(mc, b, precision, world).nbytes, int(batch_size), backend.free_memory(),
                      f"cupy {precision} engine")
@@ -306,7 +314,8 @@ class GpuEngine:
         f8 = None
         if precision == "fp8":
             head = {self.WL["wte"].data.ptr, self.G["wte"].data.ptr, a["wte_pad"].data.ptr}   # bf16 GEMMs
-            f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], head, self.blas)
+            f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], head, self.blas, scaling=fp8_scaling,
+                         n_sites=SITES_PER_LAYER * mc.n_layer, history=int(fp8_amax_history))
         self.f8 = f8
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)
@@ -320,6 +329,13 @@ class GpuEngine:
     @property
     def allocated_bytes(self) -> int:
         return int(self.arena.nbytes)
+
+    @property
+    def fp8_clipped_total(self) -> int | None:
+        """fp8 delayed scaling: casts so far whose tensor's amax exceeded 448 / its scale (they
+        saturated at 448; the history raised the scale's divisor the next step). None otherwise.
+        The trainer logs it in .loss.json's train records as ``fp8_clipped``."""
+        return None if self.f8 is None or self.f8.hist is None else int(self.f8.hist.clipped_total)
 
     def describe(self) -> str:
         mc, mib = self.mc, 1 << 20
@@ -336,6 +352,16 @@ class GpuEngine:
         if self.prec != "fp32":
             k_cast(self.kp, self.a["wlow"], self.a["w"], self.n_params)
 
+    def _weights_changed(self) -> None:
+        """Where the weights change (load_state, every optimizer step), not at every forward: the
+        fp8 E4M3 copies of ``wlow`` and the padded head's copy of wte (``wte_pad``), on the current
+        stream. A skipped step recasts unchanged weights: the same bytes."""
+        if self.f8 is not None:
+            self.f8.cast_weights()
+        if "wte_pad" in self.a:
+            src, dst = self.WL["wte"], self.a["wte_pad"]
+            dst.data.copy_from_device_async(src.data, src.nbytes, self.cp.cuda.get_current_stream())
+
     def init_weights(self, seed: int) -> None:
         """The same weights as Engine.init_weights(seed) (``init_params``, drawn on the host)."""
         host = init_params(self.mc, seed)
@@ -349,13 +375,17 @@ class GpuEngine:
             dst.set(np.ascontiguousarray(src, dtype=np.float32).reshape(-1))
         self.g.fill(0)
         self._low_refresh()
+        self._weights_changed()
         self.cp.cuda.Device().synchronize()
 
     def extra_state(self) -> dict:
         """What later steps depend on beyond w, m, v: the fp16 dynamic loss scale and its count of
-        good steps ({} in fp32/bf16; {} in fp8 too: its current scaling derives every scale from
-        the tensor being cast, so no amax history or scale outlives a GEMM). The CUDA graph is
-        rebuilt from it (it bakes the scale in)."""
+        good steps; fp8 with delayed scaling: every cast site's amax history, the steps pushed and
+        the count of clipped casts (andrea.engine.fp8_numpy.AmaxHistory.state). {} in fp32/bf16 and
+        in fp8 with current scaling (every scale comes from the tensor being cast). The CUDA graph
+        is rebuilt from the fp16 scale (it bakes it in); fp8's scales live on the device."""
+        if self.f8 is not None and self.f8.hist is not None:
+            return {"fp8_scaling": "delayed", **self.f8.hist.state()}
         if self.prec != "fp16":
             return {}
         return {"loss_scale": float(self.loss_scale), "good_steps": int(self.good_steps)}
@@ -363,8 +393,14 @@ class GpuEngine:
     def load_extra_state(self, d: dict) -> None:
         want = set(self.extra_state())
         if set(d) != want:
-            raise AndreaError(f"cupy {self.prec} engine state: expected keys {sorted(want)}, got {sorted(d)}")
-        if want:
+            hint = " (saved under another train.fp8_scaling? set it to the run's)" if self.prec == "fp8" else ""
+            raise AndreaError(f"cupy {self.prec} engine state: expected keys {sorted(want)}, got {sorted(d)}{hint}")
+        if self.f8 is not None and self.f8.hist is not None:
+            self.f8.hist.load(d)                               # ValueError on a shape that does not fit
+            with self.stream:
+                self.f8.write_scales(self.stream)
+            self.stream.synchronize()
+        elif want:
             self.loss_scale, self.good_steps = float(d["loss_scale"]), int(d["good_steps"])
             self.graph, self.graph_scale = None, None          # recaptured with this scale if graphs are on
 
@@ -378,15 +414,15 @@ class GpuEngine:
             a[name].set(arr)
 
     def _forward(self, with_loss: bool) -> None:
+        """The weights' fp8 and padded-head copies are already current (``_weights_changed``)."""
         if self.f8 is not None:
-            self.f8.cast_weights()                            # E4M3 copies of this step's weights
-        if "wte_pad" in self.a:                               # this step's 16-bit wte into the padded head copy
-            src, dst = self.WL["wte"], self.a["wte_pad"]
-            dst.data.copy_from_device_async(src.data, src.nbytes, self.cp.cuda.get_current_stream())
+            self.f8.begin()
         recipe.forward(self.ops, self.z, self.mc.n_head, with_loss)
 
     def _backward(self, dscale: float) -> None:
         recipe.backward(self.ops, self.z, self.mc.n_head, dscale, self.policy.recompute)
+        if self.f8 is not None:
+            self.f8.check_pass(backward=True)
 
     def _capture(self) -> None:
         """Capture forward + backward of one microbatch as a CUDA graph (the arena's pointers never
@@ -416,15 +452,18 @@ class GpuEngine:
     def zero_grads(self) -> None:
         with self.stream:
             self.g.fill(0)
+            if self.f8 is not None:
+                self.f8.reset_amax()
 
     def micro_step(self, x, y) -> float:
         """Forward + backward of one microbatch, accumulating (+=) its mean-loss gradient into g
         (fp32; times the fp16 loss scale). Returns the microbatch's mean loss."""
         with self.stream:
             self._load_batch(x, y)
-            if self.use_graph and self.graph is None:
+            calibrating = self.f8 is not None and self.f8.calibrating   # fp8 delayed, first step: current casts
+            if self.use_graph and self.graph is None and not calibrating:
                 self._capture()
-            if self.graph is not None and self.graph_scale == self.loss_scale:
+            if self.graph is not None and self.graph_scale == self.loss_scale and not calibrating:
                 self.graph.launch(stream=self.stream)
             else:
                 self._forward(True)
@@ -440,6 +479,9 @@ class GpuEngine:
         the device; a non-finite loss or norm leaves w, m and v untouched (the kernel checks)."""
         if not math.isfinite(loss):
             self._scaler(False)
+            if self.f8 is not None:
+                with self.stream:
+                    self.f8.after_step(self.stream)
             return StepResult(loss, float("nan"), False)
         a, n = self.a, self.n_params
         inv = 1.0 / (self.loss_scale * n_micro * (1 if self.comm is None else self.comm.size))
@@ -451,6 +493,9 @@ class GpuEngine:
                 k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
                 wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
                 k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1)
+            self._weights_changed()
+            if self.f8 is not None:
+                self.f8.after_step(self.stream)
             out = a["gstate"][:3].get(stream=self.stream)
         ok = bool(out[2] != 0.0)
         self._scaler(ok)

@@ -1,15 +1,22 @@
-// fp8.cu: the fp8 engine's casts, bf16 -> FP8 E4M3 with per-tensor current scaling.
-// NumPy twin: andrea/engine/fp8_numpy.py (amax, scale_of, encode); launchers: andrea/cuda/fp8.py.
+// fp8.cu: the fp8 engine's casts, bf16 -> FP8 E4M3 with per-tensor current or delayed scaling.
+// NumPy twin: andrea/engine/fp8_numpy.py (amax, scale_of, encode, quantize_delayed); launchers:
+// andrea/cuda/fp8.py.
 //
-// One tensor is cast in two launches:
+// Current scaling, two launches per tensor:
 //   k_fp8_amax_bf16    P blocks (fixed), each writes the max |x| of its grid-stride share of the
 //                      finite entries to part[block] (no atomics: the same bits every run);
-//   k_fp8_cast[_t]_bf16 every block reduces part[0..P) to amax, takes scale = 448 / amax (1 for an
-//                      all-zero tensor) and writes E4M3(x * scale) (round to nearest even, saturating
-//                      at +-448; a non-finite x writes NaN 0x7F so the step stays non-finite); block 0
-//                      writes inv = 1 / scale, the GEMM's dequantization factor. The _t kernel also
-//                      (or only) writes the transpose, which Hopper's FP8 GEMM needs (both operands
-//                      K-contiguous).
+//   k_fp8_cast[_t]_bf16 with part: every block reduces part[0..P) to amax, takes scale = 448 / amax
+//                      (1 for an all-zero tensor); block 0 writes inv = 1 / scale, the GEMM's
+//                      dequantization factor, and (when rec is set) atomicMax-es amax into *rec.
+// Delayed scaling, one launch per tensor:
+//   k_fp8_cast[_t]_bf16 with part = null: scale = *sc (448 / the max of the tensor's amax history,
+//                      written with inv by the host, andrea/engine/fp8_numpy.AmaxHistory); the same
+//                      pass reduces the max |x| of the finite entries per block and atomicMax-es it
+//                      into *rec (the float bits of a non-negative float order as integers, and a max
+//                      does not depend on the order: the same bits every run).
+// Both: E4M3(x * scale), round to nearest even, saturating at +-448; a non-finite x writes NaN 0x7F
+// so the step stays non-finite and the engine's guard skips it. The _t kernel also (or only)
+// writes the transpose, which Hopper's FP8 GEMM needs (both operands K-contiguous).
 
 __device__ __forceinline__ bool bf16_finite(unsigned h) { return (h & 0x7f80u) != 0x7f80u; }
 __device__ __forceinline__ float bf16_absf(unsigned h) {
@@ -35,61 +42,98 @@ __device__ __forceinline__ uint2 fp8_pack8(uint4 v, float s) {
     return o;
 }
 
-__device__ __forceinline__ float fp8_scale(const float* __restrict__ part, int P, float* buf) {
+
+__device__ __forceinline__ float amax8(uint4 v) {
+    return fmaxf(fmaxf(fmaxf(bf16_absf(v.x & 0xffffu), bf16_absf(v.x >> 16)),
+                       fmaxf(bf16_absf(v.y & 0xffffu), bf16_absf(v.y >> 16))),
+                 fmaxf(fmaxf(bf16_absf(v.z & 0xffffu), bf16_absf(v.z >> 16)),
+                       fmaxf(bf16_absf(v.w & 0xffffu), bf16_absf(v.w >> 16))));
+}
+
+// The cast's scale: current (part set: 448 / the max of part[0..P), amax to *m_out) or delayed (*sc).
+__device__ __forceinline__ float fp8_scale(const float* __restrict__ part, int P, const float* __restrict__ sc,
+                                           float* buf, float* m_out) {
+    if (part == nullptr) return sc[0];
     float m = 0.0f;
     for (int i = threadIdx.x; i < P; i += blockDim.x) m = fmaxf(m, part[i]);
     m = block_max(m, buf);
+    *m_out = m;
     return m > 1e-30f ? 448.0f / m : 1.0f;
+}
+
+// After the cast: current: block 0 writes inv and records amax; delayed: every block records its max.
+__device__ __forceinline__ void fp8_finish(bool current, float s, float m_cur, float m_local, float* buf,
+                                           float* __restrict__ inv, float* __restrict__ rec, bool first) {
+    if (current) {
+        if (first && threadIdx.x == 0) {
+            inv[0] = 1.0f / s;
+            if (rec) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m_cur));
+        }
+        return;
+    }
+    const float m = block_max(m_local, buf);
+    if (threadIdx.x == 0 && rec) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m));
 }
 
 extern "C" __global__ void k_fp8_amax_bf16(const uint4* __restrict__ x, long long n8, float* __restrict__ part) {
     __shared__ float buf[32];
     float m = 0.0f;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (long long)gridDim.x * blockDim.x) {
-        const uint4 v = x[i];
-        m = fmaxf(m, fmaxf(fmaxf(bf16_absf(v.x & 0xffffu), bf16_absf(v.x >> 16)),
-                           fmaxf(bf16_absf(v.y & 0xffffu), bf16_absf(v.y >> 16))));
-        m = fmaxf(m, fmaxf(fmaxf(bf16_absf(v.z & 0xffffu), bf16_absf(v.z >> 16)),
-                           fmaxf(bf16_absf(v.w & 0xffffu), bf16_absf(v.w >> 16))));
-    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (long long)gridDim.x * blockDim.x)
+        m = fmaxf(m, amax8(x[i]));
     m = block_max(m, buf);
     if (threadIdx.x == 0) part[blockIdx.x] = m;
 }
 
 // x (n8 * 8,) bf16 -> out (n8 * 8,) E4M3, same order.
 extern "C" __global__ void k_fp8_cast_bf16(const uint4* __restrict__ x, long long n8, const float* __restrict__ part,
-                                           int P, uint2* __restrict__ out, float* __restrict__ inv) {
+                                           int P, const float* __restrict__ sc, float* __restrict__ rec,
+                                           uint2* __restrict__ out, float* __restrict__ inv) {
     __shared__ float buf[32];
-    const float s = fp8_scale(part, P, buf);
-    if (blockIdx.x == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (long long)gridDim.x * blockDim.x)
-        out[i] = fp8_pack8(x[i], s);
+    float m_cur = 0.0f, m = 0.0f;
+    const float s = fp8_scale(part, P, sc, buf, &m_cur);
+    const bool delayed = part == nullptr;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 v = x[i];
+        if (delayed) m = fmaxf(m, amax8(v));
+        out[i] = fp8_pack8(v, s);
+    }
+    fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
 
 // x (R, C) bf16 row-major, R and C multiples of 64 -> out_t (C, R) E4M3 and, unless out is null,
-// out (R, C) E4M3. Grid (C / 64, R / 64), 256 threads; one 64 x 64 tile per block.
+// out (R, C) E4M3. 256 threads a block, 64 x 64 tiles in grid-stride order (fewer blocks than tiles
+// keep the delayed path's atomics few).
 extern "C" __global__ void k_fp8_cast_t_bf16(const unsigned short* __restrict__ x, int R, int C,
-                                             const float* __restrict__ part, int P, unsigned char* __restrict__ out,
+                                             const float* __restrict__ part, int P, const float* __restrict__ sc,
+                                             float* __restrict__ rec, unsigned char* __restrict__ out,
                                              unsigned char* __restrict__ out_t, float* __restrict__ inv) {
     __shared__ float buf[32];
     __shared__ __align__(16) unsigned char tile[64][72];
-    const float s = fp8_scale(part, P, buf);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv[0] = 1.0f / s;
-    const int r0 = blockIdx.y * 64, c0 = blockIdx.x * 64;
+    float m_cur = 0.0f, m = 0.0f;
+    const float s = fp8_scale(part, P, sc, buf, &m_cur);
+    const bool delayed = part == nullptr;
+    const int tc = C / 64, n_tiles = tc * (R / 64);
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        const int r0 = (t / tc) * 64, c0 = (t % tc) * 64;
 #pragma unroll
-    for (int k = threadIdx.x; k < 512; k += 256) {              // 64 rows x 8 chunks of 8 columns
-        const int rr = k >> 3, cc = (k & 7) * 8;
-        const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
-        const uint2 q = fp8_pack8(*reinterpret_cast<const uint4*>(x + at), s);
-        if (out) *reinterpret_cast<uint2*>(out + at) = q;
-        *reinterpret_cast<uint2*>(&tile[rr][cc]) = q;
+        for (int k = threadIdx.x; k < 512; k += 256) {              // 64 rows x 8 chunks of 8 columns
+            const int rr = k >> 3, cc = (k & 7) * 8;
+            const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
+            const uint4 v = *reinterpret_cast<const uint4*>(x + at);
+            if (delayed) m = fmaxf(m, amax8(v));
+            const uint2 q = fp8_pack8(v, s);
+            if (out) *reinterpret_cast<uint2*>(out + at) = q;
+            *reinterpret_cast<uint2*>(&tile[rr][cc]) = q;
+        }
+        __syncthreads();
+        const int j = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;   // out_t row c0 + j, columns r0 + seg ..
+        unsigned w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            w[u] = (unsigned)tile[seg + 4 * u][j] | ((unsigned)tile[seg + 4 * u + 1][j] << 8) |
+                   ((unsigned)tile[seg + 4 * u + 2][j] << 16) | ((unsigned)tile[seg + 4 * u + 3][j] << 24);
+        *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
+        __syncthreads();
     }
-    __syncthreads();
-    const int j = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;   // out_t row c0 + j, columns r0 + seg ..
-    unsigned w[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-        w[t] = (unsigned)tile[seg + 4 * t][j] | ((unsigned)tile[seg + 4 * t + 1][j] << 8) |
-               ((unsigned)tile[seg + 4 * t + 2][j] << 16) | ((unsigned)tile[seg + 4 * t + 3][j] << 24);
-    *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
+    fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }

@@ -1,22 +1,34 @@
-"""The fp8 engine's GEMMs: bf16 operands cast to E4M3 with per-tensor current scaling
+"""The fp8 engine's GEMMs: bf16 operands cast to E4M3 with per-tensor current or delayed scaling
 (``fp8.cu``), multiplied on Hopper's FP8 tensor cores (``cublaslt.py``), results in bf16/fp32.
 
     from andrea.cuda.fp8 import Fp8Gemm, fp8_buffers
-    f8 = Fp8Gemm(arena_views, weight_views, bf16_only_ptrs)   # GpuEngine(precision="fp8") builds it
-    f8.cast_weights()                      # once per forward: every matmul weight, both orientations
+    f8 = Fp8Gemm(arena_views, weight_views, plan, bf16_only_ptrs, blas, scaling="delayed", n_sites=12 * L)
+    f8.cast_weights()                      # after every weight change: every matmul weight, both orientations
+    f8.begin()                             # at the start of each forward: cast sites are numbered in call order
     f8.mm(C, A, B, ta=False, tb=False, beta=0.0)               # Blas.mm's contract
+    f8.after_step()                        # delayed: this step's amaxes into the history, new scales
 
-Recipe (stated in docs/ANDREA.md): E4M3 for activations, weights and gradients alike (no
-E5M2); *current* scaling: each operand's amax is reduced just before its cast (one extra
-read of the bf16 tensor), scale = 448 / amax, so nothing saturates and there is no scaling
-state to carry between steps. A NaN/inf input casts to NaN, the GEMM output is non-finite
-and the step guard (GpuEngine.apply_update) skips the step. Forward GEMMs use cuBLASLt's
-fast FP8 accumulation, the backward ones its split (more exact) accumulation, as NVIDIA's
-Transformer Engine does.
+Recipe (docs/FP8.md): E4M3 for activations, weights and gradients alike (no E5M2). Forward
+GEMMs use cuBLASLt's fast FP8 accumulation, the backward ones its split (more exact)
+accumulation, as NVIDIA's Transformer Engine does. A NaN/inf input casts to NaN, the GEMM
+output is non-finite and the step guard (GpuEngine.apply_update) skips the step.
+
+Scaling (``train.fp8_scaling``):
+- ``current``: each operand's amax is reduced just before its cast (one extra read of the bf16
+  tensor), scale = 448 / amax, so nothing saturates and no state outlives a step;
+- ``delayed``: every activation and gradient cast of a step is a *site*, numbered in call order
+  from ``begin`` (``SITES_PER_LAYER`` per layer, the same sequence every step, so a CUDA graph
+  replays it); a site's scale is 448 / the max of its last ``history`` amaxes
+  (``andrea.engine.fp8_numpy.AmaxHistory``, on the host); the cast reduces the tensor's amax in
+  the same pass (atomicMax into ``f8_cur``), and ``after_step`` pushes those into the history
+  (skipped steps too) and writes the new scales. Values beyond 448 / scale saturate at 448; the
+  count of sites that clipped is reported (``last_clipped``) and their scales follow next step.
+  While the history is empty (a run's first step) every site uses current scaling and records
+  its amax. The weights use current scaling in both modes: they are cast once per weight change.
 
 Operand orientation: cuBLASLt FP8 needs both operands K-contiguous, so ``mm`` casts op(A)
 as (M, K) and op(B)^T as (N, K): A as is (or transposed when ta), B transposed (or as is
-when tb). Weights (the rows of ``wlow``) are cast once per forward into ``w8`` in both
+when tb). Weights (the rows of ``wlow``) are cast by ``cast_weights`` into ``w8`` in both
 orientations. A gradient operand (the output gradient dY, used by dX = dY W^T and by
 dW = X^T dY, which the recipe's backward calls one right after the other) is cast once into
 both orientations and the copy the next ``mm`` call needs is reused; the reuse is valid only
@@ -30,12 +42,16 @@ import numpy as np
 from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F, Lt
 from andrea.cuda.kernels import i32, need
 from andrea.cuda.loader import kernel
+from andrea.engine.fp8_numpy import AmaxHistory
 from andrea.errors import AndreaError
 
 AMAX_BLOCKS = 264                 # 2 per SM on an H100/H200; any count gives the same amax
 LT_WORKSPACE = 32 << 20           # cuBLASLt's recommended workspace on Hopper
 TILE = 64                         # k_fp8_cast_t_bf16's tile: rows and columns multiples of 64
 SLOT = 64                         # floats between dequantization factors (256 bytes): cuBLASLt wants aligned scales
+SITES_PER_LAYER = 12              # delayed scaling's casts a layer: 4 forward activations, their 4 transposes
+                                  # (weight gradients) and 4 output gradients
+SCALINGS = ("current", "delayed")
 
 
 def require_fp8(compute_capability) -> None:
@@ -45,14 +61,16 @@ def require_fp8(compute_capability) -> None:
                           f"this GPU is sm_{compute_capability}: use train.precision=bf16")
 
 
-def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int) -> list:
+def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_sites: int) -> list:
     """(name, shape, dtype) of the arena entries the fp8 path adds: the weights' E4M3 copies in
     both orientations (``n_weight8`` bytes, see ``weight_plan``), four (N x 4C) cast buffers, the
-    amax partials, the per-cast dequantization factors and cuBLASLt's workspace."""
+    amax partials, the per-cast dequantization factors (slots ``n_slots`` on are the delayed
+    sites': inv, then the scale the kernel reads), the delayed sites' amaxes of this step and
+    cuBLASLt's workspace. The same for both scalings."""
     return [("w8", (n_weight8,), np.uint8), ("f8_a", (N * 4 * C,), np.uint8), ("f8_at", (N * 4 * C,), np.uint8),
             ("f8_g", (N * 4 * C,), np.uint8), ("f8_gt", (N * 4 * C,), np.uint8),
-            ("f8_part", (AMAX_BLOCKS,), np.float32), ("f8_inv", (SLOT * n_slots,), np.float32),
-            ("lt_ws", (LT_WORKSPACE,), np.uint8)]
+            ("f8_part", (AMAX_BLOCKS,), np.float32), ("f8_inv", (SLOT * (n_slots + n_sites),), np.float32),
+            ("f8_cur", (max(1, n_sites),), np.float32), ("lt_ws", (LT_WORKSPACE,), np.uint8)]
 
 
 def weight_plan(layout, names) -> tuple[dict, int]:
@@ -79,36 +97,56 @@ def k_fp8_amax(x, part) -> None:
     kernel("fp8.cu", "k_fp8_amax_bf16")((AMAX_BLOCKS,), (256,), (x, np.int64(n // 8), part))
 
 
-def k_fp8_cast(out, x, part, inv) -> None:
-    """out (x.size,) E4M3 of x with the scale of ``part``; inv[0] = 1 / scale."""
+def _ptr(x):
+    return np.uint64(0) if x is None else x
+
+
+def k_fp8_cast(out, x, part, inv, scale=None, rec=None) -> None:
+    """out (x.size,) E4M3 of x: with ``part`` its scale is 448 / amax of ``part`` and inv[0] = 1 / scale;
+    with part None the scale is scale[0] (delayed). ``rec``: amax of x atomicMax-ed into rec[0]."""
     n = x.size
+    if part is None and (n % 8 or x.data.ptr % 16):
+        raise AndreaError(f"fp8 cast: a tensor of {n} elements (needs a multiple of 8, 16-byte aligned)")
     kernel("fp8.cu", "k_fp8_cast_bf16")((min(4 * AMAX_BLOCKS, -(-n // 2048)),), (256,),
-                                        (x, np.int64(n // 8), part, i32(AMAX_BLOCKS), out, inv))
+                                        (x, np.int64(n // 8), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec),
+                                         out, inv))
 
 
-def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv) -> None:
-    """out_t (C, R) E4M3 of x (R, C) transposed and, unless out is None, out (R, C) E4M3."""
+def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None) -> None:
+    """out_t (C, R) E4M3 of x (R, C) transposed and, unless out is None, out (R, C) E4M3; the
+    scale as in ``k_fp8_cast``."""
     if R % TILE or C % TILE:
         raise AndreaError(f"fp8 cast: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
-    kernel("fp8.cu", "k_fp8_cast_t_bf16")((C // TILE, R // TILE), (256,),
-                                          (x, i32(R), i32(C), part, i32(AMAX_BLOCKS),
-                                           np.uint64(0) if out is None else out, out_t, inv))
+    tiles = (R // TILE) * (C // TILE)
+    kernel("fp8.cu", "k_fp8_cast_t_bf16")((min(tiles, 8 * AMAX_BLOCKS),), (256,),
+                                          (x, i32(R), i32(C), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec),
+                                           _ptr(out), out_t, inv))
 
 
-def quantize(out, out_t, x, part, inv, R: int | None = None, C: int | None = None) -> None:
-    """amax + cast of bf16 x: natural layout into ``out``, transposed (x as (R, C)) into ``out_t``."""
-    k_fp8_amax(x, part)
-    if out_t is None:
-        k_fp8_cast(out, x, part, inv)
+def quantize(out, out_t, x, part, inv, R: int | None = None, C: int | None = None, scale=None, rec=None) -> None:
+    """Cast bf16 x: natural layout into ``out``, transposed (x as (R, C)) into ``out_t``.
+    Current scaling (``scale`` None): an amax pass into ``part``, then the cast, which writes
+    inv[0] = 1 / scale (and, with ``rec``, atomicMax-es the amax into rec[0]). Delayed
+    (``scale`` a 1-element fp32 view): the cast alone, at scale[0], atomicMax-ing x's amax into rec[0]."""
+    if scale is None:
+        k_fp8_amax(x, part)
+        part_arg = part
     else:
-        k_fp8_cast_t(out, out_t, x, R, C, part, inv)
+        part_arg = None
+    if out_t is None:
+        k_fp8_cast(out, x, part_arg, inv, scale, rec)
+    else:
+        k_fp8_cast_t(out, out_t, x, R, C, part_arg, inv, scale, rec)
 
 
 # ----------------------------------------------------------------------------- the GEMM path
 class Fp8Gemm:
     """``mm`` with Blas.mm's contract over E4M3 operands; see the module docstring."""
 
-    def __init__(self, a: dict, WL: dict, plan: dict, bf16_ptrs: set, blas, lt=None):
+    def __init__(self, a: dict, WL: dict, plan: dict, bf16_ptrs: set, blas, lt=None, scaling: str = "current",
+                 n_sites: int = 0, history: int = 16):
+        if scaling not in SCALINGS:
+            raise AndreaError(f"train.fp8_scaling: {scaling!r} (expected current | delayed)")
         self.a, self.blas, self.bf16_ptrs = a, blas, bf16_ptrs
         self.lt = lt or Lt(a["lt_ws"])
         self.inv = a["f8_inv"]
@@ -121,6 +159,15 @@ class Fp8Gemm:
         self._memo: dict = {}
         self.memo_enabled = True
         self._stream = lambda: blas.cp.cuda.get_current_stream().ptr
+        self.scaling, self.n_sites, self.site_base = scaling, int(n_sites), n_slots(plan)
+        self.hist = AmaxHistory(self.n_sites, history) if scaling == "delayed" else None
+        self.site = 0                              # the next delayed site of this pass (``begin`` resets it)
+        self.last_clipped = 0
+
+    @property
+    def calibrating(self) -> bool:
+        """Delayed scaling with no history yet: every cast uses current scaling and records its amax."""
+        return self.hist is not None and self.hist.empty
 
     def _slot(self, i: int):
         """Device pointer of dequantization factor i (what cuBLASLt reads)."""
@@ -131,39 +178,94 @@ class Fp8Gemm:
         return self.inv[SLOT * i:SLOT * i + 1]
 
     def cast_weights(self) -> None:
+        """E4M3 copies of the current ``wlow`` (current scaling); the engine calls it after every
+        weight change (load_state, each optimizer step), not at every forward."""
         part = self.a["f8_part"]
         for W, W8, W8t, slot in self.weights.values():
             K, N = W.shape
             quantize(W8, W8t, W, part, self._inv(slot), K, N)
+
+    # ------------------------------------------------------------------ delayed scaling
+    def begin(self) -> None:
+        """The start of a forward: sites are numbered from 0 again, no gradient cast is reusable."""
+        self.site, self._memo = 0, {}
+
+    def reset_amax(self) -> None:
+        """The start of a step (zero_grads): this step's site amaxes start at 0 (maxed over its microbatches)."""
+        if self.hist is not None:
+            self.a["f8_cur"].fill(0)
+
+    def after_step(self, stream) -> int:
+        """Delayed: this step's amaxes into the history (a skipped step's too: the scales follow
+        what overflowed), the new scales to the device; returns how many sites clipped."""
+        if self.hist is None:
+            return 0
+        cur = self.a["f8_cur"][:self.n_sites].get(stream=stream)
+        self.last_clipped = self.hist.push(cur)
+        self.write_scales(stream)
+        return self.last_clipped
+
+    def write_scales(self, stream=None) -> None:
+        """Every site's (inv, scale) from the history into its factor slot (inv first, for cuBLASLt)."""
+        if self.hist is None or self.hist.empty or not self.n_sites:
+            return
+        scale, inv = self.hist.scales()
+        host = np.zeros((self.n_sites, SLOT), dtype=np.float32)
+        host[:, 0], host[:, 1] = inv, scale
+        dst = self.inv[SLOT * self.site_base:SLOT * (self.site_base + self.n_sites)]
+        dst.set(host.reshape(-1), stream=stream)
+
+    def check_pass(self, backward: bool) -> None:
+        """After a forward (+ backward): the sites numbered must be the planned ones."""
+        if self.hist is not None and backward and self.site != self.n_sites:
+            raise AndreaError(f"fp8 delayed scaling: a step cast {self.site} activation/gradient tensors, "
+                              f"the plan has {self.n_sites} sites (SITES_PER_LAYER in andrea/cuda/fp8.py)")
+
+    def _cast(self, out, out_t, x, R=None, C=None, current_slot: int = 0, site=None) -> tuple[int, int]:
+        """One activation/gradient cast; returns (its factor slot, its site or -1)."""
+        part = self.a["f8_part"]
+        if self.hist is None:
+            quantize(out, out_t, x, part, self._inv(current_slot), R, C)
+            return current_slot, -1
+        if site is None:
+            site = self.site
+            self.site += 1
+            if site >= self.n_sites:
+                raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
+        slot, rec = self.site_base + site, self.a["f8_cur"][site:site + 1]
+        if self.hist.empty:
+            quantize(out, out_t, x, part, self._inv(slot), R, C, rec=rec)
+        else:
+            quantize(out, out_t, x, part, self._inv(slot), R, C, scale=self.inv[SLOT * slot + 1:SLOT * slot + 2],
+                     rec=rec)
+        return slot, site
 
     def _buf(self, name: str, rows: int, cols: int):
         return self.a[name][:rows * cols].reshape(rows, cols)
 
     def _activation(self, A, transposed: bool):
         """op(A) as a K-contiguous E4M3 (M, K) matrix of an activation: A itself, or A^T."""
-        part = self.a["f8_part"]
         if transposed:
             K, M = A.shape
             out = self._buf("f8_at", M, K)
-            quantize(None, out, A, part, self._inv(1), K, M)
-            return out, self._slot(1)
+            slot, _ = self._cast(None, out, A, K, M, current_slot=1)
+            return out, self._slot(slot)
         out = self._buf("f8_a", *A.shape)
-        quantize(out, None, A, part, self._inv(0))
-        return out, self._slot(0)
+        slot, _ = self._cast(out, None, A, current_slot=0)
+        return out, self._slot(slot)
 
     def _gradient(self, G, transposed: bool, prev: dict):
         """G or G^T in E4M3 for a gradient G (rows, cols): both orientations cast at once, the
-        other one kept for the next call."""
+        other one kept for the next call (with the memo off, cast again at the same site)."""
         key = (G.data.ptr, G.shape)
         hit = prev.get(key)
-        if hit is None:
+        if hit is None or not self.memo_enabled:
             R, C = G.shape
             nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
-            quantize(nat, tr, G, self.a["f8_part"], self._inv(2), R, C)
-            hit = (nat, tr)
-        if self.memo_enabled:
-            self._memo[key] = hit
-        return (hit[1] if transposed else hit[0]), self._slot(2)
+            slot, site = self._cast(nat, tr, G, R, C, current_slot=2, site=None if hit is None else hit[3])
+            hit = (nat, tr, slot, site)
+        self._memo[key] = hit
+        return (hit[1] if transposed else hit[0]), self._slot(hit[2])
 
     def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF) -> None:
         prev, self._memo = self._memo, {}

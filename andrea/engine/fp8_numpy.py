@@ -8,10 +8,17 @@ written out by hand and is bit-exact with the hardware's ``cvt.rn.satfinite.e4m3
 
 E4M3 (OCP FP8, NVIDIA's ``__nv_fp8_e4m3``): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa
 bits; no infinities; 0x7F / 0xFF are NaN; largest finite 448 (0x7E), smallest subnormal 2**-9.
-Per-tensor *current* scaling, the engine's recipe: amax = max |x| over the finite entries;
-scale = 448 / amax (1 when amax is 0); q = E4M3(x * scale) rounded to nearest, ties to even,
-saturating at +-448; a non-finite x gives NaN (0x7F), so a step that overflowed upstream stays
-non-finite and the engine's step guard skips it. The GEMM reads ``inv = 1 / scale`` (fp32).
+Per-tensor *current* scaling (``train.fp8_scaling: current``): amax = max |x| over the finite
+entries; scale = 448 / amax (1 when amax is 0); q = E4M3(x * scale) rounded to nearest, ties to
+even, saturating at +-448; a non-finite x gives NaN (0x7F), so a step that overflowed upstream
+stays non-finite and the engine's step guard skips it. The GEMM reads ``inv = 1 / scale`` (fp32).
+
+*Delayed* scaling (``train.fp8_scaling: delayed``): each cast site keeps the amaxes of its last
+``train.fp8_amax_history`` steps (``AmaxHistory``, which the engine itself runs on the host: the
+rule has no CUDA copy); its scale is ``scale_of(max of that history)``; the cast
+(``quantize_delayed``) multiplies by that scale, saturates what lies beyond 448 and reports the
+tensor's own amax, which enters the history after the step. While a history is empty (the first
+step of a run) the casts use current scaling and record their amaxes the same way.
 """
 
 from __future__ import annotations
@@ -89,3 +96,68 @@ def gemm_nt(x8: np.ndarray, x_inv, y8: np.ndarray, y_inv) -> np.ndarray:
     a = decode(x8).astype(np.float64)
     b = decode(y8).astype(np.float64)
     return (a @ b.T) * (float(x_inv) * float(y_inv))
+
+
+def quantize_delayed(x: np.ndarray, scale) -> tuple[np.ndarray, np.float32, bool]:
+    """The delayed cast of one tensor with a given fp32 ``scale``: (E4M3 bits of x * scale,
+    saturating at +-448; amax of x, which the kernel reduces in the same pass; whether the cast
+    clipped, i.e. amax * scale > 448 in fp32)."""
+    x = np.asarray(x, dtype=np.float32)
+    s = np.float32(scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = x * s
+    am = amax(x)
+    return encode(y), am, bool(np.float32(am * s) > np.float32(E4M3_MAX))
+
+
+class AmaxHistory:
+    """The delayed-scaling state of ``n`` cast sites: the amaxes of their last ``length`` steps
+    (a ring, float32) and the count of steps pushed. JSON-able through ``state``/``load``.
+
+        h = AmaxHistory(n_sites, 16)
+        scale, inv = h.scales()              # float32 (n,) each; only valid once h.steps > 0
+        clipped = h.push(amax_this_step)     # how many sites' amax exceeded 448 / their scale
+    """
+
+    def __init__(self, n: int, length: int):
+        if int(length) < 1:
+            raise ValueError(f"train.fp8_amax_history: {length} (needs at least 1)")
+        self.hist = np.zeros((int(n), int(length)), dtype=np.float32)
+        self.steps = 0
+        self.clipped_total = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.steps == 0
+
+    def scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per site (scale, inv) = scale_of(max over its history), as the kernels and GEMMs read them."""
+        pairs = [scale_of(m) for m in self.hist.max(axis=1)]
+        return (np.array([p[0] for p in pairs], dtype=np.float32).reshape(-1),
+                np.array([p[1] for p in pairs], dtype=np.float32).reshape(-1))
+
+    def push(self, am: np.ndarray) -> int:
+        """One step's amaxes (n,) into the ring; returns how many of them clipped under the scales
+        this step used (0 for the first step, cast with current scaling)."""
+        am = np.asarray(am, dtype=np.float32).reshape(-1)
+        if am.shape != (self.hist.shape[0],):
+            raise ValueError(f"fp8 amax: {am.shape[0]} sites, the history has {self.hist.shape[0]}")
+        clipped = 0
+        if not self.empty:
+            scale, _ = self.scales()
+            clipped = int(np.count_nonzero(am * scale > np.float32(E4M3_MAX)))
+        self.hist[:, self.steps % self.hist.shape[1]] = am
+        self.steps += 1
+        self.clipped_total += clipped
+        return clipped
+
+    def state(self) -> dict:
+        return {"amax_history": self.hist.tolist(), "steps": int(self.steps), "clipped_total": int(self.clipped_total)}
+
+    def load(self, d: dict) -> None:
+        h = np.asarray(d["amax_history"], dtype=np.float32)
+        if h.shape != self.hist.shape:
+            raise ValueError(f"fp8 amax history of shape {h.shape}, this engine's is {self.hist.shape} "
+                             "(another model or train.fp8_amax_history?)")
+        self.hist = h.copy()
+        self.steps, self.clipped_total = int(d["steps"]), int(d["clipped_total"])
