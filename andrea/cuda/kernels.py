@@ -140,9 +140,14 @@ class Blas:
 # ----------------------------------------------------------------------------- kernel wrappers
 # Storage-type-generic wrappers (prec in fp32 | bf16 | fp16; 16-bit arrays are uint16 payloads).
 
+def _ln_aligned(C: int, *arrays) -> bool:
+    """The float4 LayerNorm kernels need C % 4 == 0 and 16-byte aligned buffers."""
+    return C % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+
+
 def _ln_vec(C: int, *arrays) -> int | None:
     """V (float4 columns per lane / 32) of the vectorized LayerNorm forward, or None for the scalar one."""
-    if C % 4 or not all(a.data.ptr % 16 == 0 for a in arrays):
+    if not _ln_aligned(C, *arrays):
         return None
     return next((V for V in (1, 2, 3, 6, 12, 16) if C // 4 <= 32 * V), None)
 
@@ -150,6 +155,9 @@ def _ln_vec(C: int, *arrays) -> int | None:
 # (V, R) of the vectorized LayerNorm backwards compiled in layernorm.cu: R warps share a row, each lane
 # owns V float4 columns (C <= 128 R V). ln_bwd_vr picks the one run: R the fewest warps that cover
 # the row with V <= 3 (x, dy and dx of the row and the lane's dg/db partials stay in registers).
+# (6, 1), (6, 2) and (4, 4) are the alternatives `bench/layernorm_gpu.py --sweep` times: on the H200
+# (3, 2) took 0.0985 ms at 32768 x 768 against 0.1033 for (6, 1) and 0.1062 for (2, 4); (3, 4) 0.0537 ms
+# at 8192 x 1536 against 0.0591 for (6, 2) and 0.0644 for (2, 8) (docs/bench/layernorm_h200.md).
 LN_BWD_BUILT = frozenset({(1, 1), (2, 1), (3, 1), (6, 1), (2, 2), (3, 2), (6, 2), (2, 4), (3, 4), (4, 4),
                           (2, 8), (3, 8)})
 
@@ -194,7 +202,7 @@ def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C, dlow=Non
     n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
     if part.size < n_chunks * 2 * C:
         raise AndreaError(f"cuda op layernorm_backward: scratch has {part.size} floats, needs {n_chunks * 2 * C}")
-    vec = _ln_vec(C, x, g, dy, dx, *(() if dlow is None else (dlow,)))
+    vec = _ln_aligned(C, x, g, dy, dx, *(() if dlow is None else (dlow,)))
     V, R = vr or (ln_bwd_vr(C) if vec else None) or (None, None)
     if vec and V:
         if (V, R) not in LN_BWD_BUILT or C // 4 > 32 * R * V:
