@@ -137,6 +137,10 @@ class _RowExact(_CachedAttention):
         for i in range(x.shape[0]):
             self._ops.layernorm_forward(out[i:i + 1], mean[i:i + 1], rstd[i:i + 1], x[i:i + 1], g, b)
 
+    def residual_layernorm_forward(self, xo, out, mean, rstd, a, b, g, beta):
+        self._ops.residual_add_forward(xo, a, b)
+        self.layernorm_forward(out, mean, rstd, xo, g, beta)
+
     def attn_qkv_forward(self, qkv, x, w_qkv):
         self._ops.attn_qkv_forward(qkv[:, None], x[:, None], w_qkv)
 

@@ -139,8 +139,11 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
 
 
 # our launchers (andrea.cuda.engine's imports) -> kernel class of the breakdown
+# (the fused residual add + LayerNorm forward, and the LayerNorm backward that also writes the branch
+# gradient's cast, count as layernorm)
 OUR_CLASSES = {"k_attn_fwd": "attention fwd", "k_attn_bwd": "attention bwd", "k_layernorm_fwd": "layernorm",
-               "k_layernorm_bwd": "layernorm", "k_gelu_fwd": "elementwise", "k_gelu_bwd": "elementwise",
+               "k_layernorm_bwd": "layernorm", "k_residual_layernorm_fwd": "layernorm", "k_gelu_fwd": "elementwise",
+               "k_gelu_bwd": "elementwise",
                "k_residual_add": "elementwise", "k_cast": "elementwise", "k_loss_fwd": "loss", "k_loss_bwd": "loss",
                "k_loss_mean": "loss", "k_embed_fwd": "embed", "k_embed_bwd": "embed"}
 CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "layernorm", "elementwise", "loss", "embed", "optimizer",

@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 
+from andrea.cuda.kernels import LN_BWD_BUILT
 from andrea.cuda.loader import cupy_or_none
 from andrea.cuda.mirror import MirrorOps
 from andrea.errors import AndreaError
@@ -74,16 +75,48 @@ def be():
     return kernels
 
 
-@pytest.mark.parametrize("prec,C", [("fp32", 96), ("bf16", 96), ("fp16", 96), ("fp32", 98), ("bf16", 98),
-                                    ("bf16", 768), ("fp32", 1536)])
-def test_layernorm_pair(be, prec, C):
-    # C % 4 == 0 takes the float4 kernels (fused backward), C = 98 the scalar three-kernel backward
-    rng = np.random.default_rng(1)
-    N = 300
+def _ln_case(prec, N, C, seed=1):
+    rng = np.random.default_rng(seed)
     x = rng.normal(0.5, 2.0, (N, C)).astype(np.float32)
     g = rng.normal(1.0, 0.3, C).astype(np.float32)
     b = rng.normal(0.0, 0.3, C).astype(np.float32)
     dy_f = rng.normal(0, 1, (N, C)).astype(np.float32)
+    dx0 = rng.normal(0, 1, (N, C)).astype(np.float32)          # backward adds (+=)
+    dg0, db0 = rng.normal(0, 1, C).astype(np.float32), rng.normal(0, 1, C).astype(np.float32)
+    return x, g, b, dy_f, dx0, dg0, db0
+
+
+def _ln_backward_check(be, prec, x, g, dy_f, dx0, dg0, db0, mean, rstd, rm, rr, vr=None):
+    """One k_layernorm_bwd (with the branch cast dlow where prec is 16-bit) against the NumPy twin;
+    returns the device outputs (dx, dg, db, dlow)."""
+    N, C = x.shape
+    dy, dy64 = to_dev(dy_f, prec)
+    dx, dg, db = cp.asarray(dx0), cp.asarray(dg0), cp.asarray(db0)
+    part = cp.full(((N + be.LN_ROWS_PER_CHUNK - 1) // be.LN_ROWS_PER_CHUNK) * 2 * C, np.nan, np.float32)
+    dlow = None if prec == "fp32" else empty((N, C), prec)
+    be.k_layernorm_bwd(prec, dx, dg, db, dy, cp.asarray(x), mean, rstd, cp.asarray(g), part, N, C, dlow=dlow, vr=vr)
+    rdx, rdg, rdb = dx0.astype(np.float64), dg0.astype(np.float64), db0.astype(np.float64)
+    rbr = np.full((N, C), np.nan)
+    ops.layernorm_residual_backward(rdx, rbr, rdg, rdb, dy64, x.astype(np.float64), rm, rr, g.astype(np.float64),
+                                    np.zeros(ops.work_elems(1, N, C, 1, 1)))
+    what = f"C={C} vr={vr}"
+    close(cp.asnumpy(dx), rdx, "fp32", scale=1.0, what=f"dx {what}")
+    close(cp.asnumpy(dg), rdg, "fp32", scale=10.0, what=f"dg {what}")
+    close(cp.asnumpy(db), rdb, "fp32", scale=10.0, what=f"db {what}")
+    if dlow is not None:                  # the branch gradient: exactly dx rounded to the storage type
+        close(from_dev(dlow, prec), rbr, prec, what=f"dbranch {what}")
+        assert (cp.asnumpy(dlow) == cp.asnumpy(to_dev(cp.asnumpy(dx), prec)[0])).all(), f"dbranch bits {what}"
+    return dx, dg, db, dlow
+
+
+@pytest.mark.parametrize("prec,C", [("fp32", 96), ("bf16", 96), ("fp16", 96), ("fp32", 98), ("bf16", 98),
+                                    ("bf16", 384), ("bf16", 768), ("fp16", 768), ("bf16", 1536), ("fp32", 1536),
+                                    ("bf16", 3076)])
+def test_layernorm_pair(be, prec, C):
+    # C % 4 == 0 takes the float4 kernels (one fused backward, R warps a row past C = 384), C = 98 and
+    # C = 3076 (past the widest vector backward) the scalar three-kernel backward
+    N = 300
+    x, g, b, dy_f, dx0, dg0, db0 = _ln_case(prec, N, C)
     y = empty((N, C), prec)
     mean, rstd = cp.full(N, np.nan, np.float32), cp.full(N, np.nan, np.float32)
     be.k_layernorm_fwd(prec, y, mean, rstd, cp.asarray(x), cp.asarray(g), cp.asarray(b), N, C)
@@ -92,18 +125,61 @@ def test_layernorm_pair(be, prec, C):
     close(from_dev(y, prec), ry, prec, what="layernorm y")
     close(cp.asnumpy(mean), rm, "fp32", what="mean")
     close(cp.asnumpy(rstd), rr, "fp32", what="rstd")
-    dy, dy64 = to_dev(dy_f, prec)
-    dx0 = rng.normal(0, 1, (N, C)).astype(np.float32)          # backward adds (+=)
-    dg0, db0 = rng.normal(0, 1, C).astype(np.float32), rng.normal(0, 1, C).astype(np.float32)
-    dx, dg, db = cp.asarray(dx0), cp.asarray(dg0), cp.asarray(db0)
-    part = cp.full(((N + be.LN_ROWS_PER_CHUNK - 1) // be.LN_ROWS_PER_CHUNK) * 2 * C, np.nan, np.float32)
-    be.k_layernorm_bwd(prec, dx, dg, db, dy, cp.asarray(x), mean, rstd, cp.asarray(g), part, N, C)
-    rdx, rdg, rdb = dx0.astype(np.float64), dg0.astype(np.float64), db0.astype(np.float64)
-    ops.layernorm_backward(rdx, rdg, rdb, dy64, x.astype(np.float64), rm, rr, g.astype(np.float64),
-                           np.zeros(ops.work_elems(1, N, C, 1, 1)))
-    close(cp.asnumpy(dx), rdx, "fp32", scale=1.0, what="dx")
-    close(cp.asnumpy(dg), rdg, "fp32", scale=10.0, what="dg")
-    close(cp.asnumpy(db), rdb, "fp32", scale=10.0, what="db")
+    _ln_backward_check(be, prec, x, g, dy_f, dx0, dg0, db0, mean, rstd, rm, rr)
+
+
+@pytest.mark.parametrize("V,R", sorted(LN_BWD_BUILT))
+def test_every_vector_layernorm_backward_matches_and_repeats_its_bits(be, V, R):
+    # the widest C each (V, R) takes, minus 8 columns (the last lanes idle), and a row count that
+    # leaves the last chunk part-empty; a second launch gives the same bits
+    C, N = 128 * R * V - 8, 70
+    x, g, b, dy_f, dx0, dg0, db0 = _ln_case("bf16", N, C, seed=V * 10 + R)
+    mean, rstd = cp.full(N, np.nan, np.float32), cp.full(N, np.nan, np.float32)
+    be.k_layernorm_fwd("bf16", empty((N, C), "bf16"), mean, rstd, cp.asarray(x), cp.asarray(g), cp.asarray(b), N, C)
+    rm, rr = cp.asnumpy(mean).astype(np.float64), cp.asnumpy(rstd).astype(np.float64)
+    first = _ln_backward_check(be, "bf16", x, g, dy_f, dx0, dg0, db0, mean, rstd, rm, rr, vr=(V, R))
+    again = _ln_backward_check(be, "bf16", x, g, dy_f, dx0, dg0, db0, mean, rstd, rm, rr, vr=(V, R))
+    for p, q in zip(first, again):
+        assert cp.asnumpy(p).tobytes() == cp.asnumpy(q).tobytes()
+
+
+def test_layernorm_backward_refuses_a_vector_choice_too_narrow(be):
+    N, C = 8, 768
+    z = cp.zeros((N, C), np.float32)
+    with pytest.raises(AndreaError, match="no kernel with V=3, R=1 for C=768"):
+        be.k_layernorm_bwd("fp32", z, cp.zeros(C, np.float32), cp.zeros(C, np.float32), z, z, cp.zeros(N, np.float32),
+                           cp.ones(N, np.float32), cp.ones(C, np.float32), cp.zeros(2 * C, np.float32), N, C, vr=(3, 1))
+
+
+@pytest.mark.parametrize("prec,C", [("fp32", 96), ("bf16", 768), ("fp16", 1536), ("bf16", 98)])
+def test_residual_layernorm_forward_matches_and_equals_the_two_kernels(be, prec, C):
+    # fused where C % 4 == 0 (C = 98: the two kernels); the same bits as k_residual_add + k_layernorm_fwd
+    rng = np.random.default_rng(3)
+    N = 300
+    a = rng.normal(0.5, 2.0, (N, C)).astype(np.float32)
+    br, br64 = to_dev(rng.normal(0, 1.0, (N, C)), prec)
+    g = rng.normal(1.0, 0.3, C).astype(np.float32)
+    b = rng.normal(0.0, 0.3, C).astype(np.float32)
+    outs = []
+    for fused in (True, False):
+        xo, y = cp.full((N, C), np.nan, np.float32), empty((N, C), prec)
+        mean, rstd = cp.full(N, np.nan, np.float32), cp.full(N, np.nan, np.float32)
+        if fused:
+            be.k_residual_layernorm_fwd(prec, xo, y, mean, rstd, cp.asarray(a), br, cp.asarray(g), cp.asarray(b), N, C)
+        else:
+            be.k_residual_add(prec, xo, cp.asarray(a), br, N * C)
+            be.k_layernorm_fwd(prec, y, mean, rstd, xo, cp.asarray(g), cp.asarray(b), N, C)
+        outs.append([cp.asnumpy(t) for t in (xo, y, mean, rstd)])
+    for p, q in zip(*outs):
+        assert p.tobytes() == q.tobytes()
+    rxo, ry, rm, rr = np.full((N, C), np.nan), np.full((N, C), np.nan), np.full(N, np.nan), np.full(N, np.nan)
+    ops.residual_layernorm_forward(rxo, ry, rm, rr, a.astype(np.float64), br64, g.astype(np.float64),
+                                   b.astype(np.float64))
+    xo, y, mean, rstd = outs[0]
+    close(xo, rxo, "fp32", what="xo")
+    close(from_dev(cp.asarray(y), prec), ry, prec, what="y")
+    close(mean, rm, "fp32", what="mean")
+    close(rstd, rr, "fp32", what="rstd")
 
 
 @pytest.mark.parametrize("prec,n", [("fp32", 10_000), ("bf16", 10_000), ("bf16", 10_001), ("fp16", 4_096)])

@@ -36,7 +36,8 @@ from andrea import dist
 from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, attn_impl, cp,
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
-                                 k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add)
+                                 k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add,
+                                 k_residual_layernorm_fwd)
 from andrea.cuda.cublaslt import Lt
 from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, fp8_buffers, n_slots, require_fp8,
                              weight_plan)
@@ -95,6 +96,16 @@ class FastOps:
     def layernorm_backward(self, dx, dg, db, dout, x, mean, rstd, g, work):
         N, C = x.shape
         k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C)
+
+    def layernorm_residual_backward(self, dx, dbranch, dg, db, dout, x, mean, rstd, g, work):
+        """One kernel: the LayerNorm backward also writes the branch gradient's 16-bit cast."""
+        N, C = x.shape
+        low = None if dbranch.data.ptr == dx.data.ptr else dbranch      # fp32: the branch grad IS dres
+        k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C, dlow=low)
+
+    def residual_layernorm_forward(self, xo, out, mean, rstd, a, b, g, beta):
+        N, C = xo.shape
+        k_residual_layernorm_fwd(self.p, xo, out, mean, rstd, a, b, g, beta, N, C)
 
     def attn_qkv_forward(self, qkv, x, w_qkv):
         self._mm(qkv, x, w_qkv, tag="qkv fwd")

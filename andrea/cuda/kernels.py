@@ -140,11 +140,35 @@ class Blas:
 # ----------------------------------------------------------------------------- kernel wrappers
 # Storage-type-generic wrappers (prec in fp32 | bf16 | fp16; 16-bit arrays are uint16 payloads).
 
+def _ln_aligned(C: int, *arrays) -> bool:
+    """The float4 LayerNorm kernels need C % 4 == 0 and 16-byte aligned buffers."""
+    return C % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+
+
 def _ln_vec(C: int, *arrays) -> int | None:
-    """V (float4 columns per lane / 32) of the vectorized LayerNorm kernels, or None for the scalar ones."""
-    if C % 4 or not all(a.data.ptr % 16 == 0 for a in arrays):
+    """V (float4 columns per lane / 32) of the vectorized LayerNorm forward, or None for the scalar one."""
+    if not _ln_aligned(C, *arrays):
         return None
-    return next((V for V in (1, 2, 3, 6, 12) if C // 4 <= 32 * V), None)
+    return next((V for V in (1, 2, 3, 6, 12, 16) if C // 4 <= 32 * V), None)
+
+
+# (V, R) of the vectorized LayerNorm backwards compiled in layernorm.cu: R warps share a row, each lane
+# owns V float4 columns (C <= 128 R V). ln_bwd_vr picks the one run: R the fewest warps that cover
+# the row with V <= 3 (x, dy and dx of the row and the lane's dg/db partials stay in registers).
+# (6, 1), (6, 2) and (4, 4) are the alternatives `bench/layernorm_gpu.py --sweep` times: on the H200
+# (3, 2) took 0.0985 ms at 32768 x 768 against 0.1033 for (6, 1) and 0.1062 for (2, 4); (3, 4) 0.0537 ms
+# at 8192 x 1536 against 0.0591 for (6, 2) and 0.0644 for (2, 8) (docs/bench/layernorm_h200.md).
+LN_BWD_BUILT = frozenset({(1, 1), (2, 1), (3, 1), (6, 1), (2, 2), (3, 2), (6, 2), (2, 4), (3, 4), (4, 4),
+                          (2, 8), (3, 8)})
+
+
+def ln_bwd_vr(C: int) -> tuple[int, int] | None:
+    """(V, R) of the backward for width C (C % 4 == 0), or None past C = 3072 (the scalar kernels)."""
+    c4 = C // 4
+    for R in (1, 2, 4, 8):
+        if c4 <= 3 * 32 * R:
+            return -(-c4 // (32 * R)), R
+    return None
 
 
 def k_layernorm_fwd(prec, y, mean, rstd, x, g, b, N, C):
@@ -153,22 +177,47 @@ def k_layernorm_fwd(prec, y, mean, rstd, x, g, b, N, C):
     kernel("layernorm.cu", name)((blocks(N, 8),), (256,), (x, g, b, y, mean, rstd, i32(N), i32(C), f32(LN_EPS)))
 
 
-def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C):
-    """dx (N, C) fp32 += ...; dg, db (C,) += ...; part holds >= ceil(N/32)*2*C floats of scratch."""
+def k_residual_layernorm_fwd(prec, xo, y, mean, rstd, a, br, g, b, N, C):
+    """xo (N, C) fp32 = a + br (br in storage type prec), then y, mean, rstd = LayerNorm(xo): the
+    bits of k_residual_add followed by k_layernorm_fwd, one kernel where the rows allow it."""
+    V = _ln_vec(C, a, br, xo, g, b, y)
+    if V is None:
+        k_residual_add(prec, xo, a, br, N * C)
+        k_layernorm_fwd(prec, y, mean, rstd, xo, g, b, N, C)
+        return
+    kernel("layernorm.cu", f"k_residual_layernorm_fwd4_{SUFFIX[prec]}_v{V}")(
+        (blocks(N, 8),), (256,), (a, br, xo, g, b, y, mean, rstd, i32(N), i32(C), f32(LN_EPS)))
+
+
+def k_layernorm_wsum(dg, db, part, n_chunks, C):
+    """dg, db (C,) += the column sums of part (n_chunks, 2, C) over its chunks, in a fixed order."""
+    kernel("layernorm.cu", "k_layernorm_bwd_wsum")((blocks(C, 32),), (32, 32), (part, dg, db, i32(n_chunks), i32(C)))
+
+
+def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C, dlow=None, vr=None):
+    """dx (N, C) fp32 += ...; dg, db (C,) += ...; part holds >= ceil(N/32)*2*C floats of scratch.
+    ``dlow`` (N, C) in storage type prec, if given, = the updated dx (the branch gradient's cast,
+    ``residual_add_backward``); ``vr`` overrides ln_bwd_vr (bench/layernorm_gpu.py's sweep)."""
     s = SUFFIX[prec]
     n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
     if part.size < n_chunks * 2 * C:
         raise AndreaError(f"cuda op layernorm_backward: scratch has {part.size} floats, needs {n_chunks * 2 * C}")
-    V = _ln_vec(C, x, g, dy, dx)
-    if V and V <= 6:   # V = 12 (C > 768) keeps 144 partial sums per lane: measured slower than 3 kernels
-        kernel("layernorm.cu", f"k_layernorm_bwd4_{s}_v{V}")(
-            (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, part, i32(N), i32(C), i32(LN_ROWS_PER_CHUNK)))
+    vec = _ln_aligned(C, x, g, dy, dx, *(() if dlow is None else (dlow,)))
+    V, R = vr or (ln_bwd_vr(C) if vec else None) or (None, None)
+    if vec and V:
+        if (V, R) not in LN_BWD_BUILT or C // 4 > 32 * R * V:
+            raise AndreaError(f"cuda op layernorm_backward: no kernel with V={V}, R={R} for C={C}")
+        kernel("layernorm.cu", f"k_layernorm_bwd4_{s}_v{V}_r{R}")(
+            (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, np.uint64(0) if dlow is None else dlow, part,
+                                  i32(N), i32(C), i32(LN_ROWS_PER_CHUNK)))
     else:
         kernel("layernorm.cu", f"k_layernorm_bwd_{s}")((blocks(N, 8),), (256,),
                                                        (x, g, mean, rstd, dy, dx, i32(N), i32(C)))
         kernel("layernorm.cu", f"k_layernorm_bwd_wpart_{s}")(
             (blocks(C, 128), n_chunks), (128,), (x, mean, rstd, dy, part, i32(N), i32(C), i32(LN_ROWS_PER_CHUNK)))
-    kernel("layernorm.cu", "k_layernorm_bwd_wsum")((blocks(C, 128),), (128,), (part, dg, db, i32(n_chunks), i32(C)))
+        if dlow is not None:
+            k_cast(prec, dlow, dx, N * C)
+    k_layernorm_wsum(dg, db, part, n_chunks, C)
 
 
 def _vec8(n: int, *arrays) -> bool:

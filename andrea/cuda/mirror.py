@@ -81,6 +81,14 @@ class MirrorOps:
         need("layernorm_backward", "work", work, np.float32)
         k_layernorm_bwd("fp32", dx, dg, db, dout, x, mean, rstd, g, work, N, C)
 
+    def layernorm_residual_backward(self, dx, dbranch, dg, db, dout, x, mean, rstd, g, work):
+        self.layernorm_backward(dx, dg, db, dout, x, mean, rstd, g, work)
+        self.residual_add_backward(dbranch, dx)
+
+    def residual_layernorm_forward(self, xo, out, mean, rstd, a, b, g, beta):
+        self.residual_add_forward(xo, a, b)
+        self.layernorm_forward(out, mean, rstd, xo, g, beta)
+
     # linear layers
     def _lin_fwd(self, op, y, x, w):
         for nm, a in (("out", y), ("x", x), ("w", w)):

@@ -3,6 +3,7 @@
     from andrea.engine import ops_numpy as ops
     ops.layernorm_forward(out, mean, rstd, x, g, b)        # writes out, mean, rstd
     ops.layernorm_backward(dx, dg, db, dout, x, mean, rstd, g, work)   # dx += ..., dg += ..., db += ...
+    ops.layernorm_residual_backward(dx, dbranch, dg, db, dout, x, mean, rstd, g, work)   # ... then dbranch = dx
 
 This module is the contract the CuPy backends (``andrea/cuda``) mirror name for name and
 argument for argument; the model (``andrea/engine/recipe.py``) calls only these functions,
@@ -25,6 +26,10 @@ Conventions (every op):
 - Determinism: no op depends on anything but its arguments: same inputs -> same bits, whatever
   the thread count (element-wise splits give the same bits; reductions keep a fixed order;
   tests/test_thread_bits.py trains at 1, 2 and 3 threads).
+- Fused pairs: ``residual_layernorm_forward`` is ``residual_add_forward`` then ``layernorm_forward``
+  of its sum, and ``layernorm_residual_backward`` is ``layernorm_backward`` then
+  ``residual_add_backward`` of the updated stream gradient: the same bits as the two ops in turn
+  (a backend may run each as one kernel, reading the rows once).
 
 (Over 500 lines on purpose: the op pairs are one contract, read and mirrored as a whole; the
 thread pool they split rows on is ``andrea/engine/pool.py``.)
@@ -458,6 +463,22 @@ def residual_add_backward(db: np.ndarray, dout: np.ndarray) -> None:
     unchanged (the recipe keeps it in one buffer, in place); db may be dout itself (no copy)."""
     if db is not dout:
         np.copyto(db, dout)
+
+
+def residual_layernorm_forward(xo: np.ndarray, out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+                               a: np.ndarray, b: np.ndarray, g: np.ndarray, beta: np.ndarray) -> None:
+    """xo (N, C) = a + b; out, mean, rstd = layernorm_forward of xo with gain g and bias beta."""
+    residual_add_forward(xo, a, b)
+    layernorm_forward(out, mean, rstd, xo, g, beta)
+
+
+def layernorm_residual_backward(dx: np.ndarray, dbranch: np.ndarray, dg: np.ndarray, db: np.ndarray,
+                                dout: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+                                g: np.ndarray, work: np.ndarray) -> None:
+    """layernorm_backward (dx, dg, db +=), then dbranch (N, C) = dx: the gradient of the residual
+    branch that produced x (dbranch may be dx itself)."""
+    layernorm_backward(dx, dg, db, dout, x, mean, rstd, g, work)
+    residual_add_backward(dbranch, dx)
 
 
 # ---------------------------------------------------------------------------- loss

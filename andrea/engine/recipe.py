@@ -46,8 +46,7 @@ def block_forward(ops, s, branch, mask, n_head: int, work) -> None:
     ops.attn_qkv_forward(s.qkv, s.ln1, s.attn_w_qkv)                                # (N, 3C)
     ops.attn_forward(s.atty3, s.att, s.qkv3, mask, n_head, work)                    # (B, T, C)
     ops.attn_out_forward(branch, s.atty, s.attn_w_o)                                # (N, C)
-    ops.residual_add_forward(s.x_mid, s.x_in, branch)
-    ops.layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, s.ln2_g, s.ln2_b)
+    ops.residual_layernorm_forward(s.x_mid, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_in, branch, s.ln2_g, s.ln2_b)
     ops.mlp_forward(branch, s.h_pre, s.h_act, s.ln2, s.mlp_w_fc, s.mlp_w_proj)       # (N, 4C) inside
     ops.residual_add_forward(s.x_out, s.x_mid, branch)
 
@@ -72,25 +71,33 @@ def backward(ops, z, n_head: int, dloss: float, recompute=frozenset()) -> None:
     G, work = z.G, z.work
     ops.loss_backward(z.dln, G["wte"], z.logits, z.probs, z.lnf, z.wte_head, z.targets, dloss, work)
     z.dres.fill(0)
-    ops.layernorm_backward(z.dres, G["lnf.g"], G["lnf.b"], z.dln, z.res_last, z.lnf_mean, z.lnf_rstd, z.lnf_g, work)
-    for s in reversed(z.layers):
-        # x_out = x_mid + mlp(ln2(x_mid)): dres passes down to x_mid; the branch gets a copy
-        ops.residual_add_backward(z.dbranch, z.dres)
+    # each LayerNorm backward adds into dres; the fused op also hands the updated dres to the branch
+    # below it (residual_add_backward: x_out = x_mid + branch passes dres down unchanged), except the
+    # first block's ln1, whose stream gradient goes to the embedding
+    ops.layernorm_residual_backward(z.dres, z.dbranch, G["lnf.g"], G["lnf.b"], z.dln, z.res_last, z.lnf_mean,
+                                    z.lnf_rstd, z.lnf_g, work)
+    for l in range(len(z.layers) - 1, -1, -1):
+        s = z.layers[l]
+        # x_out = x_mid + mlp(ln2(x_mid)): dbranch holds the branch's gradient
         if "ln" in recompute:
             ops.layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, s.ln2_g, s.ln2_b)
         if "gelu" in recompute:
             ops.gelu_forward(s.h_act, s.h_pre)
         ops.mlp_backward(z.dln, s.d_mlp_w_fc, s.d_mlp_w_proj, z.dbranch, s.ln2, s.h_pre, s.h_act,
                          s.mlp_w_fc, s.mlp_w_proj, work)
-        ops.layernorm_backward(z.dres, s.d_ln2_g, s.d_ln2_b, z.dln, s.x_mid, s.ln2_mean, s.ln2_rstd, s.ln2_g, work)
+        ops.layernorm_residual_backward(z.dres, z.dbranch, s.d_ln2_g, s.d_ln2_b, z.dln, s.x_mid, s.ln2_mean,
+                                        s.ln2_rstd, s.ln2_g, work)
         # x_mid = x_in + attn_out(attn(attn_qkv(ln1(x_in))))
-        ops.residual_add_backward(z.dbranch, z.dres)
         ops.attn_out_backward(z.datty, s.d_attn_w_o, z.dbranch, s.atty, s.attn_w_o, work)
         ops.attn_backward(z.dqkv3, z.datty3, s.qkv3, s.att, s.atty3, n_head, work)
         if "ln" in recompute:
             ops.layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, s.x_in, s.ln1_g, s.ln1_b)
         ops.attn_qkv_backward(z.dln, s.d_attn_w_qkv, z.dqkv, s.ln1, s.attn_w_qkv, work)
-        ops.layernorm_backward(z.dres, s.d_ln1_g, s.d_ln1_b, z.dln, s.x_in, s.ln1_mean, s.ln1_rstd, s.ln1_g, work)
+        ln1 = (s.d_ln1_g, s.d_ln1_b, z.dln, s.x_in, s.ln1_mean, s.ln1_rstd, s.ln1_g, work)
+        if l:
+            ops.layernorm_residual_backward(z.dres, z.dbranch, *ln1)
+        else:
+            ops.layernorm_backward(z.dres, *ln1)
     ops.embed_backward(G["wte"], G["wpe"], z.dres3, z.idx)
 
 
