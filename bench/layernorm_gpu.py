@@ -30,24 +30,12 @@ import numpy as np
 SHAPES = ["32768x768", "8192x1536"]
 
 
-def event_ms(fn, reps: int) -> float:
-    import cupy as cp
-
-    fn()
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return cp.cuda.get_elapsed_time(e0, e1) / reps
-
-
 def bench_shape(N: int, C: int, reps: int, sweep: bool) -> dict:
     import cupy as cp
 
     from andrea.cuda import kernels as K
     from andrea.cuda.loader import kernel
+    from engine_gpu import event_ms      # bench/ is this script's folder; andrea is already imported (--tree)
 
     cp.random.seed(0)
     bf16 = lambda *shape: (cp.random.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
