@@ -89,6 +89,25 @@ def test_delayed_cast_uses_the_given_scale_saturates_and_reports_its_amax():
     assert f8.quantize_delayed(np.zeros(8, np.float32), 1.0)[1:] == (0.0, False)
 
 
+def test_amax_history_scales_are_scale_of_of_each_sites_max_bit_for_bit():
+    # scales() is one array pass; it must give scale_of's (scale, inv) for every site, all-zero,
+    # denormal, tiny and huge amaxes included (the kernels read these bits).
+    rng = np.random.default_rng(7)
+    h = f8.AmaxHistory(400, 4)
+    for _ in range(4):
+        am = np.exp(rng.uniform(-80, 80, 400)).astype(np.float32)
+        am[:20] = 0.0
+        am[20:40] = np.float32(1e-30) * rng.uniform(0.5, 2.0, 20).astype(np.float32)
+        am[40:50] = np.float32(1e-42)
+        h.push(am)
+    h.hist[50] = 0.0
+    scale, inv = h.scales()
+    want = [f8.scale_of(m) for m in h.hist.max(axis=1)]
+    assert scale.dtype == inv.dtype == np.float32 and scale.shape == inv.shape == (400,)
+    assert scale.tobytes() == np.array([w[0] for w in want], np.float32).tobytes()
+    assert inv.tobytes() == np.array([w[1] for w in want], np.float32).tobytes()
+
+
 def test_amax_history_rule_ring_clip_count_and_state_round_trip():
     import json
 

@@ -132,9 +132,10 @@ class AmaxHistory:
 
     def scales(self) -> tuple[np.ndarray, np.ndarray]:
         """Per site (scale, inv) = scale_of(max over its history), as the kernels and GEMMs read them."""
-        pairs = [scale_of(m) for m in self.hist.max(axis=1)]
-        return (np.array([p[0] for p in pairs], dtype=np.float32).reshape(-1),
-                np.array([p[1] for p in pairs], dtype=np.float32).reshape(-1))
+        am = self.hist.max(axis=1)                       # scale_of over every site at once (fp32 IEEE ops)
+        with np.errstate(divide="ignore", over="ignore"):    # the masked-out lanes may overflow
+            scale = np.where(am > np.float32(1e-30), np.float32(E4M3_MAX) / am, np.float32(1.0)).astype(np.float32)
+        return scale, (np.float32(1.0) / scale).astype(np.float32)
 
     def push(self, am: np.ndarray) -> int:
         """One step's amaxes (n,) into the ring; returns how many of them clipped under the scales
@@ -145,7 +146,8 @@ class AmaxHistory:
         clipped = 0
         if not self.empty:
             scale, _ = self.scales()
-            clipped = int(np.count_nonzero(am * scale > np.float32(E4M3_MAX)))
+            with np.errstate(over="ignore"):                 # an overflow to inf is a clip
+                clipped = int(np.count_nonzero(am * scale > np.float32(E4M3_MAX)))
         self.hist[:, self.steps % self.hist.shape[1]] = am
         self.steps += 1
         self.clipped_total += clipped
