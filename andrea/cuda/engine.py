@@ -62,8 +62,9 @@ LOGITS_PAD = 64                     # their logits rows: V rounded up to 64 elem
 # --recompute times the other choices in the same run.
 RECOMPUTE = frozenset({"gelu"})
 # bf16/fp16 with FUSE_GELU: the fc GEMM's GELU_AUX epilogue writes h_act beside h_pre at no extra pass,
-# so h_act is kept per layer (+(L-1) N 4C 16-bit values: 120M B=32 +2.1 GiB, still under torch's peak)
-# and the backward neither re-runs gelu nor reads h_pre twice (docs/bench/gelu_epilogue_h200.md).
+# so h_act is kept per layer (+(L-1) N 4C 16-bit values: 120M B=32 +2.1 GiB, 13329 MiB, still under torch's
+# 13770) and the backward does not re-run gelu: H200 120M B=32 53.96 ms/step kept vs 55.69 recomputed
+# (main's separate passes 57.62), 480M B=8 54.07 vs 54.80 (55.92); docs/bench/gelu_epilogue_h200.md.
 RECOMPUTE_FUSED = frozenset()
 # bf16/fp16: GELU and its derivative in the epilogues of the fc forward and proj dgrad GEMMs (cuBLASLt).
 # False: the separate k_gelu_fwd / k_gelu_bwd passes (then RECOMPUTE applies to every precision).
