@@ -32,7 +32,9 @@ choice of the tensor-core kernels (andrea.cuda.kernels.ATTN_MMA_ROWS picks one p
 optimizer) ms per step of ours (CUDA events around each launcher, eager) beside the anchor's
 (torch.profiler's CUDA kernel times of the first compile mode run, grouped by kernel name), with
 TFLOP/s for attention (causal flops: fwd 2 B T^2 C per layer, bwd 2.5x that) and the GEMMs; then
-ours per named GEMM (qkv, attn-out, fc, proj, head x fwd, dgrad, wgrad: ms, TFLOP/s, share), and
+ours per named GEMM (qkv, attn-out, fc, proj, head x fwd, dgrad, wgrad: ms, TFLOP/s, share; bf16/fp16
+tag the GEMMs with a fused GELU epilogue "fc fwd+gelu" and "proj dgrad+dgelu": their time holds the
+GELU that the elementwise class then lacks), and
 (bf16) each GEMM alone through cublasGemmEx, cuBLASLt and cuBLASLt with padded logits rows.
 Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
 """
@@ -92,8 +94,9 @@ def engine_args(spec: str) -> tuple[str, dict]:
 
 
 def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None) -> dict:
-    """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE for this run;
-    ``precision`` as ``engine_args`` reads it."""
+    """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE and
+    engine.RECOMPUTE_FUSED (bf16/fp16's, with the GELU epilogues) for this run; ``precision`` as
+    ``engine_args`` reads it."""
     import cupy as cp
 
     import andrea.cuda.engine as ce
@@ -105,13 +108,14 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
-    default = ce.RECOMPUTE
-    ce.RECOMPUTE = default if recompute is None else recompute
+    default = ce.RECOMPUTE, ce.RECOMPUTE_FUSED
+    if recompute is not None:
+        ce.RECOMPUTE = ce.RECOMPUTE_FUSED = recompute
     try:
         prec, kw = engine_args(precision)
         eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, **kw)
     finally:
-        ce.RECOMPUTE = default
+        ce.RECOMPUTE, ce.RECOMPUTE_FUSED = default
     print(eng.describe(), file=sys.stderr, flush=True)
     eng.init_weights(1337)
     rng = np.random.default_rng(0)
@@ -603,10 +607,11 @@ def main(argv=None) -> int:
             print(f"  {'total':<16} {bd['total']:8.2f} {'':8} {sum(theirs.values()) if theirs else float('nan'):8.2f}")
             gf = gemm_flops(s, B)
             print(f"  per GEMM (ours, in the step): {'ms':>8} {'TFLOP/s':>8} {'share':>6}")
-            for k in gf:
-                ms = bd.get("gemm " + k)
+            for k in gf:                       # a GEMM with a fused epilogue is tagged "fc fwd+gelu"
+                tag = next((t[5:] for t in bd if t == "gemm " + k or t.startswith(f"gemm {k}+")), None)
+                ms = bd.get(f"gemm {tag}") if tag else None
                 if ms:
-                    print(f"    {k:<26} {ms:8.3f} {gf[k] / ms / 1e9:8.0f} {ms / bd['gemm']:6.1%}")
+                    print(f"    {tag:<26} {ms:8.3f} {gf[k] / ms / 1e9:8.0f} {ms / bd['gemm']:6.1%}")
             if args.precision[0] == "bf16":
                 cmp = gemm_compare(s, B)
                 r["gemm_compare_ms"] = cmp

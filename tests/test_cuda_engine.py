@@ -5,7 +5,7 @@ steps; two runs byte-identical; bit-exact resume, also across a SIGTERM sent to 
 
 Skipped cleanly where CuPy cannot be imported or finds no CUDA device. Tolerances: fp32
 ``1e-5 + 1e-3 |ref|`` for logits/loss, gradients relative to each tensor's largest entry (2e-3
-fp32, 6e-2 bf16); losses over 10 steps within 1e-3 (fp32) and 3e-2 (bf16) of the NumPy run.
+fp32, 6e-2 bf16/fp16, the MLP's GELU fused into the cuBLASLt epilogues or not); losses over 10 steps within 1e-3 (fp32) and 3e-2 (bf16) of the NumPy run.
 """
 
 from __future__ import annotations
@@ -79,12 +79,22 @@ def test_op_mirror_runs_the_generic_engine_like_numpy():
         assert abs(a.loss - b.loss) <= 1e-3 * abs(a.loss), (t, a.loss, b.loss)
 
 
-@pytest.mark.parametrize("prec,rel", [("fp32", 2e-3), ("bf16", 6e-2)])
-def test_gpu_engine_loss_and_every_gradient_match_numpy(prec, rel):
+# bf16's MLP: the GELU in the cuBLASLt epilogues (default, h_act kept per layer), the same with h_act
+# recomputed in the backward, and the separate k_gelu_fwd / k_gelu_bwd passes (FUSE_GELU off)
+@pytest.mark.parametrize("prec,rel,fuse,recompute", [("fp32", 2e-3, True, None), ("bf16", 6e-2, True, None),
+                                                     ("bf16", 6e-2, True, frozenset({"gelu"})),
+                                                     ("bf16", 6e-2, False, None), ("fp16", 6e-2, True, None)])
+def test_gpu_engine_loss_and_every_gradient_match_numpy(prec, rel, fuse, recompute, monkeypatch):
+    import andrea.cuda.engine as ce
     from andrea.cuda.backend import make_backend
 
+    monkeypatch.setattr(ce, "FUSE_GELU", fuse)
+    if recompute is not None:
+        monkeypatch.setattr(ce, "RECOMPUTE_FUSED", recompute)
     ref = numpy_engine()
     gpu = make_backend().make_engine(MC, B, precision=prec)
+    assert gpu.ops.fused == (fuse and prec in ("bf16", "fp16"))
+    assert gpu.a["h_act"].shape[0] == (MC.n_layer if gpu.ops.fused and recompute is None else 1)
     gpu.init_weights(0)
     assert gpu.state_host()[0].tobytes() == ref.w.tobytes()     # same init, same flat layout
     x, y = batch(2)
@@ -96,7 +106,7 @@ def test_gpu_engine_loss_and_every_gradient_match_numpy(prec, rel):
     ref.backward(1.0 / ref.N)
     l_gpu = gpu.compute_grads(x, y)            # the backward turns the logits buffer into dlogits
     assert abs(l_gpu - l_ref) <= (1e-5 if prec == "fp32" else 2e-2) * max(1.0, abs(l_ref))
-    grads_close(gpu.grads_host(), ref.g, ref.layout, rel)
+    grads_close(gpu.grads_host() / gpu.loss_scale, ref.g, ref.layout, rel)   # fp16: g is times the loss scale
 
 
 @pytest.mark.parametrize("prec,tol", [("fp32", 1e-3), ("bf16", 3e-2)])

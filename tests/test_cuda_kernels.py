@@ -495,3 +495,107 @@ def test_loss_pair_on_padded_rows(be, prec):
     assert np.isnan(from_dev(pad[:, V:], prec)).all()
     with pytest.raises(AndreaError, match="row stride"):
         be.k_loss_bwd(prec, pad[:, :V], logits, tg, cp.zeros(N, np.float32), 1.0, N, V)
+
+
+# The fused GELU of the cuBLASLt epilogues (the bf16/fp16 engine's MLP): both forms are compared with
+# the float64 tanh-form GELU of the exact product of the rounded inputs (the NumPy twin below) and with
+# the separate passes the engine ran before (GEMM, round to 16 bits, k_gelu_fwd / k_gelu_bwd).
+# Tolerance, elementwise: |out - ref| <= 2e-3 + ULP[prec] |ref| (one 16-bit rounding of the output,
+# ULP = 2^-8 bf16, 2^-10 fp16: half a unit in the last place, relative; the 2e-3 absolute covers the
+# epilogue's own tanh, whose accuracy cuBLASLt does not document, and the fp32 accumulation). Against
+# the separate passes 4e-3 + 3 ULP |ref|: they round the pre-activation first (an error gelu' <= 1.13
+# times one ULP) and the output again; fused, gelu sees the fp32 accumulator.
+FUSED_ULP = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -10}
+
+
+def _gelu64(u, form="tanh"):
+    """The NumPy twin of the epilogues: the recipe's tanh-form GELU (ops_numpy) and its derivative
+    in float64; ``form="erf"`` the exact GELU, to tell the two apart."""
+    if form == "erf":
+        from math import erf, sqrt
+        phi = 0.5 * (1 + np.vectorize(erf)(u / sqrt(2.0)))
+        return u * phi, phi + u * np.exp(-0.5 * u * u) / np.sqrt(2 * np.pi)
+    k, a = ops.GELU_K, ops.GELU_A
+    th = np.tanh(k * (u + a * u ** 3))
+    return 0.5 * u * (1 + th), 0.5 * (1 + th) + 0.5 * u * (1 - th ** 2) * k * (1 + 3 * a * u ** 2)
+
+
+def _fused_close(out, ref, prec, atol, ulps, what):
+    err = np.abs(np.asarray(out, np.float64) - ref)
+    bound = atol + ulps * FUSED_ULP[prec] * np.abs(ref)
+    assert np.isfinite(out).all(), f"{what}: non-finite output (an element left unwritten?)"
+    assert float(np.max(err - bound)) <= 0, f"{what}: max err {float(err.max()):.3g}, max excess {float(np.max(err - bound)):.3g}"
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_cublaslt_gelu_epilogues_match_numpy_and_the_separate_passes(be, prec):
+    """GELU_AUX: h_act = gelu(x w_fc) and aux h_pre = x w_fc from one GEMM; DGELU: dh = (dout w_proj^T)
+    * gelu'(h_pre) from one GEMM; the same bits on a repeat; the aux of another layer (another pointer,
+    same plan) is honoured; outputs prefilled with NaN."""
+    from andrea.cuda.cublaslt import EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
+
+    rng = np.random.default_rng(19)
+    lt = Lt(cp.zeros(32 << 20, dtype=np.uint8))
+    low = be.LOWTYPE[prec]
+    N, C = 512, 256
+    F = 4 * C
+    x, x64 = to_dev(rng.normal(0, 1, (N, C)), prec)
+    w_fc, wfc64 = to_dev(rng.normal(0, 2.0 / np.sqrt(C), (C, F)), prec)     # pre-activations ~ N(0, 2^2)
+    P = x64 @ wfc64
+    g_ref, dg_ref = _gelu64(P)
+    h_act, h_pre = empty((2, N, F), prec), empty((2, N, F), prec)            # two "layers" of one plan
+    runs = []
+    for layer in (0, 1, 0):
+        lt.mm(h_act[layer], x, w_fc, lowtype=low, epilogue=EPILOGUE_GELU_AUX, aux=h_pre[layer])
+        runs.append((cp.asnumpy(h_act[layer]).tobytes(), cp.asnumpy(h_pre[layer]).tobytes()))
+    assert runs[0] == runs[1] == runs[2], "the fused forward's bits changed between calls or layers"
+    got_act, got_pre = from_dev(h_act[0], prec), from_dev(h_pre[0], prec)
+    close(got_pre, P, prec, scale=8.0, what="GELU_AUX aux = h_pre")
+    _fused_close(got_act, g_ref, prec, 2e-3, 1, "GELU_AUX h_act vs the tanh-form twin")
+    # the separate passes: GEMM -> 16-bit h_pre -> k_gelu_fwd
+    sep_pre, sep_act = empty((N, F), prec), empty((N, F), prec)
+    lt.mm(sep_pre, x, w_fc, lowtype=low)
+    be.k_gelu_fwd(prec, sep_act, sep_pre, N * F)
+    _fused_close(got_pre, from_dev(sep_pre, prec), prec, 1e-3, 2, "GELU_AUX's aux vs the plain GEMM")
+    _fused_close(got_act, from_dev(sep_act, prec), prec, 4e-3, 3, "GELU_AUX vs GEMM + k_gelu_fwd")
+    # DGELU: dh (N, F) = (dout (N, C) @ w_proj^T (C, F)) * gelu'(h_pre), h_pre the forward's aux
+    dout, dout64 = to_dev(rng.normal(0, 1, (N, C)), prec)
+    w_proj, wp64 = to_dev(rng.normal(0, 1.0 / np.sqrt(C), (F, C)), prec)
+    dg_pre = _gelu64(got_pre)[1]                                            # at the saved (rounded) h_pre
+    ref = (dout64 @ wp64.T) * dg_pre
+    dh = empty((2, N, F), prec)
+    for layer in (0, 1):
+        lt.mm(dh[layer], dout, w_proj, tb=True, lowtype=low, epilogue=EPILOGUE_DGELU, aux=h_pre[layer])
+    assert cp.asnumpy(dh[0]).tobytes() == cp.asnumpy(dh[1]).tobytes()
+    got = from_dev(dh[0], prec)
+    _fused_close(got, ref, prec, 2e-3, 1, "DGELU dh vs the twin")
+    sep = empty((N, F), prec)
+    lt.mm(sep, dout, w_proj, tb=True, lowtype=low)
+    be.k_gelu_bwd(prec, sep, sep, h_pre[0], N * F)
+    _fused_close(got, from_dev(sep, prec), prec, 4e-3, 3, "DGELU vs GEMM + k_gelu_bwd")
+    with pytest.raises(AndreaError, match="aux matrix"):
+        lt.mm(h_act[0], x, w_fc, lowtype=low, epilogue=EPILOGUE_GELU_AUX, aux=h_pre[0][:, :8])
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_cublaslt_gelu_epilogue_is_the_tanh_form(be, prec):
+    """cuBLASLt's documentation names no GELU formula: where the tanh and erf forms differ most
+    (pre-activations in [-4, -1.5]: up to 4.7e-4, outputs small enough that 16-bit rounding is
+    below 2e-4) the epilogue's mean error against the recipe's tanh form must be under a third of its
+    mean error against the erf form."""
+    from andrea.cuda.cublaslt import EPILOGUE_GELU_AUX, Lt
+
+    rng = np.random.default_rng(23)
+    lt = Lt(cp.zeros(32 << 20, dtype=np.uint8))
+    N, C = 256, 64
+    x, x64 = to_dev(rng.normal(0, 1, (N, C)), prec)
+    w, w64 = to_dev(rng.normal(0, 2.0 / np.sqrt(C), (C, 4 * C)), prec)
+    h, aux = empty((N, 4 * C), prec), empty((N, 4 * C), prec)
+    lt.mm(h, x, w, lowtype=be.LOWTYPE[prec], epilogue=EPILOGUE_GELU_AUX, aux=aux)
+    P = x64 @ w64
+    sel = (P > -4.0) & (P < -1.5)
+    assert sel.sum() > 1000
+    got = from_dev(h, prec)[sel]
+    e_tanh = float(np.mean(np.abs(got - _gelu64(P[sel])[0])))
+    e_erf = float(np.mean(np.abs(got - _gelu64(P[sel], "erf")[0])))
+    assert e_tanh < e_erf / 3, f"epilogue GELU: mean error {e_tanh:.3g} vs the tanh form, {e_erf:.3g} vs erf"

@@ -7,7 +7,18 @@ of the fp8 engine (``mm_nt``, used by ``andrea/cuda/fp8.py``).
     lt.mm_nt(D, X8, Y8, x_inv, y_inv, M, N, K, CUDA_R_16BF, beta=0.0)
 
 ``mm``: row-major C (M, N) = op(A) op(B) + beta C (beta 0 or 1), A and B 16-bit (uint16 payloads
-of ``lowtype``), C 16-bit or fp32, fp32 accumulation and scale. Unlike ``kernels.Blas`` a matrix
+of ``lowtype``), C 16-bit or fp32, fp32 accumulation and scale. With ``epilogue`` and ``aux`` (a
+matrix of C's shape and type, row stride a multiple of 8 elements) it fuses the MLP's GELU:
+- ``EPILOGUE_GELU_AUX``: aux = P = op(A) op(B) and C = gelu(P), both rounded from the fp32
+  accumulator (gelu of the unrounded P, not of aux); the forward's h_pre and h_act in one GEMM;
+- ``EPILOGUE_DGELU``: C = (op(A) op(B)) * gelu'(aux), the fp32 product times the derivative at the
+  saved pre-activation, rounded once; the backward's dL/dh_pre straight out of the proj dgrad.
+cuBLASLt's GELU is the tanh form 0.5 u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3))), the recipe's
+(andrea/engine/ops_numpy.py ``_gelu``) and as torch's approximate="tanh": cuBLASLt's documentation
+names no formula, so tests/test_cuda_kernels.py measures it (pre-activations in [-4, -1.5], where
+the tanh and erf forms differ by up to 4.7e-4 and the outputs are small enough for 16-bit rounding
+to be below that). fp8 (andrea/cuda/fp8.py) keeps its separate GELU passes: its fc output is cast
+to E4M3 for the proj GEMM by its own kernels. Unlike ``kernels.Blas`` a matrix
 may be a row-strided view (unit column stride, rows ``strides[0]`` apart): the engine's logits are
 the first V columns of rows padded to a multiple of 64 elements, so every row of the head GEMMs
 starts 128-byte aligned.
@@ -21,9 +32,10 @@ B = X8 (K x M, transb N).
 
 One algorithm per problem (shape, types, beta, accumulation mode, epilogue, alignments) is
 picked on first use (the first of cuBLASLt's heuristic candidates that runs) and kept, so a
-given shape always runs the same kernel (cuBLAS is bit-reproducible for a fixed algorithm on one GPU model). ``epilogue`` (a
-cublasLtEpilogue_t; default 1 = none) is part of the problem so a later GELU/bias epilogue is
-one argument away. The calls are legal inside a CUDA graph capture (no allocation; the heuristic
+given shape always runs the same kernel (cuBLAS is bit-reproducible for a fixed algorithm on one GPU model). The
+epilogue (a cublasLtEpilogue_t; default 1 = none), its aux buffer's leading dimension and
+alignment are part of the problem; the aux pointer is set on the problem's descriptor at each call
+(the engine's layers differ only in it). The calls are legal inside a CUDA graph capture (no allocation; the heuristic
 runs on the host). Importing this module needs neither CuPy nor a GPU.
 """
 
@@ -40,10 +52,13 @@ CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 14, 28, 29
 CUBLAS_COMPUTE_32F = 68
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
+DESC_EPILOGUE_AUX_POINTER, DESC_EPILOGUE_AUX_LD, DESC_EPILOGUE_AUX_DATA_TYPE = 11, 12, 22
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
 PREF_MAX_WORKSPACE_BYTES = 1
 PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}
 EPILOGUE_DEFAULT = 1
+EPILOGUE_GELU_AUX, EPILOGUE_DGELU = 160, 192   # GELU | AUX (32 | 128); DGELU (64 | 128): read the aux
+AUX_EPILOGUES = (EPILOGUE_GELU_AUX, EPILOGUE_DGELU)
 HEURISTIC_RESULT_BYTES = 96          # cublasLtMatmulAlgo_t (64) + size_t + status + float + int[4]
 N_ALGOS = 8                          # heuristic candidates kept; the first that runs is used from then on
 STATUS_NOT_SUPPORTED = 15
@@ -196,13 +211,13 @@ class Lt:
                   f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum})")
 
     # ------------------------------------------------------------------ 16-bit GEMM
-    def _plan16(self, key: tuple):
+    def _plan16(self, key: tuple, aux_ptr: int = 0):
         """Descriptors and up to N_ALGOS heuristic candidates of a 16-bit problem (row-major
         C = op(A) op(B) as column-major C^T = op(B)^T op(A)^T, as kernels.Blas calls cublasGemmEx)."""
         plan = self.plans16.get(key)
         if plan is not None:
             return plan
-        M, N, K, ta, tb, ab_type, c_type, lda, ldb, ldc, beta, epilogue, aligns = key
+        M, N, K, ta, tb, ab_type, c_type, lda, ldb, ldc, beta, epilogue, aligns, ld_aux, _ = key
         L = self.lib
         desc = _P()
         self._check(L.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
@@ -210,21 +225,28 @@ class Lt:
         self._set(sd, desc, DESC_TRANSA, OP_T if tb else OP_N, ctypes.c_int32)
         self._set(sd, desc, DESC_TRANSB, OP_T if ta else OP_N, ctypes.c_int32)
         self._set(sd, desc, DESC_EPILOGUE, epilogue, ctypes.c_uint32)
+        if epilogue in AUX_EPILOGUES:            # the heuristic reads the aux pointer's alignment: set it first
+            self._set(sd, desc, DESC_EPILOGUE_AUX_POINTER, aux_ptr, ctypes.c_void_p)
+            self._set(sd, desc, DESC_EPILOGUE_AUX_LD, ld_aux, ctypes.c_int64)
+            self._set(sd, desc, DESC_EPILOGUE_AUX_DATA_TYPE, c_type, ctypes.c_int32)
         a_l = self._layout(ab_type, *((K, N) if tb else (N, K)), ldb)     # B's storage, column-major
         b_l = self._layout(ab_type, *((M, K) if ta else (K, M)), lda)     # A's storage
         d_l = self._layout(c_type, N, M, ldc)
         plan = self._candidates(desc, a_l, b_l, d_l, aligns, f"C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/"
-                                f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns})")
+                                f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns}, epilogue {epilogue})")
         self.plans16[key] = plan
         return plan
 
     def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF,
-           stream: int = 0) -> None:
-        """C (M, N) = op(A) op(B) + beta C, row-major, A and B 16-bit, C 16-bit or fp32 (module
-        docstring). One algorithm per problem, kept from its first call: fixed bits per shape."""
+           stream: int = 0, epilogue: int = EPILOGUE_DEFAULT, aux=None) -> None:
+        """C (M, N) = op(A) op(B) + beta C, row-major, A and B 16-bit, C 16-bit or fp32; with
+        ``epilogue`` GELU_AUX or DGELU and ``aux`` (C's shape and type) the fused GELU forward /
+        backward (module docstring). One algorithm per problem, kept from its first call: fixed
+        bits per shape."""
         if beta not in (0.0, 1.0):
             raise AndreaError("cuBLASLt gemm: beta must be 0 or 1")
-        for nm, x in (("A", A), ("B", B), ("C", C)):
+        mats = (("A", A), ("B", B), ("C", C)) + ((("aux", aux),) if aux is not None else ())
+        for nm, x in mats:
             if x.ndim != 2 or x.strides[1] != x.itemsize or x.strides[0] % x.itemsize \
                     or x.strides[0] < x.shape[1] * x.itemsize:
                 raise AndreaError(f"cuBLASLt gemm: {nm} must be a row-major matrix with unit column stride "
@@ -239,7 +261,23 @@ class Lt:
         ld = lambda x: x.strides[0] // x.itemsize
         ptrs = (B.data.ptr, A.data.ptr, C.data.ptr, C.data.ptr)
         c_type = CUDA_R_32F if C.dtype == np.float32 else int(lowtype)
-        key = (M, N, K, bool(ta), bool(tb), int(lowtype), c_type, ld(A), ld(B), ld(C), float(beta), EPILOGUE_DEFAULT,
-               tuple(_align(p) for p in ptrs))
-        self._run(self._plan16(key), B.data.ptr, A.data.ptr, C.data.ptr, beta, stream,
-                  f"{M}x{N}x{K} (ta={ta}, tb={tb}, C {C.dtype}, beta {beta})")
+        epilogue = int(epilogue)
+        if epilogue in AUX_EPILOGUES:
+            if aux is None or aux.shape != C.shape or aux.dtype != C.dtype or ld(aux) % 8 or beta != 0.0:
+                raise AndreaError(f"cuBLASLt gemm: epilogue {epilogue} needs beta 0 and an aux matrix of C's shape "
+                                  f"{C.shape} and type {C.dtype} with a row stride a multiple of 8 elements (got "
+                                  f"{None if aux is None else (aux.shape, aux.dtype, ld(aux))}, beta {beta})")
+            aux_ptr, ld_aux, aux_align = aux.data.ptr, ld(aux), _align(aux.data.ptr)
+        elif epilogue == EPILOGUE_DEFAULT and aux is None:
+            aux_ptr, ld_aux, aux_align = 0, 0, 0
+        else:
+            raise AndreaError(f"cuBLASLt gemm: epilogue {epilogue} is not one of none (1), GELU_AUX (160), DGELU (192) "
+                              f"or takes no aux matrix")
+        key = (M, N, K, bool(ta), bool(tb), int(lowtype), c_type, ld(A), ld(B), ld(C), float(beta), epilogue,
+               tuple(_align(p) for p in ptrs), ld_aux, aux_align)
+        plan = self._plan16(key, aux_ptr)
+        if aux_ptr:                              # this call's aux (the problem's other layers share the plan)
+            self._set(self.lib.cublasLtMatmulDescSetAttribute, plan[0], DESC_EPILOGUE_AUX_POINTER, aux_ptr,
+                      ctypes.c_void_p)
+        self._run(plan, B.data.ptr, A.data.ptr, C.data.ptr, beta, stream,
+                  f"{M}x{N}x{K} (ta={ta}, tb={tb}, C {C.dtype}, beta {beta}, epilogue {epilogue})")

@@ -15,7 +15,11 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
   its gradient, LayerNorm statistics and the loss in fp32; the matmuls read a 16-bit copy of the
   weights (``WC``) refreshed by the AdamW kernel;
 - what it saves: the attention's row log-sum-exp (B, H, T), the loss's row log-sum-exp (N,);
-- what it recomputes: the GELU activations (``RECOMPUTE``), one buffer for all layers;
+- what it recomputes: fp32/fp8 the GELU activations (``RECOMPUTE``), one buffer for all layers;
+  bf16/fp16 nothing (``RECOMPUTE_FUSED``: the fc GEMM writes h_pre and h_act in one pass);
+- the MLP's GELU (bf16/fp16, ``FUSE_GELU``): in cuBLASLt's epilogues, the fc GEMM writing
+  h_act = gelu(acc) and h_pre (GELU_AUX), the proj dgrad writing dL/dh_pre = acc * gelu'(h_pre)
+  (DGELU); fp32 (cuBLAS) and fp8 (E4M3 GEMMs) keep the separate k_gelu_fwd / k_gelu_bwd passes;
 - GEMMs (bf16/fp16): cuBLASLt, one heuristic algorithm per shape kept from its first call, its
   32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements and the head's
   forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte
@@ -38,7 +42,7 @@ from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_h
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add,
                                  k_residual_layernorm_fwd)
-from andrea.cuda.cublaslt import Lt
+from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
 from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, fp8_buffers, n_slots, require_fp8,
                              weight_plan)
 from andrea.engine import recipe
@@ -57,6 +61,19 @@ LOGITS_PAD = 64                     # their logits rows: V rounded up to 64 elem
 # layer: +1.2 GB at 120M B=32, inside the peak-memory budget of issue 19); bench/engine_gpu.py
 # --recompute times the other choices in the same run.
 RECOMPUTE = frozenset({"gelu"})
+# bf16/fp16 with FUSE_GELU: the fc GEMM's GELU_AUX epilogue writes h_act beside h_pre at no extra pass,
+# so h_act is kept per layer (+(L-1) N 4C 16-bit values: 120M B=32 +2.1 GiB, 13329 MiB, still under torch's
+# 13770) and the backward does not re-run gelu: H200 120M B=32 53.96 ms/step kept vs 55.69 recomputed
+# (main's separate passes 57.62), 480M B=8 54.07 vs 54.80 (55.92); docs/bench/gelu_epilogue_h200.md.
+RECOMPUTE_FUSED = frozenset()
+# bf16/fp16: GELU and its derivative in the epilogues of the fc forward and proj dgrad GEMMs (cuBLASLt).
+# False: the separate k_gelu_fwd / k_gelu_bwd passes (then RECOMPUTE applies to every precision).
+FUSE_GELU = True
+
+
+def recompute_for(precision: str) -> frozenset:
+    """The saved activations the backward of this precision recomputes (PlanPolicy.recompute)."""
+    return RECOMPUTE_FUSED if FUSE_GELU and precision in LT_PRECISIONS else RECOMPUTE
 
 
 class FastOps:
@@ -69,13 +86,16 @@ class FastOps:
         self.p, self.lowtype, self.blas, self.a = prec, LOWTYPE[prec], blas, a
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
+        self.fused = FUSE_GELU and lt is not None and f8 is None   # GELU in the GEMM epilogues
 
-    def _mm(self, C, A, B, ta=False, tb=False, beta=0.0, tag="gemm"):
-        """One GEMM (Blas.mm's contract); ``tag`` names it for bench/engine_gpu.py --breakdown."""
+    def _mm(self, C, A, B, ta=False, tb=False, beta=0.0, tag="gemm", epilogue=EPILOGUE_DEFAULT, aux=None):
+        """One GEMM (Blas.mm's contract); ``tag`` names it for bench/engine_gpu.py --breakdown (a
+        fused epilogue's GEMM says so: "fc fwd+gelu"). ``epilogue``/``aux``: cuBLASLt only."""
         if self.f8 is not None:
             self.f8.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype)
         elif self.lt is not None:
-            self.lt.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype, stream=cp().cuda.get_current_stream().ptr)
+            self.lt.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype, stream=cp().cuda.get_current_stream().ptr,
+                       epilogue=epilogue, aux=aux)
         else:
             self.blas.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype)
 
@@ -133,15 +153,25 @@ class FastOps:
         k_gelu_fwd(self.p, out, x, x.size)
 
     def mlp_forward(self, out, h_pre, h_act, x, w_fc, w_proj):
-        self._mm(h_pre, x, w_fc, tag="fc fwd")
-        k_gelu_fwd(self.p, h_act, h_pre, h_pre.size)
+        """Fused (bf16/fp16): one GEMM writes h_act = gelu(x w_fc) and h_pre = x w_fc, both rounded
+        from the fp32 accumulator (h_act is gelu of the unrounded product, not of h_pre)."""
+        if self.fused:
+            self._mm(h_act, x, w_fc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre, tag="fc fwd+gelu")
+        else:
+            self._mm(h_pre, x, w_fc, tag="fc fwd")
+            k_gelu_fwd(self.p, h_act, h_pre, h_pre.size)
         self._mm(out, h_act, w_proj, tag="proj fwd")
 
     def mlp_backward(self, dx, dw_fc, dw_proj, dout, x, h_pre, h_act, w_fc, w_proj, work):
+        """Fused (bf16/fp16): dh = dL/dh_pre = (dout w_proj^T) * gelu'(h_pre) out of one GEMM."""
         dh = self.a["dh"]
-        self._mm(dh, dout, w_proj, tb=True, tag="proj dgrad")   # dL/dh_act
-        self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
-        k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)           # dL/dh_pre, in place
+        if self.fused:
+            self._mm(dh, dout, w_proj, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre, tag="proj dgrad+dgelu")
+            self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
+        else:
+            self._mm(dh, dout, w_proj, tb=True, tag="proj dgrad")   # dL/dh_act
+            self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
+            k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)           # dL/dh_pre, in place
         self._mm(dw_fc, x, dh, ta=True, beta=1.0, tag="fc wgrad")
         self._mm(dx, dh, w_fc, tb=True, tag="fc dgrad")
 
@@ -204,7 +234,7 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
         Buffer("seg_order", (N,), "index", "int32"), Buffer("seg_start", (N + 1,), "index", "int32"),
         Buffer("seg_tok", (N,), "index", "int32"), Buffer("seg_n", (1,), "index", "int32"),
     )
-    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=RECOMPUTE,
+    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=recompute_for(precision),
                       cast_branch=precision != "fp32", scratch=scratch,
                       logits_pad=LOGITS_PAD if precision in PAD_PRECISIONS else 1)
 
