@@ -67,7 +67,7 @@ from andrea.backends import select_backend
 from andrea.engine.checkpoint import read_weights
 from andrea.engine.engine import Engine
 from andrea.engine.model import ModelConfig
-from andrea.errors import AndreaError
+from andrea.errors import AndreaError, exit_main
 from andrea.fsutil import atomic_write_json, atomic_write_text
 from andrea.reports.evaluate import heldout, val_shards
 from andrea.settings import Settings
@@ -329,8 +329,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except AndreaError as e:
-        print(f"curriculum_compare: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_main(main, "curriculum_compare")

@@ -26,13 +26,12 @@ Tests: ``pytest tests/test_curriculum_allocate.py``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from andrea.curriculum import make_curriculum
-from andrea.errors import AndreaError
+from andrea.errors import AndreaError, exit_main
 from andrea.phases import phase_at, phase_table, stage_rows
 
 
@@ -117,8 +116,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except AndreaError as e:
-        print(f"allocate: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_main(main, "allocate")

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from andrea.curriculum.policy import UCB1Policy
-from andrea.errors import AndreaError
+from andrea.errors import AndreaError, exit_main
 from andrea.settings import BanditSettings
 
 
@@ -133,8 +132,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except AndreaError as e:
-        print(f"replay: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_main(main, "replay")
