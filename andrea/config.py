@@ -187,25 +187,17 @@ def check_phases(cfg: dict) -> None:
     phase_table(section(TrainSettings, cfg["train"], "train"), section(CurriculumSettings, cfg["curriculum"], "curriculum"))
 
 
-def check_polish_sources(cfg: dict) -> None:
-    """The train stage's rule: every ``curriculum.polish_sources`` entry is a source that
-    ``megachat.sources`` makes (a data experiment that renames the sources is not held to it
-    until it trains)."""
-    if not cfg["curriculum"]["polish_steps"]:
-        return
+def check_source_names(cfg: dict) -> None:
+    """The train stage's rule: the sources the curriculum names, ``curriculum.polish_sources``
+    (when there is a polish) and the keys of ``bandit.floors``, are sources ``megachat.sources``
+    makes (a data experiment that renames the sources is not held to it until it trains)."""
     made = [s["name"] for s in cfg["megachat"]["sources"]]
-    for i, name in enumerate(cfg["curriculum"]["polish_sources"]):
+    named = [(f"bandit.floors.{n}", n) for n in cfg["bandit"].get("floors") or {}]
+    if cfg["curriculum"]["polish_steps"]:
+        named = [(f"curriculum.polish_sources[{i}]", n) for i, n in enumerate(cfg["curriculum"]["polish_sources"])] + named
+    for key, name in named:
         if name not in made:
-            raise ConfigError(f"curriculum.polish_sources[{i}]: unknown source {name!r} (megachat.sources makes "
-                              f"{', '.join(made)})")
-
-
-def check_floor_sources(cfg: dict) -> None:
-    """The train stage's rule for ``bandit.floors``: every key is a source ``megachat.sources`` makes."""
-    made = [s["name"] for s in cfg["megachat"]["sources"]]
-    for name in cfg["bandit"].get("floors") or {}:
-        if name not in made:
-            raise ConfigError(f"bandit.floors.{name}: unknown source (megachat.sources makes {', '.join(made)})")
+            raise ConfigError(f"{key}: unknown source {name!r} (megachat.sources makes {', '.join(made)})")
 
 
 def get(cfg: dict, dotted: str) -> Any:

@@ -89,7 +89,7 @@ from typing import Callable
 import numpy as np  # noqa: E402
 
 from andrea import dist, runs  # noqa: E402
-from andrea.config import check_floor_sources, check_polish_sources, config_hash  # noqa: E402
+from andrea.config import check_source_names, config_hash  # noqa: E402
 from andrea.backends import select_backend  # noqa: E402
 from andrea.engine.engine import Engine, Hyper  # noqa: E402
 from andrea.engine.model import ModelConfig  # noqa: E402
@@ -212,8 +212,7 @@ class Trainer:
         # the raw dict is what the run state records (config, config_hash); the code reads the typed one
         self.cfg, self.phase = cfg, phase
         self.settings = st = Settings.from_dict(cfg)
-        check_polish_sources(cfg)
-        check_floor_sources(cfg)
+        check_source_names(cfg)
         tc = st.train
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.out, self.folder = Path(out), runs.RunFolder(out)
