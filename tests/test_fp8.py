@@ -333,7 +333,7 @@ def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_mem
         g.mm(out, X, W)                      # site 0: X
         g.mm(dX, dY, W, tb=True)             # site 1: dY (both orientations)
         g.mm(dW, X, dY, ta=True, beta=1.0)   # site 2: X^T; dY reused at site 1
-        g.check_pass(backward=True)
+        g.check_pass()
         return list(calls)
 
     assert g.calibrating
@@ -358,7 +358,7 @@ def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_mem
         g.mm(out, X, W)
     g.site = 2
     with pytest.raises(AndreaError, match="cast 2 activation/gradient tensors"):
-        g.check_pass(backward=True)
+        g.check_pass()
 
 
 def test_fp8_scaling_params_are_optional_validated_and_logged(tmp_path):

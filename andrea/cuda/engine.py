@@ -184,7 +184,7 @@ class FastOps:
 
     def _padded_head(self, logits, wte):
         """(the logits' whole padded rows (N, Vp), the zero-row-padded head weight (Vp, C)) when
-        the arena has them (bf16/fp16/fp8: ``wte_pad``, refreshed by GpuEngine._forward) and logits
+        the arena has them (bf16/fp16/fp8: ``wte_pad``, refreshed by GpuEngine._weights_changed) and logits
         are its padded rows, else None. The head GEMMs then run on Vp = 64k columns: with V odd
         they ran at ~100 TFLOP/s on the H200 (bench/engine_gpu.py --breakdown). The pad columns
         of the logits are x . 0 = 0 and, being zero, add nothing to dx = dlogits wte."""
@@ -463,7 +463,7 @@ class GpuEngine:
     def _backward(self, dscale: float) -> None:
         recipe.backward(self.ops, self.z, self.mc.n_head, dscale, self.policy.recompute)
         if self.f8 is not None:
-            self.f8.check_pass(backward=True)
+            self.f8.check_pass()
 
     def _capture(self) -> None:
         """Capture forward + backward of one microbatch as a CUDA graph (the arena's pointers never

@@ -215,9 +215,9 @@ class Fp8Gemm:
         dst = self.inv[SLOT * self.site_base:SLOT * (self.site_base + self.n_sites)]
         dst.set(host.reshape(-1), stream=stream)
 
-    def check_pass(self, backward: bool) -> None:
-        """After a forward (+ backward): the sites numbered must be the planned ones."""
-        if self.hist is not None and backward and self.site != self.n_sites:
+    def check_pass(self) -> None:
+        """After a forward + backward: the sites numbered must be the planned ones."""
+        if self.hist is not None and self.site != self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: a step cast {self.site} activation/gradient tensors, "
                               f"the plan has {self.n_sites} sites (SITES_PER_LAYER in andrea/cuda/fp8.py)")
 
