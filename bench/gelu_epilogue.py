@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/gelu_epilogue.py --variants andrea-12m:8 andrea-120m:32 andrea-480m:8
 
 For each shape (N = B T rows, C, F = 4C), bf16, ms per call (CUDA events, the median of 5 windows of
-``--reps`` calls after one untimed call) of:
+``--reps`` calls, each after one untimed call) of:
 - fwd separate: the fc GEMM (N x F, K = C) writing h_pre, then k_gelu_fwd writing h_act;
 - fwd fused:    one GEMM with CUBLASLT_EPILOGUE_GELU_AUX writing h_act and its aux h_pre;
 - bwd separate: the proj dgrad GEMM (N x F, K = C) writing dh, then k_gelu_bwd in place;
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_gpu import parse_variants, variant_shapes  # noqa: E402
+from engine_gpu import event_ms, parse_variants, variant_shapes  # noqa: E402
 
 
 def bf16_host(a) -> np.ndarray:
@@ -34,20 +34,8 @@ def bf16_host(a) -> np.ndarray:
 
 
 def timed(fn, reps: int) -> float:
-    import cupy as cp
-
-    fn()
-    s = cp.cuda.get_current_stream()
-    out = []
-    for _ in range(5):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        for _ in range(reps):
-            fn()
-        e1.record(s)
-        e1.synchronize()
-        out.append(cp.cuda.get_elapsed_time(e0, e1) / reps)
-    return float(np.median(out))
+    """ms per call: the median of 5 ``event_ms`` windows of ``reps`` calls."""
+    return float(np.median([event_ms(fn, reps) for _ in range(5)]))
 
 
 def one(N: int, C: int, reps: int) -> dict:
