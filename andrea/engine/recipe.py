@@ -76,8 +76,7 @@ def backward(ops, z, n_head: int, dloss: float, recompute=frozenset()) -> None:
     # first block's ln1, whose stream gradient goes to the embedding
     ops.layernorm_residual_backward(z.dres, z.dbranch, G["lnf.g"], G["lnf.b"], z.dln, z.res_last, z.lnf_mean,
                                     z.lnf_rstd, z.lnf_g, work)
-    for l in range(len(z.layers) - 1, -1, -1):
-        s = z.layers[l]
+    for s in reversed(z.layers):
         # x_out = x_mid + mlp(ln2(x_mid)): dbranch holds the branch's gradient
         if "ln" in recompute:
             ops.layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, s.ln2_g, s.ln2_b)
@@ -94,10 +93,10 @@ def backward(ops, z, n_head: int, dloss: float, recompute=frozenset()) -> None:
             ops.layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, s.x_in, s.ln1_g, s.ln1_b)
         ops.attn_qkv_backward(z.dln, s.d_attn_w_qkv, z.dqkv, s.ln1, s.attn_w_qkv, work)
         ln1 = (s.d_ln1_g, s.d_ln1_b, z.dln, s.x_in, s.ln1_mean, s.ln1_rstd, s.ln1_g, work)
-        if l:
-            ops.layernorm_residual_backward(z.dres, z.dbranch, *ln1)
-        else:
+        if s is z.layers[0]:                # the stream gradient goes to the embedding, no branch below
             ops.layernorm_backward(z.dres, *ln1)
+        else:
+            ops.layernorm_residual_backward(z.dres, z.dbranch, *ln1)
     ops.embed_backward(G["wte"], G["wpe"], z.dres3, z.idx)
 
 
