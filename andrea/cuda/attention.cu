@@ -613,6 +613,38 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
     }
 }
 
+// The key-side kernels' query stream: tile qt of q and dy rows (into buffers qt & 1) with their lse2
+// and dvec entries (threads 0-63 and 64-127 of the 128), all through cp.async, as one commit group.
+template <int D>
+__device__ __forceinline__ void issue_qtile(const u16* qh, int ld, const u16* oh, int ldy, const float* lse2,
+                                            const float* dvec, long long rb, int bh, int qt, int Tn,
+                                            u16 (*Qs2)[64][D + ATT_PAD], u16 (*Os2)[64][D + ATT_PAD],
+                                            float (*Ls2)[64], float (*Es2)[64]) {
+    const int tid = threadIdx.x;
+    async_tile<D>(qh, rb, qt * 64, Tn, ld, Qs2[qt & 1]);
+    async_tile<D>(oh, rb, qt * 64, Tn, ldy, Os2[qt & 1]);
+    const int r = tid & 63, qq = qt * 64 + r;
+    const float* src = (tid < 64 ? lse2 : dvec) + (long long)bh * Tn + (qq < Tn ? qq : 0);
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(tid < 64 ? &Ls2[qt & 1][r] : &Es2[qt & 1][r]);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(qq < Tn ? 4 : 0));
+    cp_async_commit();
+}
+
+// Before query tile qt is used: put tile qt+1 in flight (if qt+1 < nt) and wait for tile qt.
+template <int D>
+__device__ __forceinline__ void next_qtile(const u16* qh, int ld, const u16* oh, int ldy, const float* lse2,
+                                           const float* dvec, long long rb, int bh, int qt, int nt, int Tn,
+                                           u16 (*Qs2)[64][D + ATT_PAD], u16 (*Os2)[64][D + ATT_PAD],
+                                           float (*Ls2)[64], float (*Es2)[64]) {
+    if (qt + 1 < nt) {
+        issue_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt + 1, Tn, Qs2, Os2, Ls2, Es2);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+}
+
 // dK, dV per 128 key rows; queries (with their dy rows, lse2 and dvec) stream in 64-row tiles
 // from the diagonal down, processed 16 at a time.
 template <bool BF, int D, int MT>
@@ -644,24 +676,9 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     }
     const int ntiles = (Tn + 63) / 64;
     const int qt0 = kt * (MT);
-    auto issue = [&](int qt) {  // q, dy rows and their lse2 / dvec entries, all through cp.async
-        async_tile<D>(qh, rb, qt * 64, Tn, ld, Qs2[qt & 1]);
-        async_tile<D>(oh, rb, qt * 64, Tn, ldy, Os2[qt & 1]);
-        const int r = tid & 63, qq = qt * 64 + r;
-        const float* src = (tid < 64 ? lse2 : dvec) + (long long)bh * Tn + (qq < Tn ? qq : 0);
-        const unsigned dst = (unsigned)__cvta_generic_to_shared(tid < 64 ? &Ls2[qt & 1][r] : &Es2[qt & 1][r]);
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(qq < Tn ? 4 : 0));
-        cp_async_commit();
-    };
-    if (qt0 < ntiles) issue(qt0);
+    if (qt0 < ntiles) issue_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt0, Tn, Qs2, Os2, Ls2, Es2);
     for (int qt = qt0; qt < ntiles; ++qt) {
-        if (qt + 1 < ntiles) {
-            issue(qt + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        next_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt, ntiles, Tn, Qs2, Os2, Ls2, Es2);
         const u16(*Qs)[D + ATT_PAD] = Qs2[qt & 1];
         const u16(*Os)[D + ATT_PAD] = Os2[qt & 1];
         const float* Ls = Ls2[qt & 1];
@@ -803,24 +820,9 @@ __device__ void attn_bwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
     float dka[ND][4], dva[ND][4];
     zero_frags<ND>(dka);
     zero_frags<ND>(dva);
-    auto issue = [&](int qt) {
-        async_tile<D>(qh, rb, qt * 64, Tn, ld, Qs2[qt & 1]);
-        async_tile<D>(oh, rb, qt * 64, Tn, ldy, Os2[qt & 1]);
-        const int r = tid & 63, qq = qt * 64 + r;
-        const float* src = (tid < 64 ? lse2 : dvec) + (long long)bh * Tn + (qq < Tn ? qq : 0);
-        const unsigned dst = (unsigned)__cvta_generic_to_shared(tid < 64 ? &Ls2[qt & 1][r] : &Es2[qt & 1][r]);
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(qq < Tn ? 4 : 0));
-        cp_async_commit();
-    };
-    issue(kt);
+    issue_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, kt, Tn, Qs2, Os2, Ls2, Es2);
     for (int qt = kt; qt < nt; ++qt) {
-        if (qt + 1 < nt) {
-            issue(qt + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        next_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt, nt, Tn, Qs2, Os2, Ls2, Es2);
         const u16(*Qs)[D + ATT_PAD] = Qs2[qt & 1];
         const u16(*Os)[D + ATT_PAD] = Os2[qt & 1];
         const float* Ls = Ls2[qt & 1];
