@@ -27,7 +27,8 @@ random tokens (seeded), the median of three timed windows; engines run one after
 other (never resident together).
 
 ``--fp8-gelu``: ours in the first fp8 ``--precision`` again for each engine.FUSE_GELU_FP8 choice given
-(``none``: fp8's separate GELU passes, h_act recomputed; ``fwd``: the fc forward's epilogue only).
+(``fwd,bwd``: the GELU in the fc forward's and proj dgrad's FP8 epilogues; ``fwd``: the forward's
+only; ``none``: fp8's separate GELU passes, h_act recomputed), same run.
 ``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
 choice of the tensor-core kernels (andrea.cuda.kernels.ATTN_MMA_ROWS picks one per kernel and D).
 ``--breakdown``: per kernel class (attention fwd / bwd, GEMM, LayerNorm, elementwise, loss, embed,
@@ -525,7 +526,8 @@ def main(argv=None) -> int:
                          "e.g. ln,gelu gelu none")
     ap.add_argument("--fp8-gelu", nargs="*", default=[],
                     help="also time ours in the first fp8 --precision with these engine.FUSE_GELU_FP8 choices "
-                         "(the GEMMs with the GELU epilogue), e.g. fwd none (default fwd,bwd)")
+                         "(the GEMMs with the GELU epilogue), e.g. fwd,bwd fwd none "
+                         "(default set: engine.FUSE_GELU_FP8)")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--breakdown", action="store_true",

@@ -16,11 +16,13 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
   weights (``WC``) refreshed by the AdamW kernel;
 - what it saves: the attention's row log-sum-exp (B, H, T), the loss's row log-sum-exp (N,);
 - what it recomputes: fp32 the GELU activations (``RECOMPUTE``), one buffer for all layers;
-  bf16/fp16/fp8 nothing (``RECOMPUTE_FUSED``: the fc GEMM writes h_pre and h_act in one pass);
-- the MLP's GELU (bf16/fp16/fp8, ``FUSE_GELU``; fp8's choice ``FUSE_GELU_FP8``): in cuBLASLt's
-  epilogues, the fc GEMM writing h_act = gelu(acc) and h_pre (GELU_AUX), the proj dgrad writing
-  dL/dh_pre = acc * gelu'(h_pre) (DGELU); fp8's on its E4M3 GEMMs (bf16 h_act, cast to E4M3 for
-  the proj GEMMs at its sites as before); fp32 (cuBLAS) keeps the separate k_gelu_fwd / k_gelu_bwd;
+  bf16/fp16 nothing (``RECOMPUTE_FUSED``: the fc GEMM writes h_pre and h_act in one pass); fp8
+  as its fc forward is fused or not (``FUSE_GELU_FP8``, off by default: RECOMPUTE);
+- the MLP's GELU (bf16/fp16, ``FUSE_GELU``): in cuBLASLt's epilogues, the fc GEMM writing
+  h_act = gelu(acc) and h_pre (GELU_AUX), the proj dgrad writing dL/dh_pre = acc * gelu'(h_pre)
+  (DGELU); fp8 the same on its E4M3 GEMMs where ``FUSE_GELU_FP8`` says (bf16 h_act, cast to E4M3
+  for the proj GEMMs at its sites as before), else, and fp32 (cuBLAS), the separate k_gelu_fwd /
+  k_gelu_bwd passes;
 - GEMMs (bf16/fp16): cuBLASLt, one heuristic algorithm per shape kept from its first call, its
   32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements and the head's
   forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte
@@ -67,13 +69,16 @@ RECOMPUTE = frozenset({"gelu"})
 # 13770) and the backward does not re-run gelu: H200 120M B=32 53.96 ms/step kept vs 55.69 recomputed
 # (main's separate passes 57.62), 480M B=8 54.07 vs 54.80 (55.92); docs/bench/gelu_epilogue_h200.md.
 RECOMPUTE_FUSED = frozenset()
-# bf16/fp16/fp8: GELU and its derivative in the epilogues of the fc forward and proj dgrad GEMMs (cuBLASLt).
+# bf16/fp16 (fp8: FUSE_GELU_FP8): GELU and its derivative in the fc forward / proj dgrad GEMM epilogues.
 # False: the separate k_gelu_fwd / k_gelu_bwd passes (then RECOMPUTE applies to every precision).
 FUSE_GELU = True
 # fp8 (with FUSE_GELU): which of its MLP GEMMs carry the epilogue, on the FP8 matmul: "fwd" the fc
-# forward (GELU_AUX; h_act then kept per layer, RECOMPUTE_FUSED), "bwd" the proj dgrad (DGELU). The
-# empty set is fp8's separate passes before session 7; bench figures of each choice: docs/FP8.md.
-FUSE_GELU_FP8 = frozenset({"fwd", "bwd"})
+# forward (GELU_AUX; h_act then kept per layer, RECOMPUTE_FUSED: +(L-1) N 4C bf16 values, 120M B=32
+# +2.1 GiB), "bwd" the proj dgrad (DGELU). Empty (the default): fp8's separate passes, the same GEMM
+# problems and kernels as before. Not yet run on a GPU (session 7 was lent none): frozenset({"fwd", "bwd"}) once
+# `pytest -m gpu tests/test_fp8_gpu.py` passes and `bench/engine_gpu.py --fp8-gelu fwd,bwd fwd` says
+# it is faster (docs/FP8.md has the commands); then `python -m andrea.memory --write docs/ANDREA.md`.
+FUSE_GELU_FP8 = frozenset()
 
 
 def fused_gelu(precision: str) -> tuple[bool, bool]:
