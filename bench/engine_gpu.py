@@ -26,13 +26,16 @@ Timing: ``--steps`` steps after ``--warmup`` steps (host clock, device drained a
 random tokens (seeded), the median of three timed windows; engines run one after the
 other (never resident together).
 
+``--fp8-gelu``: ours in the first fp8 ``--precision`` again for each engine.FUSE_GELU_FP8 choice given
+(``fwd,bwd``: the GELU in the fc forward's and proj dgrad's FP8 epilogues; ``fwd``: the forward's
+only; ``none``: fp8's separate GELU passes, h_act recomputed), same run.
 ``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
 choice of the tensor-core kernels (andrea.cuda.kernels.ATTN_MMA_ROWS picks one per kernel and D).
 ``--breakdown``: per kernel class (attention fwd / bwd, GEMM, LayerNorm, elementwise, loss, embed,
 optimizer) ms per step of ours (CUDA events around each launcher, eager) beside the anchor's
 (torch.profiler's CUDA kernel times of the first compile mode run, grouped by kernel name), with
 TFLOP/s for attention (causal flops: fwd 2 B T^2 C per layer, bwd 2.5x that) and the GEMMs; then
-ours per named GEMM (qkv, attn-out, fc, proj, head x fwd, dgrad, wgrad: ms, TFLOP/s, share; bf16/fp16
+ours per named GEMM (qkv, attn-out, fc, proj, head x fwd, dgrad, wgrad: ms, TFLOP/s, share; bf16/fp16/fp8
 tag the GEMMs with a fused GELU epilogue "fc fwd+gelu" and "proj dgrad+dgelu": their time holds the
 GELU that the elementwise class then lacks), and
 (bf16) each GEMM alone through cublasGemmEx, cuBLASLt and cuBLASLt with padded logits rows.
@@ -93,10 +96,10 @@ def engine_args(spec: str) -> tuple[str, dict]:
     return prec, ({"fp8_scaling": scaling} if scaling else {})
 
 
-def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None) -> dict:
+def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None, fp8_gelu=None) -> dict:
     """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE and
-    engine.RECOMPUTE_FUSED (bf16/fp16's, with the GELU epilogues) for this run; ``precision`` as
-    ``engine_args`` reads it."""
+    engine.RECOMPUTE_FUSED (bf16/fp16/fp8's, with the GELU epilogues) for this run, ``fp8_gelu``
+    (a frozenset) engine.FUSE_GELU_FP8; ``precision`` as ``engine_args`` reads it."""
     import cupy as cp
 
     import andrea.cuda.engine as ce
@@ -108,14 +111,16 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
-    default = ce.RECOMPUTE, ce.RECOMPUTE_FUSED
+    default = ce.RECOMPUTE, ce.RECOMPUTE_FUSED, ce.FUSE_GELU_FP8
     if recompute is not None:
         ce.RECOMPUTE = ce.RECOMPUTE_FUSED = recompute
+    if fp8_gelu is not None:
+        ce.FUSE_GELU_FP8 = fp8_gelu
     try:
         prec, kw = engine_args(precision)
         eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, **kw)
     finally:
-        ce.RECOMPUTE, ce.RECOMPUTE_FUSED = default
+        ce.RECOMPUTE, ce.RECOMPUTE_FUSED, ce.FUSE_GELU_FP8 = default
     print(eng.describe(), file=sys.stderr, flush=True)
     eng.init_weights(1337)
     rng = np.random.default_rng(0)
@@ -524,6 +529,10 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute", nargs="*", default=[],
                     help="also time ours (first precision) recomputing these sets instead of engine.RECOMPUTE, "
                          "e.g. ln,gelu gelu none")
+    ap.add_argument("--fp8-gelu", nargs="*", default=[],
+                    help="also time ours in the first fp8 --precision with these engine.FUSE_GELU_FP8 choices "
+                         "(the GEMMs with the GELU epilogue), e.g. fwd,bwd fwd none "
+                         "(default set: engine.FUSE_GELU_FP8)")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--breakdown", action="store_true",
@@ -563,6 +572,13 @@ def main(argv=None) -> int:
             r[f"ours-recompute-{rc}"] = x = bench_ours(s, B, args.steps, args.warmup, prec0, sel)
             print(f"{key}: ours recomputing {rc} {x['ms']:.2f} ms/step, peak {x['peak_bytes'] / 2 ** 20:.0f} MiB",
                   file=sys.stderr, flush=True)
+            save(key, r)
+        p8 = next((p for p in args.precision if p.startswith("fp8")), None)
+        for ch in args.fp8_gelu if p8 else []:
+            sel = frozenset() if ch == "none" else frozenset(ch.split(","))
+            r[f"ours-{p8}-gelu-{ch}"] = x = bench_ours(s, B, args.steps, args.warmup, p8, fp8_gelu=sel)
+            print(f"{key}: ours {p8} with the GELU epilogue on {ch} {x['ms']:.2f} ms/step, peak "
+                  f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
             save(key, r)
         for a in args.anchors:
             prof = args.breakdown and compiled and a == compiled[0]

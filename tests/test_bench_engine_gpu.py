@@ -55,3 +55,25 @@ def test_json_of_a_finished_run_has_every_shape_and_its_ratios(eg, tmp_path, mon
     assert sorted(got) == ["andrea-12m:B64", "andrea-12m:B8"]
     r = got["andrea-12m:B8"]
     assert "partial" not in r and r["ours-fp8"]["tokens_per_s"] / r["ours"]["tokens_per_s"] == pytest.approx(1.25)
+
+
+def test_fp8_gelu_choices_are_timed_on_the_first_fp8_precision(eg, tmp_path, monkeypatch):
+    """--fp8-gelu: one more run of ours per choice, on the first fp8 precision, with
+    engine.FUSE_GELU_FP8 set to it (``none``: the empty set); nothing without an fp8 precision."""
+    calls = []
+
+    def ours(s, B, steps, warmup, prec, recompute=None, fp8_gelu=None):
+        calls.append((prec, fp8_gelu))
+        return fake_ours(5.0)
+
+    monkeypatch.setattr(eg, "bench_ours", ours)
+    out = tmp_path / "bench.json"
+    assert eg.main(["--variants", "andrea-12m:8", "--precision", "bf16", "fp8:delayed", "--fp8-gelu", "none", "fwd",
+                    "--anchors", "--json", str(out)]) == 0
+    assert calls == [("bf16", None), ("fp8:delayed", None), ("fp8:delayed", frozenset()),
+                     ("fp8:delayed", frozenset({"fwd"}))]
+    got = json.loads(out.read_text())["andrea-12m:B8"]
+    assert {"ours-fp8:delayed-gelu-none", "ours-fp8:delayed-gelu-fwd"} <= set(got)
+    calls.clear()
+    assert eg.main(["--variants", "andrea-12m:8", "--precision", "bf16", "--fp8-gelu", "none", "--anchors"]) == 0
+    assert calls == [("bf16", None)]

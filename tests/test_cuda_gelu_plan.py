@@ -1,7 +1,8 @@
 """The GPU engine's plan for the MLP's GELU, without a GPU: bf16/fp16 fuse it into the cuBLASLt
-epilogues (andrea/cuda/engine.py FUSE_GELU) and keep h_act per layer (RECOMPUTE_FUSED); fp32 and fp8
-run the separate passes and recompute h_act in one buffer (RECOMPUTE); turning the fusion off gives
-bf16 the fp32/fp8 plan back. The GPU side: tests/test_cuda_kernels.py, tests/test_cuda_engine.py.
+epilogues (andrea/cuda/engine.py FUSE_GELU) and keep h_act per layer (RECOMPUTE_FUSED); fp32 runs the
+separate passes and recomputes h_act in one buffer (RECOMPUTE); fp8 follows FUSE_GELU_FP8 (default
+none: fp8's plan before the fusion); turning the fusion off gives bf16 the fp32 plan back. The GPU
+side: tests/test_cuda_kernels.py, tests/test_cuda_engine.py, tests/test_fp8_gpu.py.
 
     python -m pytest -q tests/test_cuda_gelu_plan.py
 """
@@ -26,8 +27,27 @@ def h_act_layers(prec: str) -> int:
 
 @pytest.mark.parametrize("prec,layers", [("bf16", 3), ("fp16", 3), ("fp32", 1), ("fp8", 1)])
 def test_fused_precisions_keep_h_act_per_layer(prec, layers):
+    """The defaults; fp8's (FUSE_GELU_FP8 empty) is its plan before the fusion."""
+    assert ce.FUSE_GELU_FP8 == frozenset()
     assert h_act_layers(prec) == layers
     assert ce.recompute_for(prec) == (frozenset() if prec in ("bf16", "fp16") else frozenset({"gelu"}))
+    assert ce.fused_gelu(prec) == ((True, True) if prec in ("bf16", "fp16") else (False, False))
+
+
+@pytest.mark.parametrize("fp8_gemms,fused,layers", [({"fwd", "bwd"}, (True, True), 3), ({"fwd"}, (True, False), 3),
+                                                    ({"bwd"}, (False, True), 1), (set(), (False, False), 1)])
+def test_fp8_fusion_choice_sets_its_gemms_and_plan(monkeypatch, fp8_gemms, fused, layers):
+    """Only a fused fc forward keeps h_act per layer (it comes out of the GEMM beside h_pre); bf16
+    does not follow FUSE_GELU_FP8; FUSE_GELU off turns fp8's off too."""
+    sep = ce.arena_layout(MC, 2, "fp8")
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(fp8_gemms))
+    assert ce.fused_gelu("fp8") == fused and ce.fused_gelu("bf16") == (True, True)
+    assert h_act_layers("fp8") == layers
+    assert ce.recompute_for("fp8") == (frozenset() if fused[0] else frozenset({"gelu"}))
+    h = 2 * MC.context * 4 * MC.d_model * np.dtype(np.uint16).itemsize     # one layer's h_act, B = 2
+    assert ce.arena_layout(MC, 2, "fp8").nbytes - sep.nbytes == (layers - 1) * h
+    monkeypatch.setattr(ce, "FUSE_GELU", False)
+    assert ce.fused_gelu("fp8") == (False, False) and h_act_layers("fp8") == 1
 
 
 def test_without_the_fusion_bf16_recomputes_and_plans_fewer_bytes(monkeypatch):
@@ -38,3 +58,38 @@ def test_without_the_fusion_bf16_recomputes_and_plans_fewer_bytes(monkeypatch):
     h = 2 * MC.context * 4 * MC.d_model * np.dtype(np.uint16).itemsize     # one layer's h_act, B = 2
     assert fused.nbytes - sep.nbytes == (MC.n_layer - 1) * h
     assert math.prod(dict((n, s) for n, s, _ in sep.spec)["h_pre"]) == MC.n_layer * h // 2
+
+
+@pytest.mark.parametrize("fp8_gemms", [set(), {"fwd"}, {"bwd"}, {"fwd", "bwd"}])
+def test_fp8_mlp_runs_the_epilogues_it_was_given(monkeypatch, fp8_gemms):
+    """FastOps over a recording stand-in for Fp8Gemm: the fc forward with GELU_AUX writing h_act and
+    aux h_pre, the proj dgrad with DGELU reading h_pre, and no k_gelu_fwd / k_gelu_bwd pass where an
+    epilogue does it; the GEMMs in the order the dY-cast reuse needs (proj dgrad, then its wgrad)."""
+    from types import SimpleNamespace
+
+    from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX
+
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(fp8_gemms))
+    calls = []
+
+    def mm(C, A, B, ta=False, tb=False, beta=0.0, lowtype=None, epilogue=EPILOGUE_DEFAULT, aux=None):
+        calls.append(("mm", C.name, A.name, B.name, epilogue, None if aux is None else aux.name))
+
+    for k in ("k_gelu_fwd", "k_gelu_bwd"):
+        monkeypatch.setattr(ce, k, lambda *a, _k=k: calls.append((_k,)))
+    t = {n: SimpleNamespace(name=n, size=8) for n in ("out", "h_pre", "h_act", "x", "w_fc", "w_proj", "dx", "dw_fc",
+                                                      "dw_proj", "dout", "dh")}
+    ops = ce.FastOps("bf16", None, {"dh": t["dh"]}, f8=SimpleNamespace(mm=mm))
+    assert (ops.fused, ops.fused_bwd) == ("fwd" in fp8_gemms, "bwd" in fp8_gemms)
+    ops.mlp_forward(t["out"], t["h_pre"], t["h_act"], t["x"], t["w_fc"], t["w_proj"])
+    fc = [("mm", "h_act", "x", "w_fc", EPILOGUE_GELU_AUX, "h_pre")] if ops.fused else \
+        [("mm", "h_pre", "x", "w_fc", EPILOGUE_DEFAULT, None), ("k_gelu_fwd",)]
+    assert calls == fc + [("mm", "out", "h_act", "w_proj", EPILOGUE_DEFAULT, None)]
+    calls.clear()
+    ops.mlp_backward(t["dx"], t["dw_fc"], t["dw_proj"], t["dout"], t["x"], t["h_pre"], t["h_act"], t["w_fc"],
+                     t["w_proj"], None)
+    dgrad = ("mm", "dh", "dout", "w_proj", EPILOGUE_DGELU if ops.fused_bwd else EPILOGUE_DEFAULT,
+             "h_pre" if ops.fused_bwd else None)
+    wgrad = ("mm", "dw_proj", "h_act", "dout", EPILOGUE_DEFAULT, None)
+    assert calls == [dgrad, wgrad] + ([] if ops.fused_bwd else [("k_gelu_bwd",)]) + [
+        ("mm", "dw_fc", "x", "dh", EPILOGUE_DEFAULT, None), ("mm", "dx", "dh", "w_fc", EPILOGUE_DEFAULT, None)]

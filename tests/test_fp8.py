@@ -209,6 +209,15 @@ def _dev(x):
     return np.ascontiguousarray(x).view(_Dev)
 
 
+def _gelu64(u):
+    """The recipe's tanh-form GELU and its derivative in float64 (the epilogues' twin)."""
+    from andrea.engine import ops_numpy as ops
+
+    u = np.asarray(u, np.float64)
+    th = np.tanh(ops.GELU_K * (u + ops.GELU_A * u ** 3))
+    return 0.5 * u * (1 + th), 0.5 * (1 + th) + 0.5 * u * (1 - th ** 2) * ops.GELU_K * (1 + 3 * ops.GELU_A * u ** 2)
+
+
 def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     """Fp8Gemm.mm (the fp8 engine's _mm) with the casts and cuBLASLt replaced by the NumPy twin:
     X W, dY W^T then X^T dY (reusing dY's cast), and the tied head passed to bf16 Blas, against
@@ -217,7 +226,7 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     from types import SimpleNamespace
 
     import andrea.cuda.fp8 as k8
-    from andrea.cuda.cublaslt import CUDA_R_32F
+    from andrea.cuda.cublaslt import CUDA_R_32F, EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX
 
     casts = []
 
@@ -236,13 +245,20 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     def inv_at(ptr):
         return inv_arr[(ptr - inv_arr.data.ptr) // 4]
 
-    def mm_nt(D, X8, Y8, x_inv, y_inv, M, N, K, d_type, beta=0.0, fast_accum=False, stream=0):
+    trunc = lambda v: (np.asarray(v, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731 (enough here)
+
+    def mm_nt(D, X8, Y8, x_inv, y_inv, M, N, K, d_type, beta=0.0, fast_accum=False, epilogue=EPILOGUE_DEFAULT,
+              stream=0, aux=None):
         assert X8.shape == (M, K) and Y8.shape == (N, K)
         ref = f8.gemm_nt(X8, inv_at(x_inv), Y8, inv_at(y_inv))
-        if d_type == CUDA_R_32F:
+        if epilogue == EPILOGUE_GELU_AUX:                      # the epilogues' contract, in the recipe's GELU
+            aux[:], D[:] = trunc(ref), trunc(_gelu64(ref)[0])
+        elif epilogue == EPILOGUE_DGELU:
+            D[:] = trunc(ref * _gelu64(f8.bf16_to_f32(np.asarray(aux)))[1])
+        elif d_type == CUDA_R_32F:
             D[:] = ref + (D if beta else 0)
         else:
-            D[:] = (ref.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)   # truncation is enough here
+            D[:] = trunc(ref)
 
     monkeypatch.setattr(k8, "quantize", quantize)
     rng = np.random.default_rng(3)
@@ -279,6 +295,22 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     casts.clear()
     g.mm(dW, X, dY, ta=True, beta=1.0)                         # a reuse lasts one call only: cast afresh
     assert casts == [X.data.ptr, dY.data.ptr]
+    # the fused GELU (engine FUSE_GELU_FP8): the fc forward and the proj dgrad forms, nowhere else
+    h_pre = _dev(np.zeros((N, 4 * C), np.uint16))
+    g.mm(out, X, W, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)
+    P = dq(X) @ dq(W)
+    np.testing.assert_allclose(widen(h_pre), P, rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_allclose(widen(out), _gelu64(P)[0], rtol=2 ** -6, atol=1e-6)
+    g.mm(dX, dY, W, tb=True)
+    plain = widen(dX)
+    dh = _dev(np.zeros((N, C), np.uint16))
+    g.mm(dh, dY, W, tb=True, epilogue=EPILOGUE_DGELU, aux=_dev(np.asarray(h_pre)[:, :C]))
+    np.testing.assert_allclose(widen(dh), plain * _gelu64(widen(h_pre)[:, :C])[1], rtol=2 ** -6, atol=1e-9)
+    casts.clear()
+    for bad in ((dW, X, dY, True, False), (out[:, :96], X, head, False, True)):   # wgrad, the bf16 head
+        with pytest.raises(AndreaError, match="epilogue 160 only on X W or dY W"):
+            g.mm(bad[0], bad[1], bad[2], ta=bad[3], tb=bad[4], epilogue=EPILOGUE_GELU_AUX, aux=h_pre)
+    assert casts == [] and len(bf16_calls) == 1                # refused before any cast or GEMM
 
 
 def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_memo_off(monkeypatch):

@@ -1,9 +1,11 @@
 """The fp8 engine on the GPU: the E4M3 casts (current scaling, and delayed scaling's fused
 cast + amax) bit-exact against the NumPy twin; the cuBLASLt FP8 GEMM against the product of
-the dequantized operands; the engine's gradients against the fp32 NumPy engine; under both
-scalings two runs byte-identical, resume (w, m, v and the amax history) bit-exact, CUDA
-graph == eager, the dY-cast reuse == casting afresh; a non-finite input skips the step;
-delayed scaling counts the casts a jump in magnitude clipped and its scales follow.
+the dequantized operands, and with the MLP's GELU in its epilogues (GELU_AUX, DGELU) against the
+NumPy twin and the separate passes; the engine's gradients against the fp32 NumPy engine, with
+and without those epilogues (engine.FUSE_GELU_FP8); under both scalings two runs byte-identical,
+resume (w, m, v and the amax history) bit-exact, CUDA graph == eager, the dY-cast reuse ==
+casting afresh; a non-finite input skips the step; delayed scaling counts the casts a jump in
+magnitude clipped and its scales follow.
 
     PYTHONPATH=. python3 -m pytest -m gpu -s tests/test_fp8_gpu.py      # on a Hopper (sm_90) GPU
 
@@ -11,7 +13,9 @@ Skipped cleanly without CuPy/a CUDA device, and on GPUs before sm_89 (no FP8 ten
 Tolerances (each stated where it is used):
 - casts: bit-exact (codes, the fp32 dequantization factor, the fused amax);
 - GEMM: |D - ref| <= 2**-8 |ref| (bf16 output rounding; 0 for fp32 D) + 2**-12 (|X| |Y|^T)
-  (fp32 accumulation in cuBLASLt's order, fast accumulation in the forward);
+  (fp32 accumulation in cuBLASLt's order, fast accumulation in the forward); with a GELU epilogue
+  that accumulation term times 1.13 (max |gelu'|) plus 2e-3 (the epilogue's tanh; DGELU: 2e-3
+  |dY W^T|), against the separate passes about twice that (test_fp8_gelu_epilogues_...);
 - engine vs fp32 NumPy, per parameter tensor relative to its largest entry: 0.25. E4M3 keeps 3
   mantissa bits, so every GEMM operand carries up to 1/16 relative error (bf16: 1/256); a
   gradient passes through 2-3 such GEMMs per layer and the errors of a K-term dot product
@@ -192,6 +196,104 @@ def test_fp8_gemm_matches_the_dequantized_product(M, N, K):
         print(f"fp8 gemm {M}x{N}x{K} fast={fast}: max |err| / max|ref| = {float(err.max() / np.abs(ref).max()):.2e}")
 
 
+def _gelu64(u):
+    """The NumPy twin of the epilogues: the recipe's tanh-form GELU and its derivative, float64."""
+    from andrea.engine import ops_numpy as ops
+
+    th = np.tanh(ops.GELU_K * (u + ops.GELU_A * u ** 3))
+    return 0.5 * u * (1 + th), 0.5 * (1 + th) + 0.5 * u * (1 - th ** 2) * ops.GELU_K * (1 + 3 * ops.GELU_A * u ** 2)
+
+
+GELU_SLOPE = 1.13        # max |gelu'| of the tanh form: an accumulation error in P reaches gelu(P) times at most this
+
+
+def _within(got, ref, bound, what):
+    err = np.abs(np.asarray(got, np.float64) - ref)
+    assert np.isfinite(got).all(), f"{what}: non-finite output (an element left unwritten?)"
+    excess = float(np.max(err - bound))
+    assert excess <= 0, f"{what}: max err {float(err.max()):.3g}, max excess over the bound {excess:.3g}"
+    print(f"{what}: max |err| / max |ref| = {float(err.max() / np.abs(ref).max()):.2e}")
+
+
+def test_fp8_gelu_epilogues_match_numpy_and_the_separate_passes():
+    """The fp8 engine's fused MLP GEMMs (Lt.mm_nt; the engine's with FUSE_GELU_FP8), E4M3 x E4M3 -> bf16:
+    GELU_AUX (fc forward, fast accumulation): aux h_pre = P and h_act = gelu(P); DGELU (proj dgrad,
+    split accumulation): dh = (dY W^T) * gelu'(h_pre). Against the float64 twin on the dequantized
+    operands, with the bound, elementwise,
+        2^-8 |ref| (bf16 rounding of the output) + 2^-12 |X||Y|^T (fp32 accumulation, the GEMM
+        test's) x 1.13 (max |gelu'|) + 2e-3 (the epilogue's own tanh; cuBLASLt documents none;
+        DGELU: 2e-3 |dY W^T|, gelu' error times the product),
+    and against the separate passes (plain FP8 GEMM -> bf16 -> k_gelu_fwd / k_gelu_bwd) within
+    twice that plus one more rounding. The same bits on a repeat, another layer's aux honoured,
+    outputs prefilled with NaN."""
+    from andrea.cuda import kernels as kk
+    from andrea.cuda.cublaslt import CUDA_R_16BF, EPILOGUE_DGELU, EPILOGUE_GELU_AUX
+
+    rng = np.random.default_rng(31)
+    M, C = 512, 256
+    F = 4 * C
+    q = lambda a: f8.quantize(a.astype(np.float32))                           # noqa: E731
+    (qx, ix), (qw, iw) = q(rng.standard_normal((M, C))), q(rng.normal(0, 2.0 / np.sqrt(C), (F, C)))
+    (qg, ig), (qp, ip) = q(rng.standard_normal((M, C))), q(rng.normal(0, 1.0 / np.sqrt(C), (F, C)))
+    (qx2, ix2) = q(rng.standard_normal((M, C)) * 0.5)                          # another layer's input
+    inv = gpu(np.kron(np.array([ix, iw, ig, ip, ix2], np.float32), np.eye(1, 16, dtype=np.float32)[0]))
+    slot = lambda i: inv.data.ptr + 64 * i                                     # noqa: E731 (16-byte aligned)
+    mag = lambda a, ia, b, ib: (np.abs(f8.dequantize(a, ia)).astype(np.float64)     # noqa: E731
+                                @ np.abs(f8.dequantize(b, ib)).T.astype(np.float64))
+    widen = lambda d: f8.bf16_to_f32(cp.asnumpy(d)).astype(np.float64)       # noqa: E731
+    nan16 = lambda *shape: cp.full(shape, 0x7FC0, dtype=np.uint16)             # noqa: E731
+    lt = _lt()
+    X, W, dY, Wp, X2 = (gpu(a) for a in (qx, qw, qg, qp, qx2))
+    # GELU_AUX, two "layers" of one plan (layer 1 another input): (0, 1, 0) to check the bits repeat
+    h_act, h_pre = nan16(2, M, F), nan16(2, M, F)
+    runs = []
+    for layer, (x8, sx) in zip((0, 1, 0), ((X, 0), (X2, 4), (X, 0))):
+        lt.mm_nt(h_act[layer], x8, W, slot(sx), slot(1), M, F, C, CUDA_R_16BF, fast_accum=True,
+                 epilogue=EPILOGUE_GELU_AUX, aux=h_pre[layer])
+        runs.append((cp.asnumpy(h_act[layer]).tobytes(), cp.asnumpy(h_pre[layer]).tobytes()))
+    assert runs[0] == runs[2] and runs[0] != runs[1], "the fused forward's bits changed, or layer 1's aux was ignored"
+    for layer, (qa, ia) in ((0, (qx, ix)), (1, (qx2, ix2))):
+        P, m = f8.gemm_nt(qa, ia, qw, iw), mag(qa, ia, qw, iw)
+        _within(widen(h_pre[layer]), P, 2.0 ** -8 * np.abs(P) + 2.0 ** -12 * m,
+                f"fp8 GELU_AUX aux h_pre (layer {layer})")
+        g = _gelu64(P)[0]
+        _within(widen(h_act[layer]), g, 2.0 ** -8 * np.abs(g) + GELU_SLOPE * 2.0 ** -12 * m + 2e-3,
+                f"fp8 GELU_AUX h_act (layer {layer}) vs the tanh-form twin")
+    P, m = f8.gemm_nt(qx, ix, qw, iw), mag(qx, ix, qw, iw)
+    sep_pre, sep_act = nan16(M, F), nan16(M, F)
+    lt.mm_nt(sep_pre, X, W, slot(0), slot(1), M, F, C, CUDA_R_16BF, fast_accum=True)
+    kk.k_gelu_fwd("bf16", sep_act, sep_pre, M * F)
+    g = _gelu64(P)[0]
+    _within(widen(h_act[0]), widen(sep_act), 3 * 2.0 ** -8 * np.abs(g) + 2 * GELU_SLOPE * 2.0 ** -12 * m + 4e-3,
+            "fp8 GELU_AUX vs FP8 GEMM + k_gelu_fwd")
+    # DGELU: dh (M, F) = (dY (M, C) @ Wp^T) * gelu'(h_pre), h_pre the forward's (rounded) aux
+    prod, m = f8.gemm_nt(qg, ig, qp, ip), mag(qg, ig, qp, ip)
+    dh = nan16(3, M, F)
+    for k, layer in enumerate((0, 1, 0)):
+        lt.mm_nt(dh[k], dY, Wp, slot(2), slot(3), M, F, C, CUDA_R_16BF, epilogue=EPILOGUE_DGELU, aux=h_pre[layer])
+    assert cp.asnumpy(dh[0]).tobytes() == cp.asnumpy(dh[2]).tobytes() != cp.asnumpy(dh[1]).tobytes()
+    for k in (0, 1):
+        dg = _gelu64(widen(h_pre[k]))[1]
+        ref = prod * dg
+        _within(widen(dh[k]), ref, 2.0 ** -8 * np.abs(ref) + GELU_SLOPE * 2.0 ** -12 * m + 2e-3 * np.abs(prod) + 1e-6,
+                f"fp8 DGELU dh (aux of layer {k}) vs the twin")
+    sep = nan16(M, F)
+    lt.mm_nt(sep, dY, Wp, slot(2), slot(3), M, F, C, CUDA_R_16BF)
+    kk.k_gelu_bwd("bf16", sep, sep, h_pre[0], M * F)
+    ref = prod * _gelu64(widen(h_pre[0]))[1]
+    _within(widen(dh[0]), widen(sep), 3 * 2.0 ** -8 * np.abs(ref) + 2 * GELU_SLOPE * 2.0 ** -12 * m
+            + 4e-3 * np.abs(prod) + 1e-6, "fp8 DGELU vs FP8 GEMM + k_gelu_bwd")
+    from andrea.cuda.cublaslt import CUDA_R_32F
+    from andrea.errors import AndreaError
+
+    with pytest.raises(AndreaError, match="needs a bf16 D, beta 0 and a bf16 aux"):
+        lt.mm_nt(h_act[0], X, W, slot(0), slot(1), M, F, C, CUDA_R_16BF, epilogue=EPILOGUE_GELU_AUX,
+                 aux=h_pre[0][:, :8])
+    with pytest.raises(AndreaError, match="needs a bf16 D, beta 0 and a bf16 aux"):
+        lt.mm_nt(cp.zeros((M, F), np.float32), X, W, slot(0), slot(1), M, F, C, CUDA_R_32F,
+                 epilogue=EPILOGUE_GELU_AUX, aux=h_pre[0])
+
+
 def _bf16_gpu(rng, shape, scale=1.0):
     return gpu(to_bf16((rng.standard_normal(shape) * scale).astype(np.float32)).reshape(shape))
 
@@ -250,13 +352,21 @@ def batch(seed, mc=MC, b=B):
     return x, np.roll(x, -1, axis=1)
 
 
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
-def test_fp8_engine_gradients_and_ten_steps_track_numpy(scaling):
-    """Delayed: the gradients are its first (current-scaled) step; the 10 steps run on the history."""
+@pytest.mark.parametrize("scaling,gemms", [("current", ""), ("delayed", ""), ("current", "fwd,bwd"),
+                                           ("delayed", "fwd,bwd"), ("delayed", "fwd")])
+def test_fp8_engine_gradients_and_ten_steps_track_numpy(scaling, gemms, monkeypatch):
+    """Delayed: the gradients are its first (current-scaled) step; the 10 steps run on the history.
+    ``gemms``: engine.FUSE_GELU_FP8, the GELU in the epilogues of the fc forward / proj dgrad (h_act
+    kept per layer when the forward is fused) or the separate passes with h_act recomputed (the
+    default)."""
+    import andrea.cuda.engine as ce
     from andrea.cuda.backend import make_backend
 
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
     ref = numpy_engine()
     g8 = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling=scaling)
+    assert (g8.ops.fused, g8.ops.fused_bwd) == ("fwd" in gemms, "bwd" in gemms)
+    assert g8.a["h_act"].shape[0] == (MC.n_layer if g8.ops.fused else 1)   # kept per layer when fused
     g8.init_weights(0)
     x, y = batch(2)
     ref.zero_grads()
@@ -279,7 +389,8 @@ def test_fp8_engine_gradients_and_ten_steps_track_numpy(scaling):
         b = g8.train_step([(xb, yb)], 3e-3, t, HP)
         assert a.ok and b.ok
         assert abs(a.loss - b.loss) <= 3e-2 * abs(a.loss), (t, a.loss, b.loss)
-    print(f"fp8 {scaling} after 10 steps: loss {b.loss:.4f} vs numpy fp32 {a.loss:.4f}"
+    print(f"fp8 {scaling} (GELU epilogues: {gemms or 'none'}) after 10 steps: loss {b.loss:.4f} "
+          f"vs numpy fp32 {a.loss:.4f}"
           + (f", clipped casts {g8.fp8_clipped_total}" if scaling == "delayed" else ""))
 
 
@@ -300,10 +411,15 @@ def _run(steps, start=None, graph=True, accum=1, memo=True, scaling="current"):
     return (t0 + steps, *eng.state_host(), eng.extra_state())
 
 
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
-def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scaling):
+@pytest.mark.parametrize("scaling,gemms", [("current", ""), ("delayed", ""), ("current", "fwd,bwd"),
+                                           ("delayed", "fwd,bwd")])
+def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scaling, gemms, monkeypatch):
     """Delayed with a 4-step history over 6 steps: the ring wraps, and the resume at step 3
-    restores it (and the step count) from extra_state, as a checkpoint does."""
+    restores it (and the step count) from extra_state, as a checkpoint does. ``gemms``:
+    engine.FUSE_GELU_FP8 (the GELU epilogues on the fc forward and proj dgrad, or none)."""
+    import andrea.cuda.engine as ce
+
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
     a = _run(6, scaling=scaling)
     b = _run(6, scaling=scaling)
     for x, y in zip(a[1:4], b[1:4]):

@@ -17,8 +17,7 @@ cuBLASLt's GELU is the tanh form 0.5 u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3)))
 (andrea/engine/ops_numpy.py ``_gelu``) and as torch's approximate="tanh": cuBLASLt's documentation
 names no formula, so tests/test_cuda_kernels.py measures it (pre-activations in [-4, -1.5], where
 the tanh and erf forms differ by up to 4.7e-4 and the outputs are small enough for 16-bit rounding
-to be below that). fp8 (andrea/cuda/fp8.py) keeps its separate GELU passes: its fc output is cast
-to E4M3 for the proj GEMM by its own kernels. Unlike ``kernels.Blas`` a matrix
+to be below that). Unlike ``kernels.Blas`` a matrix
 may be a row-strided view (unit column stride, rows ``strides[0]`` apart): the engine's logits are
 the first V columns of rows padded to a multiple of 64 elements, so every row of the head GEMMs
 starts 128-byte aligned.
@@ -28,7 +27,12 @@ E4M3 (uint8 payloads), both K-contiguous: the "TN" form Hopper's FP8 tensor core
 x_inv / y_inv are device pointers to one float each (per-tensor dequantization factors). D is
 bf16 (beta 0) or fp32 (beta 0 or 1: the weight-gradient accumulation). Compute and scale type
 fp32. In cuBLASLt's column-major terms D^T (N, M) = op(A) op(B) with A = Y8 (K x N, transa T),
-B = X8 (K x M, transb N).
+B = X8 (K x M, transb N). With a bf16 D, beta 0, ``epilogue`` GELU_AUX or DGELU and ``aux`` (bf16,
+D's shape, row stride a multiple of 8 elements) it fuses the GELU as ``mm`` does, from the fp32
+product of the dequantized E4M3 operands (the fp8 engine's fc forward and proj dgrad). cuBLAS's
+documentation (cublasLtMatmul, the FP8 table: E4M3 x E4M3 with C/D bf16, footnote: ReLU, dReLU,
+GELU, dGELU and bias epilogues, column-major D) lists both; the aux type is left unset, which is
+D's type (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE may differ from it only for an E4M3 D).
 
 One algorithm per problem (shape, types, beta, accumulation mode, epilogue, alignments) is
 picked on first use (the first of cuBLASLt's heuristic candidates that runs) and kept, so a
@@ -129,13 +133,13 @@ class Lt:
         self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "layout")
         return lay
 
-    def _plan(self, key: tuple, x_inv: int, y_inv: int):
-        """Descriptors and up to N_ALGOS heuristic candidates of a problem (scale pointers set
-        first: an FP8 problem with scales is another problem to the heuristic)."""
+    def _plan(self, key: tuple, x_inv: int, y_inv: int, aux_ptr: int = 0):
+        """Descriptors and up to N_ALGOS heuristic candidates of a problem (scale and aux pointers
+        set first: an FP8 problem with scales is another problem to the heuristic)."""
         plan = self.plans.get(key)
         if plan is not None:
             return plan
-        M, N, K, d_type, beta, fast, epilogue, aligns = key
+        M, N, K, d_type, beta, fast, epilogue, aligns, ld_aux, _ = key
         L = self.lib
         desc = _P()
         self._check(L.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
@@ -146,11 +150,15 @@ class Lt:
         self._set(sd, desc, DESC_FAST_ACCUM, 1 if fast else 0, ctypes.c_int8)
         self._set(sd, desc, DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
         self._set(sd, desc, DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
+        if epilogue in AUX_EPILOGUES:            # before the heuristic, which reads the aux pointer's alignment;
+            self._set(sd, desc, DESC_EPILOGUE_AUX_POINTER, aux_ptr, ctypes.c_void_p)   # aux type unset: D's (bf16)
+            self._set(sd, desc, DESC_EPILOGUE_AUX_LD, ld_aux, ctypes.c_int64)
         a_l = self._layout(CUDA_R_8F_E4M3, K, N, K)
         b_l = self._layout(CUDA_R_8F_E4M3, K, M, K)
         d_l = self._layout(d_type, N, M, N)
         plan = self._candidates(desc, a_l, b_l, d_l, aligns,
-                                f"FP8 D {M}x{N} (type {d_type}) K={K} beta={beta}", "; M, N, K must be multiples of 16")
+                                f"FP8 D {M}x{N} (type {d_type}) K={K} beta={beta} epilogue {epilogue}",
+                                "; M, N, K must be multiples of 16")
         self.plans[key] = plan
         return plan
 
@@ -192,8 +200,9 @@ class Lt:
                           "candidate algorithm(s)")
 
     def mm_nt(self, D, X8, Y8, x_inv, y_inv, M: int, N: int, K: int, d_type: int, beta: float = 0.0,
-              fast_accum: bool = False, epilogue: int = EPILOGUE_DEFAULT, stream: int = 0) -> None:
-        """D (M, N) = (x_inv X8) @ (y_inv Y8)^T + beta D; x_inv / y_inv device pointers (ints)."""
+              fast_accum: bool = False, epilogue: int = EPILOGUE_DEFAULT, stream: int = 0, aux=None) -> None:
+        """D (M, N) = (x_inv X8) @ (y_inv Y8)^T + beta D; x_inv / y_inv device pointers (ints); with
+        ``epilogue`` GELU_AUX or DGELU and ``aux`` (bf16, D's shape) the fused GELU (module docstring)."""
         if beta not in (0.0, 1.0):
             raise AndreaError("cuBLASLt fp8 gemm: beta must be 0 or 1")
         if K % 16 or M % 16 or N % 16:
@@ -203,12 +212,30 @@ class Lt:
         if min(aligns) < 16 or int(x_inv) % 16 or int(y_inv) % 16:
             raise AndreaError(f"cuBLASLt fp8 gemm: buffers and scale pointers must be 16-byte aligned "
                               f"(alignments {aligns}, scales at {int(x_inv) % 16} and {int(y_inv) % 16} mod 16)")
-        plan = self._plan((M, N, K, d_type, float(beta), bool(fast_accum), int(epilogue), aligns), x_inv, y_inv)
+        epilogue = int(epilogue)
+        if epilogue in AUX_EPILOGUES:
+            ld_aux = aux.strides[0] // aux.itemsize if aux is not None and aux.ndim == 2 else 0
+            if aux is None or aux.shape != (M, N) or aux.dtype != np.uint16 or aux.strides[1] != aux.itemsize \
+                    or ld_aux % 8 or aux.data.ptr % 16 or d_type != CUDA_R_16BF or beta != 0.0:
+                raise AndreaError(f"cuBLASLt fp8 gemm: epilogue {epilogue} needs a bf16 D, beta 0 and a bf16 aux "
+                                  f"matrix of D's shape ({M}, {N}), unit column stride, row stride a multiple of 8 "
+                                  f"elements, 16-byte aligned (got D type {d_type}, beta {beta}, aux "
+                                  f"{None if aux is None else (aux.shape, aux.dtype, aux.strides)})")
+            aux_ptr, aux_align = aux.data.ptr, _align(aux.data.ptr)
+        elif epilogue == EPILOGUE_DEFAULT and aux is None:
+            aux_ptr = ld_aux = aux_align = 0
+        else:
+            raise AndreaError(f"cuBLASLt fp8 gemm: epilogue {epilogue} is not one of none (1), GELU_AUX (160), "
+                              f"DGELU (192) or takes no aux matrix")
+        key = (M, N, K, d_type, float(beta), bool(fast_accum), epilogue, aligns, ld_aux, aux_align)
+        plan = self._plan(key, x_inv, y_inv, aux_ptr)
         sd = self.lib.cublasLtMatmulDescSetAttribute
         self._set(sd, plan[0], DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
         self._set(sd, plan[0], DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
+        if aux_ptr:                              # this call's aux (the problem's other layers share the plan)
+            self._set(sd, plan[0], DESC_EPILOGUE_AUX_POINTER, aux_ptr, ctypes.c_void_p)
         self._run(plan, Y8.data.ptr, X8.data.ptr, D.data.ptr, beta, stream,
-                  f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum})")
+                  f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum}, epilogue {epilogue})")
 
     # ------------------------------------------------------------------ 16-bit GEMM
     def _plan16(self, key: tuple, aux_ptr: int = 0):

@@ -15,11 +15,14 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
   its gradient, LayerNorm statistics and the loss in fp32; the matmuls read a 16-bit copy of the
   weights (``WC``) refreshed by the AdamW kernel;
 - what it saves: the attention's row log-sum-exp (B, H, T), the loss's row log-sum-exp (N,);
-- what it recomputes: fp32/fp8 the GELU activations (``RECOMPUTE``), one buffer for all layers;
-  bf16/fp16 nothing (``RECOMPUTE_FUSED``: the fc GEMM writes h_pre and h_act in one pass);
+- what it recomputes: fp32 the GELU activations (``RECOMPUTE``), one buffer for all layers;
+  bf16/fp16 nothing (``RECOMPUTE_FUSED``: the fc GEMM writes h_pre and h_act in one pass); fp8
+  as its fc forward is fused or not (``FUSE_GELU_FP8``, off by default: RECOMPUTE);
 - the MLP's GELU (bf16/fp16, ``FUSE_GELU``): in cuBLASLt's epilogues, the fc GEMM writing
   h_act = gelu(acc) and h_pre (GELU_AUX), the proj dgrad writing dL/dh_pre = acc * gelu'(h_pre)
-  (DGELU); fp32 (cuBLAS) and fp8 (E4M3 GEMMs) keep the separate k_gelu_fwd / k_gelu_bwd passes;
+  (DGELU); fp8 the same on its E4M3 GEMMs where ``FUSE_GELU_FP8`` says (bf16 h_act, cast to E4M3
+  for the proj GEMMs at its sites as before), else, and fp32 (cuBLAS), the separate k_gelu_fwd /
+  k_gelu_bwd passes;
 - GEMMs (bf16/fp16): cuBLASLt, one heuristic algorithm per shape kept from its first call, its
   32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements and the head's
   forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte
@@ -66,14 +69,31 @@ RECOMPUTE = frozenset({"gelu"})
 # 13770) and the backward does not re-run gelu: H200 120M B=32 53.96 ms/step kept vs 55.69 recomputed
 # (main's separate passes 57.62), 480M B=8 54.07 vs 54.80 (55.92); docs/bench/gelu_epilogue_h200.md.
 RECOMPUTE_FUSED = frozenset()
-# bf16/fp16: GELU and its derivative in the epilogues of the fc forward and proj dgrad GEMMs (cuBLASLt).
+# bf16/fp16 (fp8: FUSE_GELU_FP8): GELU and its derivative in the fc forward / proj dgrad GEMM epilogues.
 # False: the separate k_gelu_fwd / k_gelu_bwd passes (then RECOMPUTE applies to every precision).
 FUSE_GELU = True
+# fp8 (with FUSE_GELU): which of its MLP GEMMs carry the epilogue, on the FP8 matmul: "fwd" the fc
+# forward (GELU_AUX; h_act then kept per layer, RECOMPUTE_FUSED: +(L-1) N 4C bf16 values, 120M B=32
+# +2.1 GiB), "bwd" the proj dgrad (DGELU). Empty (the default): fp8's separate passes, the same GEMM
+# problems and kernels as before. Not yet run on a GPU (session 7 was lent none): frozenset({"fwd", "bwd"}) once
+# `pytest -m gpu tests/test_fp8_gpu.py` passes and `bench/engine_gpu.py --fp8-gelu fwd,bwd fwd` says
+# it is faster (docs/FP8.md has the commands); then `python -m andrea.memory --write docs/ANDREA.md`.
+FUSE_GELU_FP8 = frozenset()
+
+
+def fused_gelu(precision: str) -> tuple[bool, bool]:
+    """(fc forward, proj dgrad) of this precision carry the GELU epilogue (FUSE_GELU, FUSE_GELU_FP8)."""
+    if not FUSE_GELU:
+        return False, False
+    if precision == "fp8":
+        return "fwd" in FUSE_GELU_FP8, "bwd" in FUSE_GELU_FP8
+    return (True, True) if precision in LT_PRECISIONS else (False, False)
 
 
 def recompute_for(precision: str) -> frozenset:
-    """The saved activations the backward of this precision recomputes (PlanPolicy.recompute)."""
-    return RECOMPUTE_FUSED if FUSE_GELU and precision in LT_PRECISIONS else RECOMPUTE
+    """The saved activations the backward of this precision recomputes (PlanPolicy.recompute):
+    with a fused fc forward h_act comes out of the GEMM beside h_pre and is kept."""
+    return RECOMPUTE_FUSED if fused_gelu(precision)[0] else RECOMPUTE
 
 
 class FastOps:
@@ -86,13 +106,14 @@ class FastOps:
         self.p, self.lowtype, self.blas, self.a = prec, LOWTYPE[prec], blas, a
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
-        self.fused = FUSE_GELU and lt is not None and f8 is None   # GELU in the GEMM epilogues
+        # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
+        self.fused, self.fused_bwd = fused_gelu("fp8" if f8 is not None else prec if lt is not None else "fp32")
 
     def _mm(self, C, A, B, ta=False, tb=False, beta=0.0, tag="gemm", epilogue=EPILOGUE_DEFAULT, aux=None):
         """One GEMM (Blas.mm's contract); ``tag`` names it for bench/engine_gpu.py --breakdown (a
-        fused epilogue's GEMM says so: "fc fwd+gelu"). ``epilogue``/``aux``: cuBLASLt only."""
+        fused epilogue's GEMM says so: "fc fwd+gelu"). ``epilogue``/``aux``: cuBLASLt and fp8 only."""
         if self.f8 is not None:
-            self.f8.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype)
+            self.f8.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype, epilogue=epilogue, aux=aux)
         elif self.lt is not None:
             self.lt.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype, stream=cp().cuda.get_current_stream().ptr,
                        epilogue=epilogue, aux=aux)
@@ -153,7 +174,7 @@ class FastOps:
         k_gelu_fwd(self.p, out, x, x.size)
 
     def mlp_forward(self, out, h_pre, h_act, x, w_fc, w_proj):
-        """Fused (bf16/fp16): one GEMM writes h_act = gelu(x w_fc) and h_pre = x w_fc, both rounded
+        """Fused (bf16/fp16/fp8): one GEMM writes h_act = gelu(x w_fc) and h_pre = x w_fc, both rounded
         from the fp32 accumulator (h_act is gelu of the unrounded product, not of h_pre)."""
         if self.fused:
             self._mm(h_act, x, w_fc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre, tag="fc fwd+gelu")
@@ -163,9 +184,9 @@ class FastOps:
         self._mm(out, h_act, w_proj, tag="proj fwd")
 
     def mlp_backward(self, dx, dw_fc, dw_proj, dout, x, h_pre, h_act, w_fc, w_proj, work):
-        """Fused (bf16/fp16): dh = dL/dh_pre = (dout w_proj^T) * gelu'(h_pre) out of one GEMM."""
+        """Fused (bf16/fp16/fp8): dh = dL/dh_pre = (dout w_proj^T) * gelu'(h_pre) out of one GEMM."""
         dh = self.a["dh"]
-        if self.fused:
+        if self.fused_bwd:
             self._mm(dh, dout, w_proj, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre, tag="proj dgrad+dgelu")
             self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
         else:

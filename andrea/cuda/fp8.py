@@ -33,13 +33,19 @@ orientations. A gradient operand (the output gradient dY, used by dX = dY W^T an
 dW = X^T dY, which the recipe's backward calls one right after the other) is cast once into
 both orientations and the copy the next ``mm`` call needs is reused; the reuse is valid only
 for the very next call (``_memo``), which the gpu test checks against casting afresh.
+
+The MLP's GELU (engine FUSE_GELU_FP8): ``mm(h_act, x, w_fc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)``
+writes h_act = gelu(P) and h_pre = P (bf16) from the fp32 product P of the E4M3 operands, and
+``mm(dh, dout, w_proj, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre)`` dh = (dout w_proj^T) *
+gelu'(h_pre) (``Lt.mm_nt``); only those two weight forms take an epilogue. h_act stays bf16: the
+proj forward and its weight gradient cast it to E4M3 at their own sites, as without the fusion.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F, Lt
+from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F, EPILOGUE_DEFAULT, Lt
 from andrea.cuda.kernels import i32, need
 from andrea.cuda.loader import kernel
 from andrea.engine.fp8_numpy import AmaxHistory
@@ -267,8 +273,16 @@ class Fp8Gemm:
         self._memo[key] = hit
         return (hit[1] if transposed else hit[0]), self._slot(hit[2])
 
-    def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF) -> None:
+    def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF,
+           epilogue: int = EPILOGUE_DEFAULT, aux=None) -> None:
+        """Blas.mm's contract; ``epilogue``/``aux``: the fused GELU of X W and dY W^T (module docstring)."""
         prev, self._memo = self._memo, {}
+        w = self.weights.get(B.data.ptr)
+        weight_form = w is not None and w[0].shape == B.shape and not ta
+        if int(epilogue) != EPILOGUE_DEFAULT and not weight_form:
+            raise AndreaError(f"fp8 gemm: epilogue {int(epilogue)} only on X W or dY W^T with W a block weight "
+                              f"(the MLP's fc forward and proj dgrad), not on C {C.shape} = A {A.shape} @ B {B.shape} "
+                              f"(ta={ta}, tb={tb}); run that GEMM without it")
         if {A.data.ptr, B.data.ptr, C.data.ptr} & self.bf16_ptrs:     # the tied head stays bf16 (cuBLASLt)
             self.lt.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=lowtype, stream=self._stream())
             return
@@ -276,7 +290,6 @@ class Fp8Gemm:
             need("fp8 gemm", nm, x)
         M, K = (A.shape[1], A.shape[0]) if ta else A.shape
         N = B.shape[0] if tb else B.shape[1]
-        w = self.weights.get(B.data.ptr)
         if w is not None and w[0].shape == B.shape:          # X @ W (forward) or dY @ W^T (dX)
             _, W8, W8t, slot = w
             y8, y_inv = (W8 if tb else W8t), self._slot(slot)
@@ -296,4 +309,4 @@ class Fp8Gemm:
         if beta and d_type != CUDA_R_32F:
             raise AndreaError("fp8 gemm: beta=1 needs an fp32 C")
         self.lt.mm_nt(C, x8, y8, x_inv, y_inv, M, N, K, d_type, beta=beta, fast_accum=fast,
-                      stream=self._stream())
+                      epilogue=epilogue, stream=self._stream(), aux=aux)
