@@ -327,8 +327,7 @@ def gemm_compare(s: dict, B: int, reps: int = 5) -> dict:
 
 def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
     """ms per call (and TFLOP/s) of one layer's attention forward and backward (bf16, random q, k, v,
-    dy): each rows-per-block choice of the forward and of the two-kernel backward (the engine's,
-    kernels.ATTN_MMA_ROWS), and the one-pass backward. TFLOP/s counts the backward as 2.5x the forward."""
+    dy) for each rows-per-block choice of the tensor-core kernels (kernels.ATTN_MMA_ROWS)."""
     import cupy as cp
 
     from andrea.cuda import kernels as K
@@ -349,10 +348,6 @@ def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
         ms = timed(lambda: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, rows=r))
         out[f"fwd r{r}"] = (ms, fwd_fl / ms / 1e9)
     K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)
-    scratch = tuple(cp.zeros(shape, dt) for shape, dt in K.attn_bwd_scratch(B, T, H, C // H))
-    ms = timed(lambda: K.k_attn_bwd("bf16", dqkv, dy, y, lse, dvec, qkv, B, T, C, H, False, one_pass=True,
-                                    scratch=scratch))
-    out["bwd one-pass"] = (ms, 2.5 * fwd_fl / ms / 1e9)
     for rq in (64, 128):
         for rk in (64, 128):
             ms = timed(lambda: K.k_attn_bwd("bf16", dqkv, dy, y, lse, dvec, qkv, B, T, C, H, False, rows=(rq, rk)))

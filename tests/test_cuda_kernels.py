@@ -202,7 +202,7 @@ def test_gelu_pair(be, prec, n):
 
 def _attn_case(be, prec, B, T, H, D, seed, rows=(None, None)):
     """One forward + backward against ops_numpy; ``rows``: (fwd rows, (dq rows, dkv rows)) of the mma
-    kernels, None for kernels.ATTN_MMA_ROWS; (fwd rows, "one-pass"): the one-pass backward."""
+    kernels, None for kernels.ATTN_MMA_ROWS."""
     rng = np.random.default_rng(seed)
     C = H * D
     N = B * T
@@ -219,9 +219,7 @@ def _attn_case(be, prec, B, T, H, D, seed, rows=(None, None)):
     close(from_dev(y, prec), ry.reshape(N, C), prec, what=f"attn y {prec} D={D}")
     dqkv = empty((N, 3 * C), prec)
     dvec = cp.full(B * H * T, np.nan, np.float32)
-    one = rows[1] == "one-pass"
-    be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False, rows=None if one else rows[1],
-                  one_pass=one)
+    be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False, rows=rows[1])
     rd = np.zeros((B, T, 3 * C))
     ops.attn_backward(rd, dout64.reshape(B, T, C), qkv64.reshape(B, T, 3 * C), att, ry, H, work)
     got = from_dev(dqkv, prec)
@@ -238,13 +236,11 @@ def test_attention_pair_causal_uneven_T(be, prec, D):
     _attn_case(be, prec, B=2, T=200, H=2, D=D, seed=D)
 
 
-@pytest.mark.parametrize("rows", [(64, "one-pass"), (128, "one-pass"), (64, (64, 64)), (128, (128, 128)),
-                                  (128, (64, 128))])
+@pytest.mark.parametrize("rows", [(64, (64, 64)), (128, (128, 128)), (128, (64, 128))])
 @pytest.mark.parametrize("prec,D,T", [("bf16", 64, 1024), ("bf16", 32, 520), ("fp16", 32, 1024)])
 def test_attention_pair_long_rows(be, prec, D, T, rows):
     # the engine's T: several blocks of 64 or 128 rows, 64-row tiles wholly below the diagonal (the
-    # unmasked path), T = 520 ragged against both tile sizes; every row choice of the two-kernel
-    # backward, and the one-pass one
+    # unmasked path), T = 520 ragged against both tile sizes; every row choice of the mma kernels
     _attn_case(be, prec, B=1, T=T, H=2, D=D, seed=T + D, rows=rows)
 
 
@@ -268,42 +264,6 @@ def test_attention_mma_writes_dvec_and_accumulates(be):
     be.k_attn_bwd("bf16", d2, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True)
     want = base64 + from_dev(d1, "bf16")
     close(from_dev(d2, "bf16"), want, "bf16", scale=float(np.abs(want).max()), what="bf16 accumulate")
-
-
-@pytest.mark.parametrize("prec,D", [("bf16", 64), ("fp16", 32)])
-def test_attention_one_pass_backward_orders_dq_and_leaves_counters_zero(be, prec, D):
-    # many blocks per head wait on each other (T = 1024: 16 key tiles, dq summed over up to 16 shares):
-    # two launches give the same bytes, match the two-kernel backward to rounding, leave every
-    # counter at 0, and accumulate=True adds onto what is there
-    from andrea.cuda import kernels as K
-
-    B, T, H = 3, 1024, 4
-    C, N = H * D, B * T
-    rng = np.random.default_rng(5)
-    qkv, _ = to_dev(rng.normal(0, 1, (N, 3 * C)), prec)
-    dout, _ = to_dev(rng.normal(0, 1, (N, C)), prec)
-    y = empty((N, C), prec)
-    lse = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H)
-    (sa, da), (ss, ds) = K.attn_bwd_scratch(B, T, H, D)
-    scratch = (cp.full(sa, np.nan, da), cp.zeros(ss, ds))
-    outs = []
-    for _ in range(2):
-        d = empty((N, 3 * C), prec)
-        dvec = cp.full(B * H * T, np.nan, np.float32)
-        be.k_attn_bwd(prec, d, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False, one_pass=True, scratch=scratch)
-        assert int(cp.abs(scratch[1]).max()) == 0
-        outs.append(from_dev(d, prec))
-    assert outs[0].tobytes() == outs[1].tobytes()
-    two = empty((N, 3 * C), prec)
-    dvec = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_bwd(prec, two, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False)
-    ref = from_dev(two, prec)
-    close(outs[0], ref, prec, scale=float(np.abs(ref).max()), what=f"one-pass vs two-kernel {prec}")
-    base, base64 = to_dev(rng.normal(0, 1, (N, 3 * C)), prec)
-    be.k_attn_bwd(prec, base, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True, one_pass=True, scratch=scratch)
-    want = base64 + outs[0]
-    close(from_dev(base, prec), want, prec, scale=float(np.abs(want).max()), what=f"one-pass accumulate {prec}")
 
 
 def test_attention_backward_is_deterministic_and_accumulates(be):

@@ -613,38 +613,6 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
     }
 }
 
-// The key-side kernels' query stream: tile qt of q and dy rows (into buffers qt & 1) with their lse2
-// and dvec entries (threads 0-63 and 64-127 of the 128), all through cp.async, as one commit group.
-template <int D>
-__device__ __forceinline__ void issue_qtile(const u16* qh, int ld, const u16* oh, int ldy, const float* lse2,
-                                            const float* dvec, long long rb, int bh, int qt, int Tn,
-                                            u16 (*Qs2)[64][D + ATT_PAD], u16 (*Os2)[64][D + ATT_PAD],
-                                            float (*Ls2)[64], float (*Es2)[64]) {
-    const int tid = threadIdx.x;
-    async_tile<D>(qh, rb, qt * 64, Tn, ld, Qs2[qt & 1]);
-    async_tile<D>(oh, rb, qt * 64, Tn, ldy, Os2[qt & 1]);
-    const int r = tid & 63, qq = qt * 64 + r;
-    const float* src = (tid < 64 ? lse2 : dvec) + (long long)bh * Tn + (qq < Tn ? qq : 0);
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(tid < 64 ? &Ls2[qt & 1][r] : &Es2[qt & 1][r]);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(qq < Tn ? 4 : 0));
-    cp_async_commit();
-}
-
-// Before query tile qt is used: put tile qt+1 in flight (if qt+1 < nt) and wait for tile qt.
-template <int D>
-__device__ __forceinline__ void next_qtile(const u16* qh, int ld, const u16* oh, int ldy, const float* lse2,
-                                           const float* dvec, long long rb, int bh, int qt, int nt, int Tn,
-                                           u16 (*Qs2)[64][D + ATT_PAD], u16 (*Os2)[64][D + ATT_PAD],
-                                           float (*Ls2)[64], float (*Es2)[64]) {
-    if (qt + 1 < nt) {
-        issue_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt + 1, Tn, Qs2, Os2, Ls2, Es2);
-        cp_async_wait<1>();
-    } else {
-        cp_async_wait<0>();
-    }
-    __syncthreads();
-}
-
 // dK, dV per 128 key rows; queries (with their dy rows, lse2 and dvec) stream in 64-row tiles
 // from the diagonal down, processed 16 at a time.
 template <bool BF, int D, int MT>
@@ -676,9 +644,24 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     }
     const int ntiles = (Tn + 63) / 64;
     const int qt0 = kt * (MT);
-    if (qt0 < ntiles) issue_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt0, Tn, Qs2, Os2, Ls2, Es2);
+    auto issue = [&](int qt) {  // q, dy rows and their lse2 / dvec entries, all through cp.async
+        async_tile<D>(qh, rb, qt * 64, Tn, ld, Qs2[qt & 1]);
+        async_tile<D>(oh, rb, qt * 64, Tn, ldy, Os2[qt & 1]);
+        const int r = tid & 63, qq = qt * 64 + r;
+        const float* src = (tid < 64 ? lse2 : dvec) + (long long)bh * Tn + (qq < Tn ? qq : 0);
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(tid < 64 ? &Ls2[qt & 1][r] : &Es2[qt & 1][r]);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(qq < Tn ? 4 : 0));
+        cp_async_commit();
+    };
+    if (qt0 < ntiles) issue(qt0);
     for (int qt = qt0; qt < ntiles; ++qt) {
-        next_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt, ntiles, Tn, Qs2, Os2, Ls2, Es2);
+        if (qt + 1 < ntiles) {
+            issue(qt + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
         const u16(*Qs)[D + ATT_PAD] = Qs2[qt & 1];
         const u16(*Os)[D + ATT_PAD] = Os2[qt & 1];
         const float* Ls = Ls2[qt & 1];
@@ -772,228 +755,6 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
 }
 
 // ---------------------------------------------------------------------------------------------
-// One-pass backward (k_attn_bwd_mma_*): dK, dV and dQ from one S / dP per (key, query) pair.
-// A block owns 64 key rows (4 warps x 16) and walks the query tiles from its diagonal down, as the
-// dK/dV kernel does; per 64-query tile it also forms that tile's dQ share dS K (its 64 keys; dS^T
-// goes through shared memory) and adds it into an fp32 partial sum (dqacc, (B*H, nt*64, D)). The
-// sum is ordered, so it is the same fixed sequence of fp32 additions on every run: query tile i
-// receives the shares of key tiles i, i-1, ..., 0 in that order. Warp w of the block of key tile j
-// waits until counter sem[bh][i][w] says i - j shares are in, then: the first share (j = i) stores,
-// a middle one is added in L2 (red.global.add: no read back; the counter orders it), the last
-// (j = 0) reads the sum, adds, scales and writes the 16-bit dq (over, or onto with accumulate) and
-// resets the counter to 0 for the next launch (sem must be 0 before the first). Blocks are numbered
-// so that key tile j+1 of a head starts before j (blockIdx.x = nt-1-j): a block only waits on one
-// that is running or done and a step ahead of it. dvec (D_i) must be written first
-// (k_attn_dvec16_*). At most 168 registers (3 blocks per SM): 1.35 -> 1.08 ms at 120M B=32.
-// Measured on the H200 beside the two-kernel backward (docs/bench/attn_one_pass_*): a tie at
-// 120M B=32 (0.960 vs 0.963 ms a layer), 2.6% faster at 12M B=8, 2.6% slower at 480M B=8, so the
-// engine keeps the two kernels; k_attn_bwd(..., one_pass=True) runs this one.
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-template <bool BF, int D>
-__device__ void attn_bwd_mma(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                             int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
-                             const float* __restrict__ dvec, u16* __restrict__ dq, u16* __restrict__ dk,
-                             u16* __restrict__ dv, float* __restrict__ dqacc, int* __restrict__ sem, int Tn, int H,
-                             float sl2, float scale, int accumulate) {
-    constexpr int KS = D / 16, ND = D / 8;
-    __shared__ __align__(16) u16 Qs2[2][64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Os2[2][64][D + ATT_PAD];
-    __shared__ __align__(16) u16 Ks[64][D + ATT_PAD];             // this block's keys: B of dQ = dS K
-    __shared__ __align__(16) u16 Sown[D == 64 ? 1 : 64][64 + ATT_PAD];  // dS^T; at D = 64 it reuses Os2
-    __shared__ float Ls2[2][64];
-    __shared__ float Es2[2][64];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int nt = gridDim.x, kt = nt - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
-    const long long rb = (long long)b * Tn;
-    const int w0 = kt * 64 + warp * 16;
-    const u16 *qh = q + h * D, *oh = dy + h * D;
-    async_tile<D>(k + h * D, rb, kt * 64, Tn, ld, Ks);
-    cp_async_commit();
-    unsigned ka[KS][4], va[KS][4];
-    load_afrag<D>(k + h * D, rb, w0 + g, w0 + g + 8, Tn, ld, t4, ka);
-    load_afrag<D>(v + h * D, rb, w0 + g, w0 + g + 8, Tn, ld, t4, va);
-    float dka[ND][4], dva[ND][4];
-    zero_frags<ND>(dka);
-    zero_frags<ND>(dva);
-    issue_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, kt, Tn, Qs2, Os2, Ls2, Es2);
-    for (int qt = kt; qt < nt; ++qt) {
-        next_qtile<D>(qh, ld, oh, ldy, lse2, dvec, rb, bh, qt, nt, Tn, Qs2, Os2, Ls2, Es2);
-        const u16(*Qs)[D + ATT_PAD] = Qs2[qt & 1];
-        const u16(*Os)[D + ATT_PAD] = Os2[qt & 1];
-        const float* Ls = Ls2[qt & 1];
-        const float* Es = Es2[qt & 1];
-        const int q0 = qt * 64;
-        const bool diag = qt == kt || q0 + 64 > Tn;
-        unsigned sa[4][4];                                        // dS^T of the 4 query chunks, 16-bit
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            sa[c][0] = sa[c][1] = sa[c][2] = sa[c][3] = 0u;
-            if (w0 >= Tn || (qt == kt && c < warp)) continue;      // every query of the chunk precedes every key
-            float s[2][4], dp[2][4];
-            zero_frags<2>(s);
-            zero_frags<2>(dp);
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                unsigned bq[4], bo[4];
-                const int row = c * 16 + (lane >> 4) * 8 + (lane & 7), col = kk * 16 + ((lane >> 3) & 1) * 8;
-                ldsm_x4(bq, &Qs[row][col]);
-                ldsm_x4(bo, &Os[row][col]);
-                mma16816<BF>(s[0], ka[kk], bq[0], bq[1]);     // S^T = K Q^T
-                mma16816<BF>(s[1], ka[kk], bq[2], bq[3]);
-                mma16816<BF>(dp[0], va[kk], bo[0], bo[1]);    // dP^T = V dy^T
-                mma16816<BF>(dp[1], va[kk], bo[2], bo[3]);
-            }
-            const int ka0 = w0 + g, ka1 = ka0 + 8;
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = c * 16 + jj * 8 + 2 * t4 + (e & 1), qq = q0 + col;
-                    const bool ok = !diag || (qq >= (e < 2 ? ka0 : ka1) && qq < Tn);
-                    const float p = ok ? exp2f(fmaf(s[jj][e], sl2, -Ls[col])) : 0.0f;
-                    s[jj][e] = p;                                 // P^T
-                    dp[jj][e] = p * (dp[jj][e] - Es[col]);        // dS^T
-                }
-            }
-            unsigned pa[4];
-            c_to_afrag<BF>(s[0], s[1], pa);
-            c_to_afrag<BF>(dp[0], dp[1], sa[c]);
-#pragma unroll
-            for (int np = 0; np < ND / 2; ++np) {
-                unsigned bo[4], bq[4];
-                ldsm_x4_t(bo, &Os[c * 16 + (lane & 15)][(2 * np + (lane >> 4)) * 8]);
-                ldsm_x4_t(bq, &Qs[c * 16 + (lane & 15)][(2 * np + (lane >> 4)) * 8]);
-                mma16816<BF>(dva[2 * np], pa, bo[0], bo[1]);      // dV += P^T dy
-                mma16816<BF>(dva[2 * np + 1], pa, bo[2], bo[3]);
-                mma16816<BF>(dka[2 * np], sa[c], bq[0], bq[1]);   // dK += dS^T Q
-                mma16816<BF>(dka[2 * np + 1], sa[c], bq[2], bq[3]);
-            }
-        }
-        __syncthreads();                                          // Os is read by no one now (D = 64: Ss is Os)
-        u16(*Ss)[64 + ATT_PAD] = D == 64 ? reinterpret_cast<u16(*)[64 + ATT_PAD]>(&Os2[qt & 1][0][0]) : Sown;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {                             // dS^T rows: this warp's keys; columns: queries
-            const int col = c * 16 + 2 * t4, r0 = warp * 16 + g;
-            *reinterpret_cast<unsigned*>(&Ss[r0][col]) = sa[c][0];
-            *reinterpret_cast<unsigned*>(&Ss[r0 + 8][col]) = sa[c][1];
-            *reinterpret_cast<unsigned*>(&Ss[r0][col + 8]) = sa[c][2];
-            *reinterpret_cast<unsigned*>(&Ss[r0 + 8][col + 8]) = sa[c][3];
-        }
-        __syncthreads();
-        // dQ share of this warp's 16 queries (rows q0 + 16 warp ..): dS (16 x 64 keys) K (64 x D)
-        float dqa[ND][4];
-        zero_frags<ND>(dqa);
-        const int nkc = qt == kt ? warp + 1 : 4;                  // on the diagonal, later keys are masked
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            if (kc >= nkc) break;
-            unsigned af[4];
-            const int m = lane >> 3;
-            ldsm_x4_t(af, &Ss[kc * 16 + (m >> 1) * 8 + (lane & 7)][warp * 16 + (m & 1) * 8]);
-#pragma unroll
-            for (int np = 0; np < ND / 2; ++np) {
-                unsigned bf[4];
-                ldsm_x4_t(bf, &Ks[kc * 16 + (lane & 15)][(2 * np + (lane >> 4)) * 8]);
-                mma16816<BF>(dqa[2 * np], af, bf[0], bf[1]);
-                mma16816<BF>(dqa[2 * np + 1], af, bf[2], bf[3]);
-            }
-        }
-        int* cnt = sem + ((long long)bh * nt + qt) * 4 + warp;
-        const int before = qt - kt;                               // shares of key tiles qt .. kt+1
-        if (before > 0) {
-            if (lane == 0) {
-                long long spins = 0;
-                while (ld_acquire(cnt) < before) {
-                    __nanosleep(32);
-                    if (++spins > (1LL << 26)) __trap();         // a lost share: fail, never hang
-                }
-            }
-            __syncwarp();
-            __threadfence();
-        }
-        const int ra = q0 + warp * 16 + g, rc = ra + 8;
-        float* pa_ = dqacc + ((long long)bh * nt * 64 + ra) * D + 2 * t4;
-        float* pc_ = pa_ + 8 * D;
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            float2 xa = make_float2(dqa[n][0], dqa[n][1]), xc = make_float2(dqa[n][2], dqa[n][3]);
-            if (kt > 0 && before > 0) {                           // a middle share: L2 adds it (red)
-                asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(pa_ + n * 8), "f"(xa.x), "f"(xa.y) : "memory");
-                asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(pc_ + n * 8), "f"(xc.x), "f"(xc.y) : "memory");
-                continue;
-            }
-            if (before > 0) {
-                const float2 ya = __ldcg(reinterpret_cast<const float2*>(pa_ + n * 8));
-                const float2 yc = __ldcg(reinterpret_cast<const float2*>(pc_ + n * 8));
-                xa.x = ya.x + xa.x; xa.y = ya.y + xa.y; xc.x = yc.x + xc.x; xc.y = yc.y + xc.y;
-            }
-            if (kt == 0) {                                        // the last share: the 16-bit dq
-                const int cc = h * D + n * 8 + 2 * t4;
-                if (ra < Tn) store_pair<BF>(dq + (rb + ra) * ld + cc, xa.x, xa.y, scale, accumulate);
-                if (rc < Tn) store_pair<BF>(dq + (rb + rc) * ld + cc, xc.x, xc.y, scale, accumulate);
-            } else {
-                __stcg(reinterpret_cast<float2*>(pa_ + n * 8), xa);
-                __stcg(reinterpret_cast<float2*>(pc_ + n * 8), xc);
-            }
-        }
-        if (kt == 0) {
-            if (lane == 0 && before > 0) *cnt = 0;                // every share is in: ready for the next launch
-        } else {
-            __threadfence();
-            __syncwarp();
-            if (lane == 0) atomicAdd(cnt, 1);
-        }
-        __syncthreads();                                          // before buffer qt & 1 is refilled
-    }
-    const int ka0 = w0 + g, ka1 = ka0 + 8;
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        const int c = h * D + n * 8 + 2 * t4;
-        if (ka0 < Tn) {
-            store_pair<BF>(dk + (rb + ka0) * ld + c, dka[n][0], dka[n][1], scale, accumulate);
-            store_pair<BF>(dv + (rb + ka0) * ld + c, dva[n][0], dva[n][1], 1.0f, accumulate);
-        }
-        if (ka1 < Tn) {
-            store_pair<BF>(dk + (rb + ka1) * ld + c, dka[n][2], dka[n][3], scale, accumulate);
-            store_pair<BF>(dv + (rb + ka1) * ld + c, dva[n][2], dva[n][3], 1.0f, accumulate);
-        }
-    }
-}
-
-// D_i = sum_d dy y per (row, head) for the 16-bit kernels: D/8 neighbouring threads read one row's
-// head in 16-byte pieces (coalesced), each sums its 8 products in order, then a fixed butterfly.
-template <bool BF, int D>
-__device__ void attn_dvec16(const u16* __restrict__ y, const u16* __restrict__ dy, int ldy, float* __restrict__ dvec,
-                            int B, int Tn, int H) {
-    constexpr int G = D / 8;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // over B*T*H*G
-    const long long grp = i / G;
-    const int part = (int)(i % G);
-    const bool in = grp < (long long)B * Tn * H;
-    const long long row = in ? grp / H : 0;
-    const int h = in ? (int)(grp % H) : 0;
-    float s = 0.0f;
-    if (in) {
-        const uint4 a = *reinterpret_cast<const uint4*>(y + row * ldy + h * D + part * 8);
-        const uint4 d = *reinterpret_cast<const uint4*>(dy + row * ldy + h * D + part * 8);
-        const unsigned av[4] = {a.x, a.y, a.z, a.w}, dv_[4] = {d.x, d.y, d.z, d.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s += lo_f<BF>(av[e]) * lo_f<BF>(dv_[e]) + hi_f<BF>(av[e]) * hi_f<BF>(dv_[e]);
-    }
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (in && part == 0) {
-        const int bb = (int)(row / Tn), t = (int)(row % Tn);
-        dvec[((long long)bb * H + h) * Tn + t] = s;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 // extern "C" entry points, one per (implementation, storage type, head dim).
 
 #define ATTN_SIMT_INST(SUF, T, D, TILE)                                                                      \
@@ -1046,25 +807,8 @@ ATTN_SIMT_ALL(f16, f16_t)
         attn_bwd_dkv_mma<BF, D, MT>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale, accumulate); \
     }
 #define ATTN_MMA_ROWS(SUF, BF, D) ATTN_MMA_INST(SUF, BF, D, 1, 64) ATTN_MMA_INST(SUF, BF, D, 2, 128)
-// The one-pass backward (64 key rows per block) and its D_i kernel: k_attn_bwd_mma_<t>_d<D>, k_attn_dvec16_<t>_d<D>.
-#define ATTN_BWD1_INST(SUF, BF, D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(128, 3) k_attn_bwd_mma_##SUF##_d##D(                          \
-        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
-        const float* dvec, u16* dq, u16* dk, u16* dv, float* dqacc, int* sem, int Tn, int H, float sl2,      \
-        float scale, int accumulate) {                                                                       \
-        attn_bwd_mma<BF, D>(q, k, v, ld, dy, ldy, lse2, dvec, dq, dk, dv, dqacc, sem, Tn, H, sl2, scale,     \
-                            accumulate);                                                                     \
-    }                                                                                                        \
-    extern "C" __global__ void k_attn_dvec16_##SUF##_d##D(const u16* y, const u16* dy, int ldy, float* dvec, \
-                                                          int B, int Tn, int H) {                            \
-        attn_dvec16<BF, D>(y, dy, ldy, dvec, B, Tn, H);                                                      \
-    }
 
 ATTN_MMA_ROWS(bf16, true, 32)
 ATTN_MMA_ROWS(bf16, true, 64)
 ATTN_MMA_ROWS(f16, false, 32)
 ATTN_MMA_ROWS(f16, false, 64)
-ATTN_BWD1_INST(bf16, true, 32)
-ATTN_BWD1_INST(bf16, true, 64)
-ATTN_BWD1_INST(f16, false, 32)
-ATTN_BWD1_INST(f16, false, 64)

@@ -291,45 +291,18 @@ def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H, rows=None):
         grid, block, (ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C), i32(3 * C), y, i32(C), lse2, i32(T), i32(H), f32(sl2)))
 
 
-def attn_bwd_scratch(B: int, T: int, H: int, D: int) -> tuple[tuple, tuple]:
-    """(shape, dtype) of the one-pass backward's fp32 dQ partial sums (B*H, nt*64, D) and of its
-    int32 counters (B*H, nt, 4), nt = ceil(T / 64). The counters must be 0 before the first launch
-    (every launch leaves them 0)."""
-    nt = (T + 63) // 64
-    return ((B * H * nt * 64 * D,), np.float32), ((B * H * nt * 4,), np.int32)
-
-
-def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None, one_pass=False,
-               scratch=None):
-    """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch.
-
-    mma: a dQ kernel that also writes dvec (sum_d dy y per row), then a dK/dV kernel; both
-    recompute S and dP. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS. ``one_pass``
-    (mma only): k_attn_dvec16_* then the one-pass k_attn_bwd_mma_* (dK, dV and dQ per 64-key
-    block, dQ summed in a fixed order through ``scratch`` = (dqacc, sem) of attn_bwd_scratch's
-    shapes, allocated here when None); measured no faster (attention.cu), bench/engine_gpu.py
-    --attn-sweep times it beside the two kernels. simt: k_attn_dvec, then the dQ and dK/dV kernels."""
+def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None):
+    """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch. The mma dQ kernel
+    computes dvec (sum_d dy y per row) itself, before the dK/dV kernel reads it; simt runs
+    k_attn_dvec first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS."""
     D = C // H
     impl = attn_impl(prec, D, 3 * C)
     s = SUFFIX[prec]
+    dq_rows, dkv_rows = rows or (None, None)
     sl2 = math.log2(math.e) / math.sqrt(D)
     scale = 1.0 / math.sqrt(D)
     q, k, v = ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C)
     acc = i32(1 if accumulate else 0)
-    if one_pass:
-        if impl != "mma":
-            raise AndreaError(f"cuda attention: the one-pass backward needs the tensor-core kernels "
-                              f"(bf16/fp16, D 32 or 64), not {prec} D={D}")
-        if scratch is None:
-            scratch = tuple(cp().zeros(shape, dt) for shape, dt in attn_bwd_scratch(B, T, H, D))
-        dqacc, sem = scratch
-        kernel("attention.cu", f"k_attn_dvec16_{s}_d{D}")((blocks(B * T * H * (D // 8)),), (256,),
-                                                          (y, dy, i32(C), dvec, i32(B), i32(T), i32(H)))
-        kernel("attention.cu", f"k_attn_bwd_mma_{s}_d{D}")(
-            ((T + 63) // 64, B * H), (128,), (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv), ptr(dqkv, C),
-                                             ptr(dqkv, 2 * C), dqacc, sem, i32(T), i32(H), f32(sl2), f32(scale), acc))
-        return
-    dq_rows, dkv_rows = rows or (None, None)
     name, grid, block = _attn_launch(impl, "dq", prec, D, T, B * H, dq_rows)
     if impl == "mma":
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, y, i32(C), lse2, dvec, ptr(dqkv), i32(T),
