@@ -44,9 +44,10 @@ ITEMS = (("master", "fp32 weights (master)"), ("copy", "weight copies (16-bit; +
 
 
 # ------------------------------------------------------------------------------ the planners
-def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy") -> dict[str, int]:
+def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy", recompute: str = "auto") -> dict[str, int]:
     """Planned bytes of one training engine by item (keys of ``ITEMS``); their sum is the
-    engine's planned_bytes. ``engine``: cupy (GpuEngine, fp32 | bf16 | fp16 | fp8) or numpy (Engine, fp32)."""
+    engine's planned_bytes. ``engine``: cupy (GpuEngine, fp32 | bf16 | fp16 | fp8) or numpy (Engine,
+    fp32); ``recompute``: train.recompute."""
     B = int(batch_size)
     out = {k: 0 for k, _ in ITEMS}
     if engine == "numpy":
@@ -58,14 +59,14 @@ def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy") -> dic
             raise AndreaError(f"the numpy engine trains in fp32 only, not {precision}")
         n = param_layout(mc).n_params
         out.update(master=4 * n, grads=4 * n, adam=8 * n)
-        _, plan = engine_plan(mc, B, NumpyBackend, NumpyBackend.row_slots(B))
+        _, plan = engine_plan(mc, B, NumpyBackend, NumpyBackend.row_slots(B), recompute=recompute)
         for b in plan:
             key = {"saved": "saved", "dgrad": "dgrad", "slot_grads": "grads"}.get(b.kind, "work")
             out[key] += buffer_bytes(b, 4)
         return out
     from andrea.cuda.engine import arena_layout
 
-    arena = arena_layout(mc, B, precision)
+    arena = arena_layout(mc, B, precision, recompute=recompute)
     kind = {b.name: b.kind for b in arena.plan}
     for name, shape, dt in arena.spec:                 # each entry with its 256-byte alignment
         key = {"w": "master", "wlow": "copy", "w8": "copy", "wte_pad": "copy", "g": "grads", "m": "adam", "v": "adam"}.get(name)
@@ -75,15 +76,15 @@ def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy") -> dic
     return out
 
 
-def planned_bytes(mc, batch_size: int, precision: str, engine: str = "cupy") -> int:
-    return sum(plan_items(mc, batch_size, precision, engine).values())
+def planned_bytes(mc, batch_size: int, precision: str, engine: str = "cupy", recompute: str = "auto") -> int:
+    return sum(plan_items(mc, batch_size, precision, engine, recompute).values())
 
 
-def card_batch(mc, precision: str, card_gib: int) -> int:
+def card_batch(mc, precision: str, card_gib: int, recompute: str = "auto") -> int:
     """The largest batch the GPU engine fits on a card of ``card_gib`` GiB (0: none)."""
     from andrea.preflight import largest_batch
 
-    return largest_batch(lambda b: planned_bytes(mc, b, precision), card_gib * GIB - CONTEXT_RESERVE)
+    return largest_batch(lambda b: planned_bytes(mc, b, precision, recompute=recompute), card_gib * GIB - CONTEXT_RESERVE)
 
 
 # ------------------------------------------------------------------------------ the variants
@@ -201,17 +202,20 @@ def table_batches(vs: list[Variant]) -> str:
 
 
 def table_cards(vs: list[Variant]) -> str:
+    """The largest batch per card, per GPU precision; bf16 also with train.recompute=gelu (the GELU
+    output recomputed in the backward instead of kept per layer)."""
     rows = ["| profile | engine | " + " | ".join(f"{c} GiB card" for c in CARDS) + " |",
             "|---|---|" + "---|" * len(CARDS)]
+    runs = [(prec, "auto") for eng, prec in ENGINES if eng == "cupy"]
+    runs.insert(runs.index(("bf16", "auto")) + 1, ("bf16", "gelu"))
     for v in vs:
-        for eng, prec in ENGINES:
-            if eng != "cupy":
-                continue
+        for prec, rc in runs:
             cells = []
             for c in CARDS:
-                b = card_batch(v.mc, prec, c)
-                cells.append(f"{b:,} ({_g(planned_bytes(v.mc, b, prec))} GiB)" if b else "none")
-            rows.append(f"| {v.profile} | {_engine(eng, prec)} | " + " | ".join(cells) + " |")
+                b = card_batch(v.mc, prec, c, rc)
+                cells.append(f"{b:,} ({_g(planned_bytes(v.mc, b, prec, recompute=rc))} GiB)" if b else "none")
+            label = _engine("cupy", prec) + ("" if rc == "auto" else f", train.recompute={rc}")
+            rows.append(f"| {v.profile} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

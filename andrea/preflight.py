@@ -137,10 +137,12 @@ def largest_batch(planned_of: Callable[[int], int], free: int) -> int:
 
 
 def check_memory(planned_of: Callable[[int], int], batch_size: int, free: tuple[int, str] | None,
-                 engine: str) -> None:
+                 engine: str, instead: tuple[str, Callable[[int], int]] | None = None) -> None:
     """AndreaError (exit 2, one line) when the plan of ``batch_size`` does not fit ``free``
     = (bytes, where), the answer of a backend's ``free_memory()`` (None: unknown, no check).
-    ``planned_of(B)`` is the engine's planned bytes at batch B, computed without allocating."""
+    ``planned_of(B)`` is the engine's planned bytes at batch B, computed without allocating;
+    ``instead`` = (setting, its planned_of): a setting that plans less (train.recompute=gelu),
+    named in the refusal when the batch fits with it."""
     if free is None:
         return
     nbytes, where = free
@@ -150,6 +152,8 @@ def check_memory(planned_of: Callable[[int], int], batch_size: int, free: tuple[
     fit = largest_batch(planned_of, nbytes)
     head = (f"train.batch_size={B}: the {engine} plans {fmt_bytes(need)} ({fmt_bytes(need * HEADROOM)} with the "
             f"x{HEADROOM} headroom) but {where} has {fmt_bytes(nbytes)} free")
+    if instead is not None and fits(instead[1](B), nbytes):
+        head += f"; -S {instead[0]} keeps this batch ({fmt_bytes(instead[1](B))})"
     if fit:
         k = -(-B // fit)
         raise AndreaError(f"{head}; the largest batch that fits is {fit}: set -S train.batch_size={fit} "

@@ -58,6 +58,7 @@ class TrainSettings:
     gpus: int = 1          # data-parallel world size (andrea/dist.py); optional in params, 1 when absent
     fp8_scaling: str = "delayed"   # fp8 only: delayed | current (docs/FP8.md); optional, like gpus
     fp8_amax_history: int = 16     # fp8 delayed: steps of amax history per cast site
+    recompute: str = "auto"        # auto | gelu: what the backward recomputes (andrea.engine.model.recompute_set)
 
 
 @dataclass(frozen=True)

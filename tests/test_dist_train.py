@@ -27,8 +27,8 @@ from train_helpers import make_data, micro_cfg
 class ShardedNumpyEngine(Engine):
     """One rank's engine: the NumPy engine's forward/backward, the GpuEngine's ZeRO-1 bookkeeping."""
 
-    def __init__(self, mc, batch_size, backend, comm):
-        super().__init__(mc, batch_size, backend)
+    def __init__(self, mc, batch_size, backend, comm, recompute="auto"):
+        super().__init__(mc, batch_size, backend, recompute=recompute)
         self.comm, n = comm, self.n_params
         self.shard = dist.shard_size(n, comm.size)
         self.wp = np.zeros(comm.size * self.shard, np.float32)
@@ -87,8 +87,8 @@ class ShardedBackend(NumpyBackend):
         super().__init__()
         self.comms = comms
 
-    def make_engine(self, mc, batch_size, precision, comm=None):
-        return ShardedNumpyEngine(mc, batch_size, self, comm)
+    def make_engine(self, mc, batch_size, precision, comm=None, recompute="auto"):
+        return ShardedNumpyEngine(mc, batch_size, self, comm, recompute)
 
 
 class Poke:

@@ -106,3 +106,22 @@ def test_the_step_draws_and_reports_every_microbatch_even_after_a_nan_one(monkey
     assert math.isnan(seen[0]) and all(math.isfinite(v) for v in seen[1:])
     assert not res.ok and math.isnan(res.loss)
     assert np.array_equal(eng.w, w0)
+
+
+def test_recompute_gelu_keeps_one_gelu_buffer_and_the_same_bytes():
+    # train.recompute=gelu on the NumPy engine: h_act is one buffer refilled by the backward
+    # (ops.gelu_forward, the function mlp_forward applies), so the plan is smaller by the other
+    # layers' (N, 4C) and three steps give the same weights, bit for bit
+    runs = {}
+    for rc in ("auto", "gelu"):
+        eng = Engine(MC, B, NumpyBackend(), recompute=rc)
+        eng.init_weights(0)
+        rng = np.random.default_rng(3)
+        for t in range(3):
+            eng.train_step([_batch(rng)], 1e-3, t + 1, Hyper(0.9, 0.95, 1e-8, 0.1, 1.0))
+        runs[rc] = (eng, eng.state_host()[0].tobytes())
+    (keep, w_keep), (gelu, w_gelu) = runs["auto"], runs["gelu"]
+    assert keep.policy.recompute == frozenset() and gelu.policy.recompute == frozenset({"gelu"})
+    N, F = B * MC.context, 4 * MC.d_model
+    assert keep.planned_bytes - gelu.planned_bytes == (MC.n_layer - 1) * N * F * 4
+    assert w_keep == w_gelu

@@ -242,3 +242,60 @@ def test_train_refuses_a_model_the_host_cannot_hold_with_exit_2(tmp_path):
     assert re.search(r"andrea train: error: train\.batch_size=4: the numpy float32 engine plans [\d.]+ GiB .* "
                      r"free; even train\.batch_size=1 needs", lines[0]), lines[0]
     assert not (tmp_path / "run").exists()                        # nothing was started
+
+
+# ------------------------------------------------------------------------- train.recompute
+def test_recompute_gelu_plans_one_gelu_buffer_and_the_refusal_names_it(variants):
+    # bf16 keeps h_act per layer (its GELU comes out of the fc GEMM); gelu keeps one buffer and
+    # plans exactly the other layers' (N, 4C) 16-bit values less (each entry is 256-byte aligned);
+    # fp32 already recomputes it, so gelu changes nothing there
+    from andrea.cuda.engine import recompute_for
+
+    v = next(v for v in variants if v.profile == "andrea-120m")
+    B, mc = 32, v.mc
+    N, F, L = B * mc.context, 4 * mc.d_model, mc.n_layer
+    keep, gelu = arena_layout(mc, B, "bf16"), arena_layout(mc, B, "bf16", recompute="gelu")
+    assert recompute_for("bf16") == frozenset() and recompute_for("bf16", "gelu") == frozenset({"gelu"})
+    assert dict((n, s) for n, s, _ in keep.spec)["h_act"] == (L, N, F)
+    assert dict((n, s) for n, s, _ in gelu.spec)["h_act"] == (1, N, F)
+    assert keep.nbytes - gelu.nbytes == (L - 1) * N * F * 2
+    assert arena_layout(mc, B, "fp32", recompute="gelu").nbytes == arena_layout(mc, B, "fp32").nbytes
+    # 24 GiB: 48 fits as the engine chooses, 58 with gelu; at 56 the refusal says gelu keeps the batch
+    free = 24 * GIB - CONTEXT_RESERVE
+    assert (card_batch(mc, "bf16", 24), card_batch(mc, "bf16", 24, "gelu")) == (48, 58)
+    plan = lambda b: planned_bytes(mc, b, "bf16")  # noqa: E731
+    light = lambda b: planned_bytes(mc, b, "bf16", recompute="gelu")  # noqa: E731
+    with pytest.raises(AndreaError) as e:
+        check_memory(plan, 56, (free, "GPU 0"), "cupy bf16 engine", ("train.recompute=gelu", light))
+    msg = str(e.value)
+    assert "\n" not in msg and f"-S train.recompute=gelu keeps this batch ({light(56) / GIB:.2f} GiB)" in msg
+    assert "the largest batch that fits is 48" in msg
+    with pytest.raises(AndreaError) as e:                       # too big even so: gelu is not offered
+        check_memory(plan, 128, (free, "GPU 0"), "cupy bf16 engine", ("train.recompute=gelu", light))
+    assert "recompute" not in str(e.value)
+
+
+def test_a_recompute_choice_outside_the_list_is_a_one_line_refusal():
+    from andrea.engine.model import recompute_set
+
+    with pytest.raises(AndreaError, match=r"^train\.recompute='ln': expected one of auto, gelu$") as e:
+        recompute_set("ln", frozenset())
+    assert e.value.exit_code == 3                              # a config error, as the schema's
+
+
+def test_train_recompute_is_validated_and_reaches_the_engine(tmp_path):
+    # params: optional (auto), checked by the schema; the trainer hands it to the engine it builds
+    from rich.console import Console
+
+    from andrea.errors import ConfigError
+    from andrea.settings import Settings
+    from andrea.train import Trainer
+    from train_helpers import micro_cfg
+
+    assert Settings.from_dict(micro_cfg(2, 2)).train.recompute == "auto"
+    with pytest.raises(ConfigError, match="recompute"):
+        micro_cfg(2, 2, **{"train.recompute": "ln"})
+    tok, tokens = make_data(tmp_path / "data")
+    tr = Trainer(micro_cfg(2, 2, **{"train.recompute": "gelu"}), "warmup", tok, tokens, tmp_path / "run",
+                 console=Console(stderr=True, force_terminal=False))
+    assert tr.engine.policy.recompute == frozenset({"gelu"})

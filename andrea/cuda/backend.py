@@ -91,10 +91,10 @@ class CupyBackend:
         return free, f"GPU {dev} ({total / (1 << 30):.1f} GiB in all{', pool limit' if limit else ''})"
 
     def make_engine(self, mc: ModelConfig, batch_size: int, precision: str = "fp32", cuda_graph: bool = True,
-                    comm=None, **fp8):
+                    comm=None, **kw):
         """``comm``: an andrea.dist.NcclComm for the data-parallel (ZeRO-1) engine of one rank;
-        ``fp8``: fp8_scaling / fp8_amax_history (GpuEngine)."""
-        return GpuEngine(self, mc, batch_size, precision=precision, cuda_graph=cuda_graph, comm=comm, **fp8)
+        ``kw``: recompute, fp8_scaling, fp8_amax_history (GpuEngine)."""
+        return GpuEngine(self, mc, batch_size, precision=precision, cuda_graph=cuda_graph, comm=comm, **kw)
 
 
 def make_backend() -> CupyBackend:

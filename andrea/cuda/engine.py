@@ -50,7 +50,7 @@ from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, f
                              weight_plan)
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
-from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
+from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout, recompute_set
 from andrea.errors import AndreaError
 from andrea.preflight import check_memory
 
@@ -90,10 +90,11 @@ def fused_gelu(precision: str) -> tuple[bool, bool]:
     return (True, True) if precision in LT_PRECISIONS else (False, False)
 
 
-def recompute_for(precision: str) -> frozenset:
+def recompute_for(precision: str, choice: str = "auto") -> frozenset:
     """The saved activations the backward of this precision recomputes (PlanPolicy.recompute):
-    with a fused fc forward h_act comes out of the GEMM beside h_pre and is kept."""
-    return RECOMPUTE_FUSED if fused_gelu(precision)[0] else RECOMPUTE
+    with a fused fc forward h_act comes out of the GEMM beside h_pre and is kept. ``choice``:
+    train.recompute ("gelu" recomputes h_act whatever the precision; andrea.engine.model)."""
+    return recompute_set(choice, RECOMPUTE_FUSED if fused_gelu(precision)[0] else RECOMPUTE)
 
 
 class FastOps:
@@ -242,7 +243,7 @@ class FastOps:
         self._mm(dwte, logits, x, ta=True, beta=1.0, tag="head wgrad")   # dwte += dlogits.T @ x
 
 
-def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
+def gpu_policy(mc: ModelConfig, B: int, precision: str, recompute: str = "auto") -> PlanPolicy:
     """The GPU engine's plan choices, and its ops' own scratch and optimizer buffers."""
     T, C, H = mc.context, mc.d_model, mc.n_head
     N = B * T
@@ -255,7 +256,7 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str) -> PlanPolicy:
         Buffer("seg_order", (N,), "index", "int32"), Buffer("seg_start", (N + 1,), "index", "int32"),
         Buffer("seg_tok", (N,), "index", "int32"), Buffer("seg_n", (1,), "index", "int32"),
     )
-    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=recompute_for(precision),
+    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=recompute_for(precision, recompute),
                       cast_branch=precision != "fp32", scratch=scratch,
                       logits_pad=LOGITS_PAD if precision in PAD_PRECISIONS else 1)
 
@@ -278,7 +279,7 @@ def fp8_plan(mc: ModelConfig) -> tuple[dict, int]:
     return weight_plan(param_layout(mc), recipe.MATMUL_WEIGHTS)
 
 
-def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 1) -> Arena:
+def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 1, recompute: str = "auto") -> Arena:
     """The arena GpuEngine(mc, batch_size, precision) allocates, computed without CuPy or a GPU
     (andrea/memory.py itemises it; the memory preflight searches batch sizes with it). With
     ``world`` > 1 ranks (ZeRO-1, andrea/dist.py) w and g are padded to world shards, m and v are
@@ -286,7 +287,7 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
     plus the entries of ``andrea.cuda.fp8.fp8_buffers``."""
     B, n = int(batch_size), param_layout(mc).n_params
     shard = dist.shard_size(n, world)
-    policy = gpu_policy(mc, B, precision)
+    policy = gpu_policy(mc, B, precision, recompute)
     plan = activation_plan(mc, B, policy)
     low = np.float32 if precision == "fp32" else np.uint16
     dtypes = {"act": low, "acc": np.float32, "int32": np.int32, "float64": np.float64}
@@ -317,9 +318,10 @@ class GpuEngine:
     Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
 
     def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True,
-                 comm=None, fp8_scaling: str = "current", fp8_amax_history: int = 16):
+                 comm=None, fp8_scaling: str = "current", fp8_amax_history: int = 16, recompute: str = "auto"):
         """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses.
         ``fp8_scaling`` / ``fp8_amax_history``: train.fp8_scaling and train.fp8_amax_history (fp8 only).
+        ``recompute``: train.recompute (``recompute_for``).
         A plan larger than the device's free memory (``backend.free_memory()``, with the
         preflight's headroom) is refused before CuPy allocates anything (andrea/preflight.py)."""
         if precision not in PRECISIONS:
@@ -336,9 +338,12 @@ class GpuEngine:
         if precision == "fp8" and fp8_scaling == "delayed" and world > 1:
             raise AndreaError(f"train.fp8_scaling=delayed runs on one GPU (its amax history is per rank; "
                               f"train.gpus={world}): use train.fp8_scaling=current with more than one GPU")
-        arena = arena_layout(mc, batch_size, precision, world)
-        check_memory(lambda b: arena_layout(mc, b, precision, world).nbytes, int(batch_size), backend.free_memory(),
-                     f"cupy {precision} engine")
+        arena = arena_layout(mc, batch_size, precision, world, recompute)
+        lighter = None                                 # the refusal names train.recompute=gelu where it plans less
+        if recompute == "auto" and recompute_for(precision, "gelu") != recompute_for(precision):
+            lighter = ("train.recompute=gelu", lambda b: arena_layout(mc, b, precision, world, "gelu").nbytes)
+        check_memory(lambda b: arena_layout(mc, b, precision, world, recompute).nbytes, int(batch_size),
+                     backend.free_memory(), f"cupy {precision} engine", lighter)
         xp = cp()
         if precision == "fp8":
             require_fp8(xp.cuda.Device().compute_capability)

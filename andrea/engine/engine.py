@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from andrea.engine import recipe
-from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout
+from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout, recompute_set
 from andrea.preflight import check_memory
 from andrea.settings import TrainSettings
 
@@ -88,12 +88,13 @@ class StepResult:
     ok: bool             # False: the update was skipped, the weights are untouched
 
 
-def engine_plan(mc: ModelConfig, batch_size: int, backend, slots, n_partials: int = 64
+def engine_plan(mc: ModelConfig, batch_size: int, backend, slots, n_partials: int = 64, recompute: str = "auto"
                 ) -> tuple[PlanPolicy, list[Buffer]]:
     """The policy and activation plan of an Engine on ``backend`` whose batch runs as the row
     ranges ``slots`` at once: each slice has its own scratch and, after the first, its own
     gradient buffer; activations are rows of the shared buffers. Engine.__init__ allocates it;
-    andrea/resources.py sizes a cluster job by it without allocating."""
+    andrea/resources.py sizes a cluster job by it without allocating. ``recompute``:
+    train.recompute (this engine's own choice, "auto", keeps every activation)."""
     T, C, H, V = mc.context, mc.d_model, mc.n_head, mc.vocab_size
     scratch = [Buffer(f"work.{i}", (backend.work_elems(b1 - b0, T, C, H, V),), "work")
                for i, (b0, b1) in enumerate(slots)]
@@ -101,7 +102,7 @@ def engine_plan(mc: ModelConfig, batch_size: int, backend, slots, n_partials: in
     if len(slots) > 1:
         scratch.append(Buffer("slot_grads", (len(slots) - 1, param_layout(mc).n_params), "slot_grads", "acc"))
     policy = PlanPolicy(att_shape=tuple(backend.att_shape(batch_size, H, T)), loss_saved=(batch_size * T, V),
-                        scratch=tuple(scratch))
+                        recompute=recompute_set(recompute, frozenset()), scratch=tuple(scratch))
     return policy, activation_plan(mc, batch_size, policy)
 
 
@@ -111,17 +112,19 @@ def buffer_bytes(b: Buffer, itemsize: int) -> int:
     return b.size * (4 if b.dtype == "int32" else 8 if b.dtype == "float64" else itemsize)
 
 
-def engine_bytes(mc: ModelConfig, batch_size: int, backend, dtype: str = "float32", n_partials: int = 64) -> int:
-    """``Engine(mc, batch_size, backend, dtype, n_partials).planned_bytes`` without allocating:
-    w, g, m, v and the plan of ``engine_plan``. The memory preflight searches batch sizes with it."""
-    _, plan = engine_plan(mc, int(batch_size), backend, backend.row_slots(int(batch_size)), n_partials)
+def engine_bytes(mc: ModelConfig, batch_size: int, backend, dtype: str = "float32", n_partials: int = 64,
+                 recompute: str = "auto") -> int:
+    """``Engine(mc, batch_size, backend, dtype, n_partials, recompute).planned_bytes`` without
+    allocating: w, g, m, v and the plan of ``engine_plan``. The memory preflight searches batch
+    sizes with it."""
+    _, plan = engine_plan(mc, int(batch_size), backend, backend.row_slots(int(batch_size)), n_partials, recompute)
     item = np.dtype(dtype).itemsize
     return 4 * param_layout(mc).n_params * item + sum(buffer_bytes(b, item) for b in plan)
 
 
 class Engine:
     def __init__(self, mc: ModelConfig, batch_size: int, backend, dtype: str = "float32",
-                 n_partials: int = 64):
+                 n_partials: int = 64, recompute: str = "auto"):
         self.mc, self.B, self.be = mc, int(batch_size), backend
         self.T, self.N = mc.context, self.B * mc.context
         xp, self.ops = backend.xp, backend.ops
@@ -132,10 +135,12 @@ class Engine:
         # backend's threads. Each slice has its own scratch and, after the first,
         # its own gradient buffer; activations are rows of the shared buffers.
         self.slots = backend.row_slots(self.B)
-        self.policy, self.plan = engine_plan(mc, self.B, backend, self.slots, n_partials)
+        self.policy, self.plan = engine_plan(mc, self.B, backend, self.slots, n_partials, recompute)
         # refuse a plan the backend's memory cannot hold, before allocating anything (exit 2)
-        check_memory(lambda b: engine_bytes(mc, b, backend, dtype, n_partials), self.B, backend.free_memory(),
-                     f"{backend.name} {self.dtype.name} engine")
+        lighter = None if recompute == "gelu" else (
+            "train.recompute=gelu", lambda b: engine_bytes(mc, b, backend, dtype, n_partials, "gelu"))
+        check_memory(lambda b: engine_bytes(mc, b, backend, dtype, n_partials, recompute), self.B,
+                     backend.free_memory(), f"{backend.name} {self.dtype.name} engine", lighter)
 
         # --- parameters, gradients, Adam moments: four flat buffers
         n = self.n_params
@@ -257,7 +262,7 @@ class Engine:
             z = self.slices[i]
             if z.g is not self.g:
                 z.g.fill(0)
-            recipe.backward(self.ops, z, H, dloss)
+            recipe.backward(self.ops, z, H, dloss, self.policy.recompute)
 
         be.run_parallel(run, S)
         if S > 1:
