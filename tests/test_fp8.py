@@ -428,3 +428,15 @@ def test_fp8_scaling_params_are_optional_validated_and_logged(tmp_path):
         recs = json.loads((out / "model.loss.json").read_text())["train"]
         assert recs and all(r.get("fp8_clipped") == clipped for r in recs)
         assert all(("fp8_clipped" in r) == (clipped is not None) for r in recs)
+
+
+def test_an_amax_equal_to_its_history_does_not_count_as_clipped():
+    # fl(448 / a) * a > 448 in fp32 for about one a in eleven (1.1485 is one): the same amax on the
+    # next step maps onto 448 and loses nothing, so only an amax above the history's max counts
+    a = np.float32(1.1485)
+    assert np.float32(a * (np.float32(EMAX) / a)) > np.float32(EMAX)
+    h = f8.AmaxHistory(3, 4)
+    h.push([a, 0.0, 5.0])
+    assert h.push([a, 448.0, 5.0]) == 0                         # site 1 (scale 1) holds 448 itself
+    assert h.push([np.nextafter(a, np.float32(2)), np.float32(449.0), np.nan]) == 3
+    assert h.clipped_total == 3
