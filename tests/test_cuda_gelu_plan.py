@@ -1,7 +1,7 @@
 """The GPU engine's plan for the MLP's GELU, without a GPU: bf16/fp16 fuse it into the cuBLASLt
 epilogues (andrea/cuda/engine.py FUSE_GELU) and keep h_act per layer (RECOMPUTE_FUSED); fp32 runs the
 separate passes and recomputes h_act in one buffer (RECOMPUTE); fp8 follows FUSE_GELU_FP8 (default
-none: fp8's plan before the fusion); turning the fusion off gives bf16 the fp32 plan back. The GPU
+{"fwd"}: the fc forward fused, h_act kept per layer); turning the fusion off gives bf16 the fp32 plan back. The GPU
 side: tests/test_cuda_kernels.py, tests/test_cuda_engine.py, tests/test_fp8_gpu.py.
 
     python -m pytest -q tests/test_cuda_gelu_plan.py
@@ -25,13 +25,14 @@ def h_act_layers(prec: str) -> int:
     return dict((n, s) for n, s, _ in lay.spec)["h_act"][0]
 
 
-@pytest.mark.parametrize("prec,layers", [("bf16", 3), ("fp16", 3), ("fp32", 1), ("fp8", 1)])
+@pytest.mark.parametrize("prec,layers", [("bf16", 3), ("fp16", 3), ("fp32", 1), ("fp8", 3)])
 def test_fused_precisions_keep_h_act_per_layer(prec, layers):
-    """The defaults; fp8's (FUSE_GELU_FP8 empty) is its plan before the fusion."""
-    assert ce.FUSE_GELU_FP8 == frozenset()
+    """The defaults: fp8 fuses its fc forward only (FUSE_GELU_FP8 = {"fwd"}, the measured choice)."""
+    assert ce.FUSE_GELU_FP8 == frozenset({"fwd"})
     assert h_act_layers(prec) == layers
-    assert ce.recompute_for(prec) == (frozenset() if prec in ("bf16", "fp16") else frozenset({"gelu"}))
-    assert ce.fused_gelu(prec) == ((True, True) if prec in ("bf16", "fp16") else (False, False))
+    assert ce.recompute_for(prec) == (frozenset({"gelu"}) if prec == "fp32" else frozenset())
+    assert ce.fused_gelu(prec) == {"bf16": (True, True), "fp16": (True, True), "fp32": (False, False),
+                                   "fp8": (True, False)}[prec]
 
 
 @pytest.mark.parametrize("fp8_gemms,fused,layers", [({"fwd", "bwd"}, (True, True), 3), ({"fwd"}, (True, False), 3),
@@ -39,7 +40,8 @@ def test_fused_precisions_keep_h_act_per_layer(prec, layers):
 def test_fp8_fusion_choice_sets_its_gemms_and_plan(monkeypatch, fp8_gemms, fused, layers):
     """Only a fused fc forward keeps h_act per layer (it comes out of the GEMM beside h_pre); bf16
     does not follow FUSE_GELU_FP8; FUSE_GELU off turns fp8's off too."""
-    sep = ce.arena_layout(MC, 2, "fp8")
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset())
+    sep = ce.arena_layout(MC, 2, "fp8")                                     # the separate passes' plan
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(fp8_gemms))
     assert ce.fused_gelu("fp8") == fused and ce.fused_gelu("bf16") == (True, True)
     assert h_act_layers("fp8") == layers

@@ -17,7 +17,7 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
 - what it saves: the attention's row log-sum-exp (B, H, T), the loss's row log-sum-exp (N,);
 - what it recomputes: fp32 the GELU activations (``RECOMPUTE``), one buffer for all layers;
   bf16/fp16 nothing (``RECOMPUTE_FUSED``: the fc GEMM writes h_pre and h_act in one pass); fp8
-  as its fc forward is fused or not (``FUSE_GELU_FP8``, off by default: RECOMPUTE);
+  as its fc forward is fused or not (``FUSE_GELU_FP8``, the fc forward by default: RECOMPUTE_FUSED);
 - the MLP's GELU (bf16/fp16, ``FUSE_GELU``): in cuBLASLt's epilogues, the fc GEMM writing
   h_act = gelu(acc) and h_pre (GELU_AUX), the proj dgrad writing dL/dh_pre = acc * gelu'(h_pre)
   (DGELU); fp8 the same on its E4M3 GEMMs where ``FUSE_GELU_FP8`` says (bf16 h_act, cast to E4M3
@@ -74,11 +74,11 @@ RECOMPUTE_FUSED = frozenset()
 FUSE_GELU = True
 # fp8 (with FUSE_GELU): which of its MLP GEMMs carry the epilogue, on the FP8 matmul: "fwd" the fc
 # forward (GELU_AUX; h_act then kept per layer, RECOMPUTE_FUSED: +(L-1) N 4C bf16 values, 120M B=32
-# +2.1 GiB), "bwd" the proj dgrad (DGELU). Empty (the default): fp8's separate passes, the same GEMM
-# problems and kernels as before. Not yet run on a GPU (session 7 was lent none): frozenset({"fwd", "bwd"}) once
-# `pytest -m gpu tests/test_fp8_gpu.py` passes and `bench/engine_gpu.py --fp8-gelu fwd,bwd fwd` says
-# it is faster (docs/FP8.md has the commands); then `python -m andrea.memory --write docs/ANDREA.md`.
-FUSE_GELU_FP8 = frozenset()
+# +2.1 GiB), "bwd" the proj dgrad (DGELU). H200, one run (`bench/engine_gpu.py --precision bf16 fp8:delayed
+# --fp8-gelu fwd,bwd fwd`, docs/bench/fp8_gelu_h200.json), fp8 ms/step separate / fwd / fwd+bwd:
+# 120M B=32 54.03 / 53.35 / 58.48, 480M B=8 49.10 / 48.27 / 51.50 (bf16 53.90, 54.12): the fused forward
+# pays, FP8 DGELU is slower than the FP8 GEMM + k_gelu_bwd. train.recompute=gelu gives the memory back.
+FUSE_GELU_FP8 = frozenset({"fwd"})
 
 
 def fused_gelu(precision: str) -> tuple[bool, bool]:
