@@ -128,6 +128,38 @@ class Lt:
         v = ctype(value)
         self._check(setter(obj, attr, ctypes.byref(v), ctypes.sizeof(v)), f"set attribute {attr}")
 
+    @staticmethod
+    def _epilogue_aux(epilogue: int, aux, fits: bool, what: str, need) -> tuple[int, int, int]:
+        """(aux pointer, aux row stride, aux alignment) of one call: GELU_AUX / DGELU take an aux
+        matrix, which the caller's ``fits`` says is the right one (else ``what: epilogue E needs
+        <need()>``, the message built only then); no epilogue takes none (0, 0, 0); anything else
+        is refused."""
+        if epilogue in AUX_EPILOGUES:
+            if not fits:
+                raise AndreaError(f"{what}: epilogue {epilogue} needs {need()}")
+            return aux.data.ptr, aux.strides[0] // aux.itemsize, _align(aux.data.ptr)
+        if epilogue == EPILOGUE_DEFAULT and aux is None:
+            return 0, 0, 0
+        raise AndreaError(f"{what}: epilogue {epilogue} is not one of none (1), GELU_AUX (160), DGELU (192) "
+                          f"or takes no aux matrix")
+
+    def _set_aux(self, desc, epilogue: int, aux_ptr: int, ld_aux: int, aux_type: int | None = None) -> None:
+        """A new plan's aux attributes, before the heuristic, which reads the aux pointer's alignment
+        (``aux_type`` None: unset, which is D's type)."""
+        if epilogue not in AUX_EPILOGUES:
+            return
+        sd = self.lib.cublasLtMatmulDescSetAttribute
+        self._set(sd, desc, DESC_EPILOGUE_AUX_POINTER, aux_ptr, ctypes.c_void_p)
+        self._set(sd, desc, DESC_EPILOGUE_AUX_LD, ld_aux, ctypes.c_int64)
+        if aux_type is not None:
+            self._set(sd, desc, DESC_EPILOGUE_AUX_DATA_TYPE, aux_type, ctypes.c_int32)
+
+    def _point_aux(self, plan: list, aux_ptr: int) -> None:
+        """This call's aux into a kept plan (the problem's other layers share the plan)."""
+        if aux_ptr:
+            self._set(self.lib.cublasLtMatmulDescSetAttribute, plan[0], DESC_EPILOGUE_AUX_POINTER, aux_ptr,
+                      ctypes.c_void_p)
+
     def _layout(self, dtype: int, rows: int, cols: int, ld: int):
         lay = _P()
         self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "layout")
@@ -150,9 +182,7 @@ class Lt:
         self._set(sd, desc, DESC_FAST_ACCUM, 1 if fast else 0, ctypes.c_int8)
         self._set(sd, desc, DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
         self._set(sd, desc, DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
-        if epilogue in AUX_EPILOGUES:            # before the heuristic, which reads the aux pointer's alignment;
-            self._set(sd, desc, DESC_EPILOGUE_AUX_POINTER, aux_ptr, ctypes.c_void_p)   # aux type unset: D's (bf16)
-            self._set(sd, desc, DESC_EPILOGUE_AUX_LD, ld_aux, ctypes.c_int64)
+        self._set_aux(desc, epilogue, aux_ptr, ld_aux)             # aux type unset: D's (bf16)
         a_l = self._layout(CUDA_R_8F_E4M3, K, N, K)
         b_l = self._layout(CUDA_R_8F_E4M3, K, M, K)
         d_l = self._layout(d_type, N, M, N)
@@ -181,9 +211,10 @@ class Lt:
         algos = [ctypes.addressof(res) + i * HEURISTIC_RESULT_BYTES for i in range(n.value)]
         return [desc, a_l, b_l, d_l, res, algos, None]
 
-    def _run(self, plan: list, a_ptr: int, b_ptr: int, d_ptr: int, beta: float, stream: int, what: str) -> None:
+    def _run(self, plan: list, a_ptr: int, b_ptr: int, d_ptr: int, beta: float, stream: int, what) -> None:
         """cublasLtMatmul of a plan (D = alpha op(A) op(B) + beta D in place, cuBLASLt's column-major
-        A and B): its kept candidate, or on first use each in turn until one runs (kept from then on)."""
+        A and B): its kept candidate, or on first use each in turn until one runs (kept from then on).
+        ``what()`` names the problem in the refusal, built only then."""
         desc, a_l, b_l, d_l, _, algos, chosen = plan
         statuses = []
         for i in ([chosen] if chosen is not None else range(len(algos))):
@@ -196,7 +227,7 @@ class Lt:
             statuses.append(rc)
             if rc != STATUS_NOT_SUPPORTED:
                 break
-        raise AndreaError(f"cuBLASLt: cublasLtMatmul {what} failed with status {statuses} over {len(statuses)} "
+        raise AndreaError(f"cuBLASLt: cublasLtMatmul {what()} failed with status {statuses} over {len(statuses)} "
                           "candidate algorithm(s)")
 
     def mm_nt(self, D, X8, Y8, x_inv, y_inv, M: int, N: int, K: int, d_type: int, beta: float = 0.0,
@@ -213,29 +244,23 @@ class Lt:
             raise AndreaError(f"cuBLASLt fp8 gemm: buffers and scale pointers must be 16-byte aligned "
                               f"(alignments {aligns}, scales at {int(x_inv) % 16} and {int(y_inv) % 16} mod 16)")
         epilogue = int(epilogue)
-        if epilogue in AUX_EPILOGUES:
-            ld_aux = aux.strides[0] // aux.itemsize if aux is not None and aux.ndim == 2 else 0
-            if aux is None or aux.shape != (M, N) or aux.dtype != np.uint16 or aux.strides[1] != aux.itemsize \
-                    or ld_aux % 8 or aux.data.ptr % 16 or d_type != CUDA_R_16BF or beta != 0.0:
-                raise AndreaError(f"cuBLASLt fp8 gemm: epilogue {epilogue} needs a bf16 D, beta 0 and a bf16 aux "
-                                  f"matrix of D's shape ({M}, {N}), unit column stride, row stride a multiple of 8 "
-                                  f"elements, 16-byte aligned (got D type {d_type}, beta {beta}, aux "
-                                  f"{None if aux is None else (aux.shape, aux.dtype, aux.strides)})")
-            aux_ptr, aux_align = aux.data.ptr, _align(aux.data.ptr)
-        elif epilogue == EPILOGUE_DEFAULT and aux is None:
-            aux_ptr = ld_aux = aux_align = 0
-        else:
-            raise AndreaError(f"cuBLASLt fp8 gemm: epilogue {epilogue} is not one of none (1), GELU_AUX (160), "
-                              f"DGELU (192) or takes no aux matrix")
+        fits = aux is not None and aux.ndim == 2 and aux.shape == (M, N) and aux.dtype == np.uint16 \
+            and aux.strides[1] == aux.itemsize and (aux.strides[0] // aux.itemsize) % 8 == 0 \
+            and aux.data.ptr % 16 == 0 and d_type == CUDA_R_16BF and beta == 0.0
+        aux_ptr, ld_aux, aux_align = self._epilogue_aux(
+            epilogue, aux, fits, "cuBLASLt fp8 gemm",
+            lambda: f"a bf16 D, beta 0 and a bf16 aux matrix of D's shape ({M}, {N}), unit column stride, row "
+                    f"stride a multiple of 8 elements, 16-byte aligned (got D type {d_type}, beta {beta}, aux "
+                    f"{None if aux is None else (aux.shape, aux.dtype, aux.strides)})")
         key = (M, N, K, d_type, float(beta), bool(fast_accum), epilogue, aligns, ld_aux, aux_align)
         plan = self._plan(key, x_inv, y_inv, aux_ptr)
         sd = self.lib.cublasLtMatmulDescSetAttribute
         self._set(sd, plan[0], DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
         self._set(sd, plan[0], DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
-        if aux_ptr:                              # this call's aux (the problem's other layers share the plan)
-            self._set(sd, plan[0], DESC_EPILOGUE_AUX_POINTER, aux_ptr, ctypes.c_void_p)
+        self._point_aux(plan, aux_ptr)
         self._run(plan, Y8.data.ptr, X8.data.ptr, D.data.ptr, beta, stream,
-                  f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum}, epilogue {epilogue})")
+                  lambda: f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum}, "
+                          f"epilogue {epilogue})")
 
     # ------------------------------------------------------------------ 16-bit GEMM
     def _plan16(self, key: tuple, aux_ptr: int = 0):
@@ -252,10 +277,7 @@ class Lt:
         self._set(sd, desc, DESC_TRANSA, OP_T if tb else OP_N, ctypes.c_int32)
         self._set(sd, desc, DESC_TRANSB, OP_T if ta else OP_N, ctypes.c_int32)
         self._set(sd, desc, DESC_EPILOGUE, epilogue, ctypes.c_uint32)
-        if epilogue in AUX_EPILOGUES:            # the heuristic reads the aux pointer's alignment: set it first
-            self._set(sd, desc, DESC_EPILOGUE_AUX_POINTER, aux_ptr, ctypes.c_void_p)
-            self._set(sd, desc, DESC_EPILOGUE_AUX_LD, ld_aux, ctypes.c_int64)
-            self._set(sd, desc, DESC_EPILOGUE_AUX_DATA_TYPE, c_type, ctypes.c_int32)
+        self._set_aux(desc, epilogue, aux_ptr, ld_aux, c_type)
         a_l = self._layout(ab_type, *((K, N) if tb else (N, K)), ldb)     # B's storage, column-major
         b_l = self._layout(ab_type, *((M, K) if ta else (K, M)), lda)     # A's storage
         d_l = self._layout(c_type, N, M, ldc)
@@ -289,22 +311,15 @@ class Lt:
         ptrs = (B.data.ptr, A.data.ptr, C.data.ptr, C.data.ptr)
         c_type = CUDA_R_32F if C.dtype == np.float32 else int(lowtype)
         epilogue = int(epilogue)
-        if epilogue in AUX_EPILOGUES:
-            if aux is None or aux.shape != C.shape or aux.dtype != C.dtype or ld(aux) % 8 or beta != 0.0:
-                raise AndreaError(f"cuBLASLt gemm: epilogue {epilogue} needs beta 0 and an aux matrix of C's shape "
-                                  f"{C.shape} and type {C.dtype} with a row stride a multiple of 8 elements (got "
-                                  f"{None if aux is None else (aux.shape, aux.dtype, ld(aux))}, beta {beta})")
-            aux_ptr, ld_aux, aux_align = aux.data.ptr, ld(aux), _align(aux.data.ptr)
-        elif epilogue == EPILOGUE_DEFAULT and aux is None:
-            aux_ptr, ld_aux, aux_align = 0, 0, 0
-        else:
-            raise AndreaError(f"cuBLASLt gemm: epilogue {epilogue} is not one of none (1), GELU_AUX (160), DGELU (192) "
-                              f"or takes no aux matrix")
+        fits = aux is not None and aux.shape == C.shape and aux.dtype == C.dtype and ld(aux) % 8 == 0 and beta == 0.0
+        aux_ptr, ld_aux, aux_align = self._epilogue_aux(
+            epilogue, aux, fits, "cuBLASLt gemm",
+            lambda: f"beta 0 and an aux matrix of C's shape {C.shape} and type {C.dtype} with a row stride a "
+                    f"multiple of 8 elements (got {None if aux is None else (aux.shape, aux.dtype, ld(aux))}, "
+                    f"beta {beta})")
         key = (M, N, K, bool(ta), bool(tb), int(lowtype), c_type, ld(A), ld(B), ld(C), float(beta), epilogue,
                tuple(_align(p) for p in ptrs), ld_aux, aux_align)
         plan = self._plan16(key, aux_ptr)
-        if aux_ptr:                              # this call's aux (the problem's other layers share the plan)
-            self._set(self.lib.cublasLtMatmulDescSetAttribute, plan[0], DESC_EPILOGUE_AUX_POINTER, aux_ptr,
-                      ctypes.c_void_p)
+        self._point_aux(plan, aux_ptr)
         self._run(plan, B.data.ptr, A.data.ptr, C.data.ptr, beta, stream,
-                  f"{M}x{N}x{K} (ta={ta}, tb={tb}, C {C.dtype}, beta {beta}, epilogue {epilogue})")
+                  lambda: f"{M}x{N}x{K} (ta={ta}, tb={tb}, C {C.dtype}, beta {beta}, epilogue {epilogue})")
