@@ -152,8 +152,10 @@ def check_memory(planned_of: Callable[[int], int], batch_size: int, free: tuple[
     fit = largest_batch(planned_of, nbytes)
     head = (f"train.batch_size={B}: the {engine} plans {fmt_bytes(need)} ({fmt_bytes(need * HEADROOM)} with the "
             f"x{HEADROOM} headroom) but {where} has {fmt_bytes(nbytes)} free")
-    if instead is not None and fits(instead[1](B), nbytes):
-        head += f"; -S {instead[0]} keeps this batch ({fmt_bytes(instead[1](B))})"
+    if instead is not None:
+        lighter = instead[1](B)
+        if fits(lighter, nbytes):
+            head += f"; -S {instead[0]} keeps this batch ({fmt_bytes(lighter)})"
     if fit:
         k = -(-B // fit)
         raise AndreaError(f"{head}; the largest batch that fits is {fit}: set -S train.batch_size={fit} "

@@ -189,10 +189,10 @@ class FastOps:
         dh = self.a["dh"]
         if self.fused_bwd:
             self._mm(dh, dout, w_proj, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre, tag="proj dgrad+dgelu")
-            self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
         else:
             self._mm(dh, dout, w_proj, tb=True, tag="proj dgrad")   # dL/dh_act
-            self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
+        self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
+        if not self.fused_bwd:
             k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)           # dL/dh_pre, in place
         self._mm(dw_fc, x, dh, ta=True, beta=1.0, tag="fc wgrad")
         self._mm(dx, dh, w_fc, tb=True, tag="fc dgrad")

@@ -278,8 +278,8 @@ class Fp8Gemm:
         """Blas.mm's contract; ``epilogue``/``aux``: the fused GELU of X W and dY W^T (module docstring)."""
         prev, self._memo = self._memo, {}
         w = self.weights.get(B.data.ptr)
-        weight_form = w is not None and w[0].shape == B.shape and not ta
-        if int(epilogue) != EPILOGUE_DEFAULT and not weight_form:
+        is_weight = w is not None and w[0].shape == B.shape        # X @ W (forward) or dY @ W^T (dX)
+        if int(epilogue) != EPILOGUE_DEFAULT and not (is_weight and not ta):
             raise AndreaError(f"fp8 gemm: epilogue {int(epilogue)} only on X W or dY W^T with W a block weight "
                               f"(the MLP's fc forward and proj dgrad), not on C {C.shape} = A {A.shape} @ B {B.shape} "
                               f"(ta={ta}, tb={tb}); run that GEMM without it")
@@ -290,7 +290,7 @@ class Fp8Gemm:
             need("fp8 gemm", nm, x)
         M, K = (A.shape[1], A.shape[0]) if ta else A.shape
         N = B.shape[0] if tb else B.shape[1]
-        if w is not None and w[0].shape == B.shape:          # X @ W (forward) or dY @ W^T (dX)
+        if is_weight:
             _, W8, W8t, slot = w
             y8, y_inv = (W8 if tb else W8t), self._slot(slot)
             if tb:                                            # dX = dY W^T: A is a gradient

@@ -27,6 +27,7 @@ import numpy as np
 
 E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
+AMAX_TINY = np.float32(1e-30)     # an amax at or below it (an all-zero tensor) gets scale 1 (fp8.cu's 1e-30f)
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -45,7 +46,7 @@ def scale_of(am) -> tuple[np.float32, np.float32]:
     """(scale, inv) for a tensor of amax ``am``: fp32 448 / amax and its fp32 reciprocal, like
     the kernel (IEEE division, round to nearest). amax <= 1e-30 (all zero) gives scale 1."""
     am = np.float32(am)
-    s = np.float32(E4M3_MAX) / am if am > np.float32(1e-30) else np.float32(1.0)
+    s = np.float32(E4M3_MAX) / am if am > AMAX_TINY else np.float32(1.0)
     return np.float32(s), np.float32(np.float32(1.0) / np.float32(s))
 
 
@@ -134,7 +135,7 @@ class AmaxHistory:
         """Per site (scale, inv) = scale_of(max over its history), as the kernels and GEMMs read them."""
         am = self.hist.max(axis=1)                       # scale_of over every site at once (fp32 IEEE ops)
         with np.errstate(divide="ignore", over="ignore"):    # the masked-out lanes may overflow
-            scale = np.where(am > np.float32(1e-30), np.float32(E4M3_MAX) / am, np.float32(1.0)).astype(np.float32)
+            scale = np.where(am > AMAX_TINY, np.float32(E4M3_MAX) / am, np.float32(1.0)).astype(np.float32)
         return scale, (np.float32(1.0) / scale).astype(np.float32)
 
     def push(self, am: np.ndarray) -> int:
@@ -149,7 +150,7 @@ class AmaxHistory:
         clipped = 0
         if not self.empty:
             top = self.hist.max(axis=1)
-            limit = np.where(top > np.float32(1e-30), top, np.float32(E4M3_MAX))   # scales(): 1 below 1e-30
+            limit = np.where(top > AMAX_TINY, top, np.float32(E4M3_MAX))     # scales(): scale 1 at AMAX_TINY
             clipped = int(np.count_nonzero(~(am <= limit)))                          # NaN/inf amax: clipped
         self.hist[:, self.steps % self.hist.shape[1]] = am
         self.steps += 1
