@@ -30,7 +30,8 @@ other (never resident together).
 (``fwd,bwd``: the GELU in the fc forward's and proj dgrad's FP8 epilogues; ``fwd``: the forward's
 only; ``none``: fp8's separate GELU passes, h_act recomputed), same run.
 ``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
-choice of the tensor-core kernels (andrea.cuda.kernels.ATTN_MMA_ROWS picks one per kernel and D).
+choice of the tensor-core kernels, mma.sync and (on a compute capability 9.0 device) wgmma
+(andrea.cuda.kernels.ATTN_MMA_ROWS / ATTN_WG_ROWS pick one per kernel and D, ATTN_HOPPER the kernels).
 ``--breakdown``: per kernel class (attention fwd / bwd, GEMM, LayerNorm, elementwise, loss, embed,
 optimizer) ms per step of ours (CUDA events around each launcher, eager) beside the anchor's
 (torch.profiler's CUDA kernel times of the first compile mode run, grouped by kernel name), with
@@ -327,7 +328,7 @@ def gemm_compare(s: dict, B: int, reps: int = 5) -> dict:
 
 def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
     """ms per call (and TFLOP/s) of one layer's attention forward and backward (bf16, random q, k, v,
-    dy) for each rows-per-block choice of the tensor-core kernels (kernels.ATTN_MMA_ROWS)."""
+    dy) for each implementation and rows-per-block choice of the tensor-core kernels."""
     import cupy as cp
 
     from andrea.cuda import kernels as K
@@ -344,14 +345,18 @@ def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
     timed = lambda fn: event_ms(fn, reps)  # noqa: E731
 
     out = {}
-    for r in (64, 128):
-        ms = timed(lambda: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, rows=r))
-        out[f"fwd r{r}"] = (ms, fwd_fl / ms / 1e9)
+    impls = ("mma", "wg") if K.hopper() else ("mma",)
+    for im in impls:
+        for r in (64, 128):
+            ms = timed(lambda: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, rows=r, impl=im))
+            out[f"{im} fwd r{r}"] = (ms, fwd_fl / ms / 1e9)
     K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)
-    for rq in (64, 128):
-        for rk in (64, 128):
-            ms = timed(lambda: K.k_attn_bwd("bf16", dqkv, dy, y, lse, dvec, qkv, B, T, C, H, False, rows=(rq, rk)))
-            out[f"bwd dq r{rq} dkv r{rk}"] = (ms, 2.5 * fwd_fl / ms / 1e9)
+    for im in impls:
+        for rq in (64, 128):
+            for rk in (64, 128):
+                ms = timed(lambda: K.k_attn_bwd("bf16", dqkv, dy, y, lse, dvec, qkv, B, T, C, H, False, rows=(rq, rk),
+                                                impl=im))
+                out[f"{im} bwd dq r{rq} dkv r{rk}"] = (ms, 2.5 * fwd_fl / ms / 1e9)
     return out
 
 

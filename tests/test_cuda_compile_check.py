@@ -50,3 +50,11 @@ def test_nvrtc_compiles_a_kernel_file_and_names_the_line_of_a_broken_one(monkeyp
     assert log is not None and "andrea/cuda/bad.cu(7)" in log and "undefined_name" in log
     assert loader.main(["bad.cu"]) == 1
     assert "andrea/cuda/bad.cu: FAILED" in capsys.readouterr().out
+
+
+def test_the_wgmma_file_targets_sm_90a_only_on_a_compute_capability_9_device():
+    # CuPy appends its own -arch=sm_90 after these options; NVRTC keeps the first, so on an H100/H200
+    # attention.cu is built for sm_90a (wgmma) and every other file, or device, keeps the plain target
+    assert loader.options("attention.cu", "90")[0] == "-arch=sm_90a"
+    assert not any("arch" in o for o in loader.options("attention.cu", "80"))
+    assert not any("arch" in o for o in loader.options("layernorm.cu", "90"))

@@ -200,9 +200,9 @@ def test_gelu_pair(be, prec, n):
     close(from_dev(dx, prec), dref, prec, what="gelu'")
 
 
-def _attn_case(be, prec, B, T, H, D, seed, rows=(None, None)):
+def _attn_case(be, prec, B, T, H, D, seed, rows=(None, None), impl=None):
     """One forward + backward against ops_numpy; ``rows``: (fwd rows, (dq rows, dkv rows)) of the mma
-    kernels, None for kernels.ATTN_MMA_ROWS."""
+    kernels, None for kernels.ATTN_MMA_ROWS; ``impl``: "mma" or "wg" (None: kernels.attn_impl's pick)."""
     rng = np.random.default_rng(seed)
     C = H * D
     N = B * T
@@ -210,7 +210,7 @@ def _attn_case(be, prec, B, T, H, D, seed, rows=(None, None)):
     dout, dout64 = to_dev(rng.normal(0, 1, (N, C)), prec)
     y = empty((N, C), prec)
     lse = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H, rows=rows[0])
+    be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H, rows=rows[0], impl=impl)
     ry = np.zeros((B, T, C))
     att = np.zeros(ops.att_shape(B, H, T))
     mask = np.triu(np.full((T, T), -np.inf), k=1)
@@ -219,7 +219,7 @@ def _attn_case(be, prec, B, T, H, D, seed, rows=(None, None)):
     close(from_dev(y, prec), ry.reshape(N, C), prec, what=f"attn y {prec} D={D}")
     dqkv = empty((N, 3 * C), prec)
     dvec = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False, rows=rows[1])
+    be.k_attn_bwd(prec, dqkv, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=False, rows=rows[1], impl=impl)
     rd = np.zeros((B, T, 3 * C))
     ops.attn_backward(rd, dout64.reshape(B, T, C), qkv64.reshape(B, T, 3 * C), att, ry, H, work)
     got = from_dev(dqkv, prec)
@@ -236,12 +236,46 @@ def test_attention_pair_causal_uneven_T(be, prec, D):
     _attn_case(be, prec, B=2, T=200, H=2, D=D, seed=D)
 
 
-@pytest.mark.parametrize("rows", [(64, (64, 64)), (128, (128, 128)), (128, (64, 128))])
-@pytest.mark.parametrize("prec,D,T", [("bf16", 64, 1024), ("bf16", 32, 520), ("fp16", 32, 1024)])
-def test_attention_pair_long_rows(be, prec, D, T, rows):
+def _need_wg(impl):
+    from andrea.cuda.kernels import hopper
+
+    if impl == "wg" and not hopper():
+        pytest.skip("the wgmma attention kernels need a compute capability 9.0 device")
+
+
+TENSOR_IMPLS = [("mma", (64, (64, 64))), ("mma", (128, (128, 128))), ("mma", (128, (64, 128))),
+                ("wg", (64, (64, 64))), ("wg", (128, (128, 128))), ("wg", (64, (128, 64)))]
+
+
+@pytest.mark.parametrize("impl,rows", TENSOR_IMPLS)
+@pytest.mark.parametrize("prec,D,T", [("bf16", 64, 1024), ("bf16", 32, 520), ("fp16", 32, 1024),
+                                      ("fp16", 64, 200), ("bf16", 64, 70)])
+def test_attention_pair_long_rows(be, prec, D, T, impl, rows):
     # the engine's T: several blocks of 64 or 128 rows, 64-row tiles wholly below the diagonal (the
-    # unmasked path), T = 520 ragged against both tile sizes; every row choice of the mma kernels
-    _attn_case(be, prec, B=1, T=T, H=2, D=D, seed=T + D, rows=rows)
+    # unmasked path), T = 520, 200, 70 ragged against the tile sizes; every row choice of the mma.sync
+    # kernels and the wgmma kernels
+    _need_wg(impl)
+    _attn_case(be, prec, B=1, T=T, H=2, D=D, seed=T + D, rows=rows, impl=impl)
+
+
+@pytest.mark.parametrize("prec,D", [("bf16", 64), ("fp16", 32)])
+def test_attention_wgmma_matches_mma_and_repeats(be, prec, D):
+    # the two tensor-core implementations agree to 16-bit rounding (same products, same rounding of P
+    # and dS; only the fp32 accumulation order differs), and the wgmma pair repeats its bytes
+    _need_wg("wg")
+    B, T, H = 2, 384, 3
+    a, ya, la = _attn_case(be, prec, B, T, H, D, seed=5, impl="wg")
+    b, yb, lb = _attn_case(be, prec, B, T, H, D, seed=5, impl="mma")
+    a2, _, _ = _attn_case(be, prec, B, T, H, D, seed=5, impl="wg")
+    assert cp.asnumpy(a).tobytes() == cp.asnumpy(a2).tobytes()
+    ulp = 2.0 ** -8 if prec == "bf16" else 2.0 ** -11
+    for got, ref, what in ((ya, yb, "y"), (a, b, "dqkv")):
+        g, r = from_dev(got, prec), from_dev(ref, prec)
+        scale = float(np.abs(r).max())
+        err = float(np.max(np.abs(g - r) - (4 * ulp * np.abs(r) + 1e-3 * scale)))
+        assert err <= 0, f"wgmma vs mma.sync {what}: excess {err:.3g}"
+    lsa, lsb = cp.asnumpy(la), cp.asnumpy(lb)
+    assert np.max(np.abs(lsa - lsb)) <= 1e-4 * np.abs(lsb).max(), "wgmma vs mma.sync lse2"
 
 
 def test_attention_mma_writes_dvec_and_accumulates(be):

@@ -812,3 +812,430 @@ ATTN_MMA_ROWS(bf16, true, 32)
 ATTN_MMA_ROWS(bf16, true, 64)
 ATTN_MMA_ROWS(f16, false, 32)
 ATTN_MMA_ROWS(f16, false, 64)
+
+// ---------------------------------------------------------------------------------------------
+// Hopper versions (*_wg_<t>_d<D>): the same three kernels and contract as *_mma_*, with warpgroup
+// MMA (wgmma.mma_async, sm_90a only: the loader compiles this file for sm_90a on a compute
+// capability 9.0 device, and kernels.attn_impl picks them there). A block is one warpgroup (4 warps)
+// owning 64 rows; warp w holds rows 16w.. in the same fragment layout as the m16n8k16 kernels, so the
+// softmax and masking code is theirs. The register operand A (q, dy, k, v rows; P, dS) comes from
+// registers, the streamed operand B from a 64-row shared tile stored as 8x8 "core matrices" (no
+// swizzle): the 16-byte chunk (r, c8) of the tile lies at element ((r/8) (D/8) + c8) 64 + (r%8) 8.
+// One tile serves both products: A X^T (X K-major: LBO = 128 B along d, SBO = 16 D bytes along
+// rows) and A X (X MN-major: LBO = 16 D bytes along rows, SBO = 128 B along d).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define WG_MMA_N64(TY)                                                                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                        \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, "  \
+                 "%36, p, 1, 1, %37;\n}\n"                                                             \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TR), "r"(acc))
+#define WG_MMA_N32(TY)                                                                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"                                        \
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, "  \
+                 "%20, p, 1, 1, %21;\n}\n"                                                             \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TR), "r"(acc))
+
+// d (64 x N fp32 per warpgroup, 4 N/8 registers per thread) (+)= a (64 x 16, registers) x the k16
+// slice of B described by desc; TR = 1 reads B as MN-major.
+template <bool BF, int N, int TR>
+__device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned long long desc, int acc) {
+    if constexpr (N == 64) {
+        if constexpr (BF) WG_MMA_N64("bf16"); else WG_MMA_N64("f16");
+    } else {
+        static_assert(N == 32, "wgmma_rs: N is 32 or 64");
+        if constexpr (BF) WG_MMA_N32("bf16"); else WG_MMA_N32("f16");
+    }
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// wait until at most N of the committed groups are still running (they complete in order)
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wg_commit_wait() {
+    wg_commit();
+    wg_wait<0>();
+}
+// the accumulators are read only after the wait: keep the compiler from moving their uses above it
+template <int N>
+__device__ __forceinline__ void wg_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// cp.async wrote the tiles through the generic proxy; wgmma reads them through the async proxy
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ unsigned long long wg_desc(const u16* p, unsigned lbo, unsigned sbo) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    return (unsigned long long)((a & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+// k16 slice kk of X^T (X = tile [64 rows][D], k = d) and of X (k = rows 16 kk ..)
+template <int D>
+__device__ __forceinline__ unsigned long long desc_xt(const u16* tile, int kk) {
+    return wg_desc(tile + kk * 128, 128, 16 * D);
+}
+template <int D>
+__device__ __forceinline__ unsigned long long desc_x(const u16* tile, int kk) {
+    return wg_desc(tile + kk * 2 * (D / 8) * 64, 16 * D, 128);
+}
+
+// cp.async of rows r0 .. r0+63 of a (B*T, ld) head view into a core-matrix tile (rows >= Tn zero);
+// consecutive threads fill consecutive 16-byte chunks of the tile (no bank conflicts).
+template <int D>
+__device__ __forceinline__ void async_tile_cm(const u16* __restrict__ src, long long row_base, int r0, int Tn, int ld,
+                                              u16* dst) {
+    for (int idx = threadIdx.x; idx < 64 * D / 8; idx += blockDim.x) {
+        const int r8 = idx & 7, c8 = (idx >> 3) % (D / 8), rg = (idx >> 3) / (D / 8), r = rg * 8 + r8;
+        const bool ok = r0 + r < Tn;
+        const u16* gp = src + (row_base + (ok ? r0 + r : 0)) * ld + c8 * 8;
+        const unsigned sa = (unsigned)__cvta_generic_to_shared(dst + (rg * (D / 8) + c8) * 64 + r8 * 8);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gp), "r"(ok ? 16 : 0));
+    }
+}
+
+// Wait for the tile pair of step t (putting step t+1's in flight first when there is one) and make it
+// visible to wgmma.
+template <typename Issue>
+__device__ __forceinline__ void wg_next(Issue issue, int t, int nt) {
+    if (t + 1 < nt) {
+        issue(t + 1);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    fence_async_smem();
+    __syncthreads();
+}
+
+template <bool BF, int D, int WG>
+__device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, int ld,
+                            u16* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H, float sl2) {
+    constexpr int KS = D / 16, ND = D / 8;
+    __shared__ __align__(128) u16 Ks2[2][64 * D];
+    __shared__ __align__(128) u16 Vs2[2][64 * D];
+    const int tid = threadIdx.x, wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
+              t4 = lane & 3;
+    const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
+    const long long rb = (long long)b * Tn;
+    const int r0 = qt * 64 * WG + wgi * 64, ra = r0 + warp * 16 + g, rc = ra + 8;  // r0: this warpgroup's rows
+    const u16 *kh = k + h * D, *vh = v + h * D;
+    auto issue = [&](int t) {
+        async_tile_cm<D>(kh, rb, t * 64, Tn, ld, Ks2[t & 1]);
+        async_tile_cm<D>(vh, rb, t * 64, Tn, ld, Vs2[t & 1]);
+        cp_async_commit();
+    };
+    issue(0);
+    unsigned qa[KS][4];
+    load_afrag<D>(q + h * D, rb, ra, rc, Tn, ld, t4, qa);
+    float o[ND * 4];
+#pragma unroll
+    for (int i = 0; i < ND * 4; ++i) o[i] = 0.0f;
+    float m0 = -ANDREA_INF, m1 = -ANDREA_INF, l0 = 0.0f, l1 = 0.0f;
+    const int nkt = (min(Tn, qt * 64 * WG + 64 * WG) - 1) / 64 + 1;
+    for (int kt = 0; kt < nkt; ++kt) {
+        wg_next(issue, kt, nkt);
+        const u16* Ks = Ks2[kt & 1];
+        const u16* Vs = Vs2[kt & 1];
+        const int k0 = kt * 64;
+        if (k0 > r0 + 63) {  // every key of this tile follows every row of this warpgroup
+            __syncthreads();
+            continue;
+        }
+        float s[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(s, qa[kk], desc_xt<D>(Ks, kk), kk);
+        wg_commit_wait();
+        wg_regs<32>(s);
+        if (k0 + 63 > r0 || k0 + 64 > Tn) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int key = k0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
+                if (!(key <= ((i & 2) ? rc : ra) && key < Tn)) s[i] = -ANDREA_INF;
+            }
+        }
+        float mx0 = -ANDREA_INF, mx1 = -ANDREA_INF;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0 * sl2), n1 = fmaxf(m1, mx1 * sl2);  // log2 domain
+        const float z0 = (n0 == -ANDREA_INF) ? 0.0f : n0, z1 = (n1 == -ANDREA_INF) ? 0.0f : n1;
+        const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);
+        m0 = n0;
+        m1 = n1;
+        float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            s[4 * j] = exp2f(fmaf(s[4 * j], sl2, -z0));
+            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], sl2, -z0));
+            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], sl2, -z1));
+            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], sl2, -z1));
+            ps0 += s[4 * j] + s[4 * j + 1];
+            ps1 += s[4 * j + 2] + s[4 * j + 3];
+        }
+        l0 = l0 * c0 + ps0;
+        l1 = l1 * c1 + ps1;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            o[4 * n] *= c0; o[4 * n + 1] *= c0; o[4 * n + 2] *= c1; o[4 * n + 3] *= c1;
+        }
+        unsigned pa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&s[8 * kk], &s[8 * kk + 4], pa[kk]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(o, pa[kk], desc_x<D>(Vs, kk), 1);
+        wg_commit_wait();
+        wg_regs<ND * 4>(o);
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = h * D + n * 8 + 2 * t4;
+        if (ra < Tn) *reinterpret_cast<unsigned*>(y + (rb + ra) * ldy + c) = pack2<BF>(o[4 * n] * i0, o[4 * n + 1] * i0);
+        if (rc < Tn) *reinterpret_cast<unsigned*>(y + (rb + rc) * ldy + c) = pack2<BF>(o[4 * n + 2] * i1, o[4 * n + 3] * i1);
+    }
+    if (t4 == 0) {
+        if (ra < Tn) lse2[(long long)bh * Tn + ra] = m0 + log2f(l0);
+        if (rc < Tn) lse2[(long long)bh * Tn + rc] = m1 + log2f(l1);
+    }
+}
+
+// dQ per 64 query rows (and dvec, as the mma dQ kernel); key tiles 0 .. the diagonal.
+template <bool BF, int D, int WG>
+__device__ void attn_bwd_dq_wg(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                               int ld, const u16* __restrict__ dy, const u16* __restrict__ y, int ldy,
+                               const float* __restrict__ lse2, float* __restrict__ dvec, u16* __restrict__ dq,
+                               int Tn, int H, float sl2, float scale, int accumulate) {
+    constexpr int KS = D / 16, ND = D / 8;
+    __shared__ __align__(128) u16 Ks2[2][64 * D];
+    __shared__ __align__(128) u16 Vs2[2][64 * D];
+    const int tid = threadIdx.x, wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
+              t4 = lane & 3;
+    const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long rb = (long long)b * Tn;
+    const int r0 = qt * 64 * WG + wgi * 64, ra = r0 + warp * 16 + g, rc = ra + 8;  // r0: this warpgroup's rows
+    const u16 *kh = k + h * D, *vh = v + h * D;
+    auto issue = [&](int t) {
+        async_tile_cm<D>(kh, rb, t * 64, Tn, ld, Ks2[t & 1]);
+        async_tile_cm<D>(vh, rb, t * 64, Tn, ld, Vs2[t & 1]);
+        cp_async_commit();
+    };
+    issue(0);
+    unsigned qa[KS][4], da[KS][4], ya[KS][4];
+    load_afrag<D>(q + h * D, rb, ra, rc, Tn, ld, t4, qa);
+    load_afrag<D>(dy + h * D, rb, ra, rc, Tn, ldy, t4, da);
+    load_afrag<D>(y + h * D, rb, ra, rc, Tn, ldy, t4, ya);
+    float e0 = 0.0f, e1 = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; i += 2) {
+            e0 += lo_f<BF>(da[kk][i]) * lo_f<BF>(ya[kk][i]) + hi_f<BF>(da[kk][i]) * hi_f<BF>(ya[kk][i]);
+            e1 += lo_f<BF>(da[kk][i + 1]) * lo_f<BF>(ya[kk][i + 1]) + hi_f<BF>(da[kk][i + 1]) * hi_f<BF>(ya[kk][i + 1]);
+        }
+    }
+    e0 += __shfl_xor_sync(0xffffffffu, e0, 1);
+    e0 += __shfl_xor_sync(0xffffffffu, e0, 2);
+    e1 += __shfl_xor_sync(0xffffffffu, e1, 1);
+    e1 += __shfl_xor_sync(0xffffffffu, e1, 2);
+    if (t4 == 0) {
+        if (ra < Tn) dvec[(long long)bh * Tn + ra] = e0;
+        if (rc < Tn) dvec[(long long)bh * Tn + rc] = e1;
+    }
+    const float L0 = ra < Tn ? lse2[(long long)bh * Tn + ra] : 0.0f;
+    const float L1 = rc < Tn ? lse2[(long long)bh * Tn + rc] : 0.0f;
+    float acc[ND * 4];
+#pragma unroll
+    for (int i = 0; i < ND * 4; ++i) acc[i] = 0.0f;
+    const int nkt = (min(Tn, qt * 64 * WG + 64 * WG) - 1) / 64 + 1;
+    for (int kt = 0; kt < nkt; ++kt) {
+        wg_next(issue, kt, nkt);
+        const u16* Ks = Ks2[kt & 1];
+        const u16* Vs = Vs2[kt & 1];
+        const int k0 = kt * 64;
+        if (k0 > r0 + 63) {
+            __syncthreads();
+            continue;
+        }
+        float s[32], dp[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(s, qa[kk], desc_xt<D>(Ks, kk), kk);
+        wg_commit();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(dp, da[kk], desc_xt<D>(Vs, kk), kk);
+        wg_commit();
+        wg_wait<1>();  // S is in; P's exp runs while dP is multiplied
+        wg_regs<32>(s);
+        const bool diag = k0 + 63 > r0 || k0 + 64 > Tn;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int key = k0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
+            const bool ok = !diag || (key <= ((i & 2) ? rc : ra) && key < Tn);
+            const float e = exp2f(fmaf(s[i], sl2, -((i & 2) ? L1 : L0)));  // always: a select, not a branch
+            s[i] = ok ? e : 0.0f;
+        }
+        wg_wait<0>();
+        wg_regs<32>(dp);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] *= dp[i] - ((i & 2) ? e1 : e0);  // dS
+        unsigned sa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&s[8 * kk], &s[8 * kk + 4], sa[kk]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(acc, sa[kk], desc_x<D>(Ks, kk), 1);
+        wg_commit_wait();
+        wg_regs<ND * 4>(acc);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = h * D + n * 8 + 2 * t4;
+        if (ra < Tn) store_pair<BF>(dq + (rb + ra) * ld + c, acc[4 * n], acc[4 * n + 1], scale, accumulate);
+        if (rc < Tn) store_pair<BF>(dq + (rb + rc) * ld + c, acc[4 * n + 2], acc[4 * n + 3], scale, accumulate);
+    }
+}
+
+// dK, dV per 64 key rows; query tiles (with dy, lse2, dvec) from the diagonal down.
+template <bool BF, int D, int WG>
+__device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
+                                const float* __restrict__ dvec, u16* __restrict__ dk, u16* __restrict__ dv, int Tn,
+                                int H, float sl2, float scale, int accumulate) {
+    constexpr int KS = D / 16, ND = D / 8;
+    __shared__ __align__(128) u16 Qs2[2][64 * D];
+    __shared__ __align__(128) u16 Os2[2][64 * D];
+    __shared__ float Ls2[2][64];
+    __shared__ float Es2[2][64];
+    const int tid = threadIdx.x, wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
+              t4 = lane & 3;
+    const int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const long long rb = (long long)b * Tn;
+    const int k0 = kt * 64 * WG + wgi * 64, ka0 = k0 + warp * 16 + g, ka1 = ka0 + 8;  // k0: this warpgroup's keys
+    const u16 *qh = q + h * D, *oh = dy + h * D;
+    auto issue = [&](int qt) {
+        async_tile_cm<D>(qh, rb, qt * 64, Tn, ld, Qs2[qt & 1]);
+        async_tile_cm<D>(oh, rb, qt * 64, Tn, ldy, Os2[qt & 1]);
+        const int r = tid & 63, qq = qt * 64 + r;
+        if (tid < 128) {
+            const float* src = (tid < 64 ? lse2 : dvec) + (long long)bh * Tn + (qq < Tn ? qq : 0);
+            const unsigned dst = (unsigned)__cvta_generic_to_shared(tid < 64 ? &Ls2[qt & 1][r] : &Es2[qt & 1][r]);
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(qq < Tn ? 4 : 0));
+        }
+        cp_async_commit();
+    };
+    const int ntiles = (Tn + 63) / 64, qt0 = kt * WG;
+    issue(qt0);
+    unsigned ka[KS][4], va[KS][4];
+    load_afrag<D>(k + h * D, rb, ka0, ka1, Tn, ld, t4, ka);
+    load_afrag<D>(v + h * D, rb, ka0, ka1, Tn, ld, t4, va);
+    float dka[ND * 4], dva[ND * 4];
+#pragma unroll
+    for (int i = 0; i < ND * 4; ++i) dka[i] = dva[i] = 0.0f;
+    for (int qt = qt0; qt < ntiles; ++qt) {
+        wg_next(issue, qt, ntiles);
+        const u16* Qs = Qs2[qt & 1];
+        const u16* Os = Os2[qt & 1];
+        const float* Ls = Ls2[qt & 1];
+        const float* Es = Es2[qt & 1];
+        const int q0 = qt * 64;
+        if (q0 + 63 < k0) {  // every query of this tile precedes every key of this warpgroup
+            __syncthreads();
+            continue;
+        }
+        float s[32], dp[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(s, ka[kk], desc_xt<D>(Qs, kk), kk);   // S^T = K Q^T
+        wg_commit();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(dp, va[kk], desc_xt<D>(Os, kk), kk);  // dP^T = V dy^T
+        wg_commit();
+        // Three overlaps per tile: P's exp runs while dP is multiplied, dS while dV is, and the
+        // next tile's wait after dK is issued. Groups complete in order.
+        wg_wait<1>();
+        wg_regs<32>(s);
+        const bool diag = q0 < k0 + 63 || q0 + 64 > Tn;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int c = (i >> 2) * 8 + 2 * t4 + (i & 1), qq = q0 + c;
+            const bool ok = !diag || (qq >= ((i & 2) ? ka1 : ka0) && qq < Tn);
+            const float e = exp2f(fmaf(s[i], sl2, -Ls[c]));  // always: a select, not a branch
+            s[i] = ok ? e : 0.0f;                            // P^T
+        }
+        unsigned pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&s[8 * kk], &s[8 * kk + 4], pa[kk]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dva, pa[kk], desc_x<D>(Os, kk), 1);  // dV += P^T dy
+        wg_commit();
+        wg_wait<1>();
+        wg_regs<32>(dp);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - Es[(i >> 2) * 8 + 2 * t4 + (i & 1)]);  // dS^T
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&dp[8 * kk], &dp[8 * kk + 4], sa[kk]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dka, sa[kk], desc_x<D>(Qs, kk), 1);  // dK += dS^T Q
+        wg_commit_wait();
+        wg_regs<ND * 4>(dva);
+        wg_regs<ND * 4>(dka);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = h * D + n * 8 + 2 * t4;
+        if (ka0 < Tn) {
+            store_pair<BF>(dk + (rb + ka0) * ld + c, dka[4 * n], dka[4 * n + 1], scale, accumulate);
+            store_pair<BF>(dv + (rb + ka0) * ld + c, dva[4 * n], dva[4 * n + 1], 1.0f, accumulate);
+        }
+        if (ka1 < Tn) {
+            store_pair<BF>(dk + (rb + ka1) * ld + c, dka[4 * n + 2], dka[4 * n + 3], scale, accumulate);
+            store_pair<BF>(dv + (rb + ka1) * ld + c, dva[4 * n + 2], dva[4 * n + 3], 1.0f, accumulate);
+        }
+    }
+}
+
+// k_attn_<fwd|bwd_dq|bwd_dkv>_wg_<t>_d<D>_r<64 WG>: WG warpgroups (64 rows each) per block.
+#define ATTN_WG_INST(SUF, BF, D, WG, BM)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * WG) k_attn_fwd_wg_##SUF##_d##D##_r##BM(               \
+        const u16* q, const u16* k, const u16* v, int ld, u16* y, int ldy, float* lse2, int Tn, int H,       \
+        float sl2) {                                                                                         \
+        attn_fwd_wg<BF, D, WG>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                       \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128 * WG) k_attn_bwd_dq_wg_##SUF##_d##D##_r##BM(            \
+        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, const u16* y, int ldy,              \
+        const float* lse2, float* dvec, u16* dq, int Tn, int H, float sl2, float scale, int accumulate) {    \
+        attn_bwd_dq_wg<BF, D, WG>(q, k, v, ld, dy, y, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate);   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128 * WG) k_attn_bwd_dkv_wg_##SUF##_d##D##_r##BM(           \
+        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
+        const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate) {        \
+        attn_bwd_dkv_wg<BF, D, WG>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale, accumulate); \
+    }
+#define ATTN_WG_ROWS(SUF, BF, D) ATTN_WG_INST(SUF, BF, D, 1, 64) ATTN_WG_INST(SUF, BF, D, 2, 128)
+
+ATTN_WG_ROWS(bf16, true, 32)
+ATTN_WG_ROWS(bf16, true, 64)
+ATTN_WG_ROWS(f16, false, 32)
+ATTN_WG_ROWS(f16, false, 64)
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -254,27 +254,51 @@ def k_scale(g, n, s):
     kernel("optim.cu", "k_scale")((blocks(n),), (256,), (g, np.int64(n), f32(s)))
 
 
-def attn_impl(prec: str, D: int, ld: int) -> str:
+# The tensor-core kernels each pass runs on a compute capability 9.0 device: "wg" (wgmma) or "mma"
+# (mma.sync), per `bench/engine_gpu.py --attn-sweep` on the H200 (docs/bench/attn_wgmma_h200.md).
+ATTN_HOPPER = {"fwd": "mma", "bwd": "mma"}
+
+
+def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
+    """The attention kernels of pass ``which`` (fwd | bwd) for this storage type and head size:
+    tensor cores for bf16/fp16 at D = 32/64 ("wg" or "mma", ATTN_HOPPER's pick on a compute
+    capability 9.0 device, else "mma"), else "simt"."""
     if prec in ("bf16", "fp16") and D in (32, 64) and ld % 8 == 0:
-        return "mma"
+        return ATTN_HOPPER[which] if hopper() else "mma"
     if D not in (8, 16, 32, 64, 128):
         raise AndreaError(f"cuda attention: head size D={D} is not supported (8, 16, 32, 64 or 128)")
     return "simt"
 
 
-# Rows per block of the tensor-core attention kernels (64: 16 per warp, 128: 32 per warp), per
+_HOPPER: list[bool] = []
+
+
+def hopper() -> bool:
+    """True on a compute capability 9.0 device (H100/H200): the wgmma kernels exist there."""
+    if not _HOPPER:
+        _HOPPER.append(cp().cuda.Device().compute_capability == "90")
+    return _HOPPER[0]
+
+
+# Rows per block of the mma.sync attention kernels (64: 16 per warp, 128: 32 per warp), per
 # (kernel, head size): the fastest of each in one `bench/engine_gpu.py --attn-sweep` run on the H200
 # (12M B=8, 120M B=32, 480M B=8, one layer; summed per head size). The backward's 64-row pair beat
 # 128/128 by 15% at D=32 (0.182 vs 0.213 ms) and 14% at D=64 (1.463 vs 1.699 ms); the forward is
 # within 3% either way. Every choice is tested against the NumPy twin (tests/test_cuda_kernels.py).
 ATTN_MMA_ROWS = {("fwd", 32): 64, ("fwd", 64): 128, ("dq", 32): 64, ("dq", 64): 64,
                  ("dkv", 32): 64, ("dkv", 64): 64}
+# Rows per block of the wgmma kernels: 64 per warpgroup, one or two warpgroups.
+ATTN_WG_ROWS = {("fwd", 32): 128, ("fwd", 64): 128, ("dq", 32): 128, ("dq", 64): 128,
+                ("dkv", 32): 128, ("dkv", 64): 128}
 
 
 def _attn_launch(impl: str, which: str, prec: str, D: int, T: int, BH: int, rows=None):
     """(kernel name, grid, block) of attention kernel ``which`` (fwd | dq | dkv); ``rows`` overrides
-    ATTN_MMA_ROWS (mma only). simt blocks have one thread per row (64, or 32 at D = 128)."""
+    ATTN_MMA_ROWS / ATTN_WG_ROWS. simt blocks have one thread per row (64, or 32 at D = 128)."""
     name = {"fwd": "fwd", "dq": "bwd_dq", "dkv": "bwd_dkv"}[which]
+    if impl == "wg":
+        tile = rows or ATTN_WG_ROWS[(which, D)]
+        return f"k_attn_{name}_wg_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (2 * tile,)
     if impl == "mma":
         tile = rows or ATTN_MMA_ROWS[(which, D)]
         return f"k_attn_{name}_mma_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (128,)
@@ -282,21 +306,31 @@ def _attn_launch(impl: str, which: str, prec: str, D: int, T: int, BH: int, rows
     return f"k_attn_{name}_simt_{SUFFIX[prec]}_d{D}", ((T + tile - 1) // tile, BH), (tile,)
 
 
-def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H, rows=None):
-    """qkv (B*T, 3C) -> y (B*T, C), lse2 (B*H, T)."""
+def _tensor_impl(prec: str, D: int, ld: int, impl: str | None, which: str) -> str:
+    """attn_impl, or ``impl`` ("mma" | "wg") where the caller picks one of the tensor-core kernels."""
+    auto = attn_impl(prec, D, ld, which)
+    if impl is None or auto == "simt":
+        return auto
+    if impl == "wg" and not hopper():
+        raise AndreaError("cuda attention: the wgmma kernels need a compute capability 9.0 device (H100/H200)")
+    return impl
+
+
+def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H, rows=None, impl=None):
+    """qkv (B*T, 3C) -> y (B*T, C), lse2 (B*H, T). ``impl``: "mma" or "wg" instead of attn_impl's pick."""
     D = C // H
-    name, grid, block = _attn_launch(attn_impl(prec, D, 3 * C), "fwd", prec, D, T, B * H, rows)
+    name, grid, block = _attn_launch(_tensor_impl(prec, D, 3 * C, impl, "fwd"), "fwd", prec, D, T, B * H, rows)
     sl2 = math.log2(math.e) / math.sqrt(D)
     kernel("attention.cu", name)(
         grid, block, (ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C), i32(3 * C), y, i32(C), lse2, i32(T), i32(H), f32(sl2)))
 
 
-def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None):
+def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None, impl=None):
     """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch. The mma dQ kernel
     computes dvec (sum_d dy y per row) itself, before the dK/dV kernel reads it; simt runs
-    k_attn_dvec first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS."""
+    k_attn_dvec first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS; ``impl`` as k_attn_fwd's."""
     D = C // H
-    impl = attn_impl(prec, D, 3 * C)
+    impl = _tensor_impl(prec, D, 3 * C, impl, "bwd")
     s = SUFFIX[prec]
     dq_rows, dkv_rows = rows or (None, None)
     sl2 = math.log2(math.e) / math.sqrt(D)
@@ -304,7 +338,7 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
     q, k, v = ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C)
     acc = i32(1 if accumulate else 0)
     name, grid, block = _attn_launch(impl, "dq", prec, D, T, B * H, dq_rows)
-    if impl == "mma":
+    if impl != "simt":
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, y, i32(C), lse2, dvec, ptr(dqkv), i32(T),
                                                    i32(H), f32(sl2), f32(scale), acc))
     else:

@@ -24,6 +24,10 @@ from andrea.errors import AndreaError
 
 COMMON = "common.cuh"
 OPTIONS = ("--std=c++17",)
+# Files with kernels for Hopper's arch-specific features (wgmma), behind `#if __CUDA_ARCH_FEAT_SM90_ALL`:
+# compiled for sm_90a on a compute capability 9.0 device (the option goes before CuPy's own -arch=sm_90,
+# and NVRTC keeps the first), for the plain target elsewhere.
+SM90A_FILES = ("attention.cu",)
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -39,6 +43,11 @@ def cupy_or_none():
         return cupy
     except Exception:  # ImportError, CUDARuntimeError (no driver), ...
         return None
+
+
+def options(filename: str, cc: str) -> tuple[str, ...]:
+    """NVRTC options of ``filename`` on a device of compute capability ``cc`` ("90" for the H100/H200)."""
+    return ("-arch=sm_90a",) + OPTIONS if cc == "90" and filename in SM90A_FILES else OPTIONS
 
 
 def read_source(filename: str) -> str:
@@ -63,7 +72,8 @@ def module(filename: str):
 
         src = read_source(filename)
         try:
-            mod = cupy.RawModule(code=src, options=OPTIONS, backend="nvrtc")
+            opts = options(filename, cupy.cuda.Device().compute_capability)
+            mod = cupy.RawModule(code=src, options=opts, backend="nvrtc")
             mod.compile()
         except cupy.cuda.compiler.CompileException as e:  # noqa: F821 - attribute of cupy
             raise AndreaError(f"andrea/cuda/{filename}: compile failed:\n{e.get_message()}") from None
@@ -97,7 +107,8 @@ def compile_log(filename: str, arch: str = "sm_90") -> str | None:
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise AndreaError(f"compile check: NVRTC could not start ({err}); is nvidia-cuda-nvrtc installed?")
     try:
-        opts = [o.encode() for o in OPTIONS] + [f"-arch={arch}".encode()]
+        cc = arch.removeprefix("sm_").removesuffix("a")
+        opts = [o.encode() for o in options(filename, cc)] + [f"-arch={arch}".encode()]
         (rc,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if rc == nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return None
