@@ -535,10 +535,20 @@ def main(argv=None) -> int:
                          "(default set: engine.FUSE_GELU_FP8)")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
+    ap.add_argument("--attn", default=None, metavar="FWD,BWD",
+                    help="on a compute capability 9.0 device, the attention kernels of the forward and the "
+                         "backward (mma or wg each, e.g. mma,wg) instead of kernels.ATTN_HOPPER")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print per kernel class where our step (and the first compile anchor's) spends its time")
     args = ap.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/andrea-inductor")
+    if args.attn:
+        from andrea.cuda import kernels as K
+
+        fwd, bwd = args.attn.split(",")
+        if not {fwd, bwd} <= {"mma", "wg"}:
+            ap.error(f"--attn {args.attn}: expected FWD,BWD with each mma or wg")
+        K.ATTN_HOPPER.update(fwd=fwd, bwd=bwd)
     if args.anchors:
         import torch._inductor.config as icfg
 

@@ -867,6 +867,12 @@ __device__ __forceinline__ void wg_regs(float* d) {
 // cp.async wrote the tiles through the generic proxy; wgmma reads them through the async proxy
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// a compile-time flag for generic lambdas: the masked and the unmasked tile are two specialized copies
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 __device__ __forceinline__ unsigned long long wg_desc(const u16* p, unsigned lbo, unsigned sbo) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
     return (unsigned long long)((a & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
@@ -1082,14 +1088,17 @@ __device__ void attn_bwd_dq_wg(const u16* __restrict__ q, const u16* __restrict_
         wg_commit();
         wg_wait<1>();  // S is in; P's exp runs while dP is multiplied
         wg_regs<32>(s);
-        const bool diag = k0 + 63 > r0 || k0 + 64 > Tn;
+        auto probs = [&](auto masked) {  // only a tile crossing the diagonal or Tn is masked
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int key = k0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
-            const bool ok = !diag || (key <= ((i & 2) ? rc : ra) && key < Tn);
-            const float e = exp2f(fmaf(s[i], sl2, -((i & 2) ? L1 : L0)));  // always: a select, not a branch
-            s[i] = ok ? e : 0.0f;
-        }
+            for (int i = 0; i < 32; ++i) {
+                const int key = k0 + (i >> 2) * 8 + 2 * t4 + (i & 1);
+                const float e = exp2f(fmaf(s[i], sl2, -((i & 2) ? L1 : L0)));  // always: a select, not a branch
+                if constexpr (decltype(masked)::value) s[i] = (key <= ((i & 2) ? rc : ra) && key < Tn) ? e : 0.0f;
+                else s[i] = e;
+            }
+        };
+        if (k0 + 63 > r0 || k0 + 64 > Tn) probs(Flag<true>{});
+        else probs(Flag<false>{});
         wg_wait<0>();
         wg_regs<32>(dp);
 #pragma unroll
@@ -1171,14 +1180,17 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
         // next tile's wait after dK is issued. Groups complete in order.
         wg_wait<1>();
         wg_regs<32>(s);
-        const bool diag = q0 < k0 + 63 || q0 + 64 > Tn;
+        auto probs = [&](auto masked) {  // P^T; only a tile crossing the diagonal or Tn is masked
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const int c = (i >> 2) * 8 + 2 * t4 + (i & 1), qq = q0 + c;
-            const bool ok = !diag || (qq >= ((i & 2) ? ka1 : ka0) && qq < Tn);
-            const float e = exp2f(fmaf(s[i], sl2, -Ls[c]));  // always: a select, not a branch
-            s[i] = ok ? e : 0.0f;                            // P^T
-        }
+            for (int i = 0; i < 32; ++i) {
+                const int c = (i >> 2) * 8 + 2 * t4 + (i & 1), qq = q0 + c;
+                const float e = exp2f(fmaf(s[i], sl2, -Ls[c]));  // always: a select, not a branch
+                if constexpr (decltype(masked)::value) s[i] = (qq >= ((i & 2) ? ka1 : ka0) && qq < Tn) ? e : 0.0f;
+                else s[i] = e;
+            }
+        };
+        if (q0 < k0 + 63 || q0 + 64 > Tn) probs(Flag<true>{});
+        else probs(Flag<false>{});
         unsigned pa[4][4], sa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&s[8 * kk], &s[8 * kk + 4], pa[kk]);
