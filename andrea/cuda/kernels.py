@@ -255,8 +255,10 @@ def k_scale(g, n, s):
 
 
 # The tensor-core kernels each pass runs on a compute capability 9.0 device: "wg" (wgmma) or "mma"
-# (mma.sync), per `bench/engine_gpu.py --attn-sweep` on the H200 (docs/bench/attn_wgmma_h200.md).
-ATTN_HOPPER = {"fwd": "mma", "bwd": "mma"}
+# (mma.sync). H200, one layer (docs/bench/attn_wgmma_h200.md): the wgmma backward is 8-23% faster
+# (120M B=32 0.885 vs 0.963 ms, 480M B=8 0.468 vs 0.512, 12M B=8 0.140 vs 0.183); the forwards are
+# within 4% of each other, and the whole step was fastest with the mma.sync forward.
+ATTN_HOPPER = {"fwd": "mma", "bwd": "wg"}
 
 
 def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
@@ -287,9 +289,10 @@ def hopper() -> bool:
 # within 3% either way. Every choice is tested against the NumPy twin (tests/test_cuda_kernels.py).
 ATTN_MMA_ROWS = {("fwd", 32): 64, ("fwd", 64): 128, ("dq", 32): 64, ("dq", 64): 64,
                  ("dkv", 32): 64, ("dkv", 64): 64}
-# Rows per block of the wgmma kernels: 64 per warpgroup, one or two warpgroups.
+# Rows per block of the wgmma kernels: 64 per warpgroup, one or two warpgroups; the fastest of
+# each in the same sweep (dq 128 / dkv 64 beat 128 / 128 by 1-12%; the forward 128 beat 64 by 8-33%).
 ATTN_WG_ROWS = {("fwd", 32): 128, ("fwd", 64): 128, ("dq", 32): 128, ("dq", 64): 128,
-                ("dkv", 32): 128, ("dkv", 64): 128}
+                ("dkv", 32): 64, ("dkv", 64): 64}
 
 
 def _attn_launch(impl: str, which: str, prec: str, D: int, T: int, BH: int, rows=None):
