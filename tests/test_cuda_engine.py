@@ -30,7 +30,22 @@ from andrea.errors import AndreaError
 cp = cupy_or_none()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="CuPy cannot be imported or finds no CUDA device")]
 
-MC = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=2, context=128)   # D = 32: the mma path in bf16
+MC = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=2, context=128)   # D = 32: the tensor-core path in bf16
+
+
+def attn_kernels(monkeypatch, which):
+    """Run the engine with these tensor-core attention kernels ({"fwd": .., "bwd": ..}: "mma" | "wg")
+    on a compute capability 9.0 device; None keeps kernels.ATTN_HOPPER. Skips where wgmma is absent."""
+    if which is None:
+        return
+    from andrea.cuda import kernels as K
+
+    if "wg" in which.values() and not K.hopper():
+        pytest.skip("the wgmma attention kernels need a compute capability 9.0 device")
+    monkeypatch.setattr(K, "ATTN_HOPPER", dict(which))
+
+
+WG_BWD = {"fwd": "mma", "bwd": "wg"}
 B = 2
 HP = Hyper(grad_clip=1.0)
 
@@ -81,13 +96,15 @@ def test_op_mirror_runs_the_generic_engine_like_numpy():
 
 # bf16's MLP: the GELU in the cuBLASLt epilogues (default, h_act kept per layer), the same with h_act
 # recomputed in the backward, and the separate k_gelu_fwd / k_gelu_bwd passes (FUSE_GELU off)
-@pytest.mark.parametrize("prec,rel,fuse,recompute", [("fp32", 2e-3, True, None), ("bf16", 6e-2, True, None),
-                                                     ("bf16", 6e-2, True, frozenset({"gelu"})),
-                                                     ("bf16", 6e-2, False, None), ("fp16", 6e-2, True, None)])
-def test_gpu_engine_loss_and_every_gradient_match_numpy(prec, rel, fuse, recompute, monkeypatch):
+@pytest.mark.parametrize("prec,rel,fuse,recompute,attn", [
+    ("fp32", 2e-3, True, None, None), ("bf16", 6e-2, True, None, None),
+    ("bf16", 6e-2, True, frozenset({"gelu"}), None), ("bf16", 6e-2, False, None, None),
+    ("fp16", 6e-2, True, None, None), ("bf16", 6e-2, True, None, WG_BWD), ("fp16", 6e-2, True, None, WG_BWD)])
+def test_gpu_engine_loss_and_every_gradient_match_numpy(prec, rel, fuse, recompute, attn, monkeypatch):
     import andrea.cuda.engine as ce
     from andrea.cuda.backend import make_backend
 
+    attn_kernels(monkeypatch, attn)
     monkeypatch.setattr(ce, "FUSE_GELU", fuse)
     if recompute is not None:
         monkeypatch.setattr(ce, "RECOMPUTE_FUSED", recompute)
@@ -141,8 +158,9 @@ def _run(prec, steps, start=None, graph=True, accum=1):
     return (t0 + steps, *eng.state_host())
 
 
-@pytest.mark.parametrize("prec", ["fp32", "bf16"])
-def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec):
+@pytest.mark.parametrize("prec,attn", [("fp32", None), ("bf16", None), ("bf16", WG_BWD)])
+def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec, attn, monkeypatch):
+    attn_kernels(monkeypatch, attn)
     a = _run(prec, 6)
     b = _run(prec, 6)
     for x, y in zip(a[1:], b[1:]):

@@ -278,7 +278,9 @@ def test_attention_wgmma_matches_mma_and_repeats(be, prec, D):
     assert np.max(np.abs(lsa - lsb)) <= 1e-4 * np.abs(lsb).max(), "wgmma vs mma.sync lse2"
 
 
-def test_attention_mma_writes_dvec_and_accumulates(be):
+@pytest.mark.parametrize("impl", ["mma", "wg"])
+def test_attention_mma_writes_dvec_and_accumulates(be, impl):
+    _need_wg(impl)
     B, T, H, D = 2, 320, 2, 64
     C, N = H * D, B * T
     rng = np.random.default_rng(11)
@@ -286,16 +288,16 @@ def test_attention_mma_writes_dvec_and_accumulates(be):
     dout, dout64 = to_dev(rng.normal(0, 1, (N, C)), "bf16")
     y = empty((N, C), "bf16")
     lse = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)
+    be.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, impl=impl)
     dvec = cp.full(B * H * T, np.nan, np.float32)
     d1 = cp.zeros((N, 3 * C), np.uint16)
-    be.k_attn_bwd("bf16", d1, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True)
+    be.k_attn_bwd("bf16", d1, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True, impl=impl)
     y64 = from_dev(y, "bf16").reshape(B, T, H, D)
     ref = np.einsum("bthd,bthd->bht", dout64.reshape(B, T, H, D), y64).reshape(-1)
     close(cp.asnumpy(dvec), ref, "fp32", scale=float(np.abs(ref).max()), what="dvec")
     base, base64 = to_dev(rng.normal(0, 1, (N, 3 * C)), "bf16")
     d2 = base.copy()
-    be.k_attn_bwd("bf16", d2, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True)
+    be.k_attn_bwd("bf16", d2, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True, impl=impl)
     want = base64 + from_dev(d1, "bf16")
     close(from_dev(d2, "bf16"), want, "bf16", scale=float(np.abs(want).max()), what="bf16 accumulate")
 

@@ -256,9 +256,12 @@ def k_scale(g, n, s):
 
 # The tensor-core kernels each pass runs on a compute capability 9.0 device: "wg" (wgmma) or "mma"
 # (mma.sync). H200, one layer (docs/bench/attn_wgmma_h200.md): the wgmma backward is 8-23% faster
-# (120M B=32 0.885 vs 0.963 ms, 480M B=8 0.468 vs 0.512, 12M B=8 0.140 vs 0.183); the forwards are
-# within 4% of each other, and the whole step was fastest with the mma.sync forward.
-ATTN_HOPPER = {"fwd": "mma", "bwd": "wg"}
+# (120M B=32 0.885 vs 0.963 ms, 480M B=8 0.468 vs 0.512, 12M B=8 0.140 vs 0.183), the forwards are
+# within 4%, and the whole step ran 1.7-9% faster with {"fwd": "mma", "bwd": "wg"}
+# (`bench/engine_gpu.py --attn mma,wg`). The engine keeps mma.sync in both passes until the engine's
+# gpu tests (end-to-end gradients, repeat and resume bytes) have run with the wgmma backward: only
+# its kernel tests have.
+ATTN_HOPPER = {"fwd": "mma", "bwd": "mma"}
 
 
 def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
