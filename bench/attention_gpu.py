@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/attention_gpu.py --json attn.json
 
 For the issue's shapes (T = 1024; 12M B=8 D=32, 120M B=32 D=64, 480M B=8 D=64), ms per call
-(CUDA events, mean of --reps calls after 3 warm-up calls) and causal TFLOP/s (forward 2 B T^2 C,
+(CUDA events, mean of --reps calls after one untimed call) and causal TFLOP/s (forward 2 B T^2 C,
 backward 2.5x that) of:
 - ours: the mma.sync kernels and, on a compute capability 9.0 device, the wgmma kernels at their
   default rows per block, then every rows choice of the wgmma kernels (andrea.cuda.kernels.ATTN_WG_ROWS);
@@ -22,24 +22,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 from andrea.fsutil import atomic_write_json  # noqa: E402
+from engine_gpu import event_ms as cupy_ms  # noqa: E402  (one untimed call, then reps between CUDA events)
 
 SHAPES = [("andrea-12m", 8, 384, 12), ("andrea-120m", 32, 768, 12), ("andrea-480m", 8, 1536, 24)]
 T = 1024
-
-
-def cupy_ms(fn, reps: int) -> float:
-    import cupy as cp
-
-    for _ in range(3):
-        fn()
-    s, e = cp.cuda.Event(), cp.cuda.Event()
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    e.synchronize()
-    return cp.cuda.get_elapsed_time(s, e) / reps
 
 
 def ours(B: int, C: int, H: int, reps: int) -> dict:

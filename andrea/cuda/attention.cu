@@ -326,6 +326,61 @@ __device__ __forceinline__ void store_pair(u16* p, float a, float b, float scale
     *q = pack2<BF>(lo_f<BF>(old) + a * scale, hi_f<BF>(old) + b * scale);
 }
 
+// The C fragments acc (n8 blocks n = 0 .. ND-1 as acc[4n + e]) of rows ra (e = 0, 1) and rc (e = 2, 3)
+// times scale, added to (accumulate) or written over those rows of dst at columns col + 8n (col holds
+// the lane's 2 t4); rows >= Tn are skipped.
+template <bool BF, int ND>
+__device__ __forceinline__ void store_rows(u16* dst, long long rb, int ra, int rc, int Tn, int ld, int col,
+                                           const float* acc, float scale, int accumulate) {
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = col + n * 8;
+        if (ra < Tn) store_pair<BF>(dst + (rb + ra) * ld + c, acc[4 * n], acc[4 * n + 1], scale, accumulate);
+        if (rc < Tn) store_pair<BF>(dst + (rb + rc) * ld + c, acc[4 * n + 2], acc[4 * n + 3], scale, accumulate);
+    }
+}
+
+// The forward's epilogue of rows ra / rc: y = o / l (16-bit, layout as store_rows) and lse2 = m + log2 l
+// (lse_bh: this head's lse2 row), l first summed over the 4 lanes that share a row.
+template <bool BF, int ND>
+__device__ __forceinline__ void fwd_store(u16* y, long long rb, int ra, int rc, int Tn, int ldy, int col, int t4,
+                                          const float* o, float m0, float m1, float l0, float l1, float* lse_bh) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = col + n * 8;
+        if (ra < Tn) *reinterpret_cast<unsigned*>(y + (rb + ra) * ldy + c) = pack2<BF>(o[4 * n] * i0, o[4 * n + 1] * i0);
+        if (rc < Tn) *reinterpret_cast<unsigned*>(y + (rb + rc) * ldy + c) = pack2<BF>(o[4 * n + 2] * i1, o[4 * n + 3] * i1);
+    }
+    if (t4 == 0) {
+        if (ra < Tn) lse_bh[ra] = m0 + log2f(l0);
+        if (rc < Tn) lse_bh[rc] = m1 + log2f(l1);
+    }
+}
+
+// D_i = sum_d dy y of rows g and g+8 from their A fragments (KS k16 slices), summed over the row's 4 lanes.
+template <bool BF, int KS>
+__device__ __forceinline__ void dvec_rows(const unsigned (*da)[4], const unsigned (*ya)[4], float& e0, float& e1) {
+    e0 = 0.0f;
+    e1 = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; i += 2) {
+            e0 += lo_f<BF>(da[kk][i]) * lo_f<BF>(ya[kk][i]) + hi_f<BF>(da[kk][i]) * hi_f<BF>(ya[kk][i]);
+            e1 += lo_f<BF>(da[kk][i + 1]) * lo_f<BF>(ya[kk][i + 1]) + hi_f<BF>(da[kk][i + 1]) * hi_f<BF>(ya[kk][i + 1]);
+        }
+    }
+    e0 += __shfl_xor_sync(0xffffffffu, e0, 1);
+    e0 += __shfl_xor_sync(0xffffffffu, e0, 2);
+    e1 += __shfl_xor_sync(0xffffffffu, e1, 1);
+    e1 += __shfl_xor_sync(0xffffffffu, e1, 2);
+}
+
 // Start the copy of 64-row tiles t of a and b (rows t*64 ..) into buffers t & 1.
 template <int D>
 __device__ __forceinline__ void issue_pair(const u16* a, int lda, const u16* b, int ldb, long long rb, int t, int Tn,
@@ -467,23 +522,9 @@ __device__ void attn_fwd_mma(const u16* __restrict__ q, const u16* __restrict__ 
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const int ra = w0 + mt * 16 + g, rc = ra + 8;
-        float l0 = l[mt][0], l1 = l[mt][1];
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-        const float i0 = 1.0f / l0, i1 = 1.0f / l1;
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            const int c = h * D + n * 8 + 2 * t4;
-            if (ra < Tn) *reinterpret_cast<unsigned*>(y + (rb + ra) * ldy + c) = pack2<BF>(o[mt][n][0] * i0, o[mt][n][1] * i0);
-            if (rc < Tn) *reinterpret_cast<unsigned*>(y + (rb + rc) * ldy + c) = pack2<BF>(o[mt][n][2] * i1, o[mt][n][3] * i1);
-        }
-        if (t4 == 0) {
-            if (ra < Tn) lse2[(long long)bh * Tn + ra] = m[mt][0] + log2f(l0);
-            if (rc < Tn) lse2[(long long)bh * Tn + rc] = m[mt][1] + log2f(l1);
-        }
+        const int ra = w0 + mt * 16 + g;
+        fwd_store<BF, ND>(y, rb, ra, ra + 8, Tn, ldy, h * D + 2 * t4, t4, &o[mt][0][0], m[mt][0], m[mt][1], l[mt][0],
+                          l[mt][1], lse2 + (long long)bh * Tn);
     }
 }
 
@@ -513,20 +554,8 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
         load_afrag<D>(dy + h * D, rb, ra, rc, Tn, ldy, t4, da[mt]);
         unsigned ya[KS][4];
         load_afrag<D>(y + h * D, rb, ra, rc, Tn, ldy, t4, ya);
-        float e0 = 0.0f, e1 = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-            for (int i = 0; i < 4; i += 2) {
-                e0 += lo_f<BF>(da[mt][kk][i]) * lo_f<BF>(ya[kk][i]) + hi_f<BF>(da[mt][kk][i]) * hi_f<BF>(ya[kk][i]);
-                e1 += lo_f<BF>(da[mt][kk][i + 1]) * lo_f<BF>(ya[kk][i + 1]) +
-                      hi_f<BF>(da[mt][kk][i + 1]) * hi_f<BF>(ya[kk][i + 1]);
-            }
-        }
-        e0 += __shfl_xor_sync(0xffffffffu, e0, 1);
-        e0 += __shfl_xor_sync(0xffffffffu, e0, 2);
-        e1 += __shfl_xor_sync(0xffffffffu, e1, 1);
-        e1 += __shfl_xor_sync(0xffffffffu, e1, 2);
+        float e0, e1;
+        dvec_rows<BF, KS>(da[mt], ya, e0, e1);
         E[mt][0] = e0;
         E[mt][1] = e1;
         if (t4 == 0) {
@@ -603,13 +632,8 @@ __device__ void attn_bwd_dq_mma(const u16* __restrict__ q, const u16* __restrict
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const int ra = w0 + mt * 16 + g, rc = ra + 8;
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            const int c = h * D + n * 8 + 2 * t4;
-            if (ra < Tn) store_pair<BF>(dq + (rb + ra) * ld + c, acc[mt][n][0], acc[mt][n][1], scale, accumulate);
-            if (rc < Tn) store_pair<BF>(dq + (rb + rc) * ld + c, acc[mt][n][2], acc[mt][n][3], scale, accumulate);
-        }
+        const int ra = w0 + mt * 16 + g;
+        store_rows<BF, ND>(dq, rb, ra, ra + 8, Tn, ld, h * D + 2 * t4, &acc[mt][0][0], scale, accumulate);
     }
 }
 
@@ -738,19 +762,9 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const int ka0 = w0 + mt * 16 + g, ka1 = ka0 + 8;
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            const int c = h * D + n * 8 + 2 * t4;
-            if (ka0 < Tn) {
-                store_pair<BF>(dk + (rb + ka0) * ld + c, dka[mt][n][0], dka[mt][n][1], scale, accumulate);
-                store_pair<BF>(dv + (rb + ka0) * ld + c, dva[mt][n][0], dva[mt][n][1], 1.0f, accumulate);
-            }
-            if (ka1 < Tn) {
-                store_pair<BF>(dk + (rb + ka1) * ld + c, dka[mt][n][2], dka[mt][n][3], scale, accumulate);
-                store_pair<BF>(dv + (rb + ka1) * ld + c, dva[mt][n][2], dva[mt][n][3], 1.0f, accumulate);
-            }
-        }
+        const int ka0 = w0 + mt * 16 + g;
+        store_rows<BF, ND>(dk, rb, ka0, ka0 + 8, Tn, ld, h * D + 2 * t4, &dka[mt][0][0], scale, accumulate);
+        store_rows<BF, ND>(dv, rb, ka0, ka0 + 8, Tn, ld, h * D + 2 * t4, &dva[mt][0][0], 1.0f, accumulate);
     }
 }
 
@@ -789,29 +803,33 @@ ATTN_SIMT_ALL(f32, float)
 ATTN_SIMT_ALL(bf16, bf16_t)
 ATTN_SIMT_ALL(f16, f16_t)
 
-// Tensor-core kernels: k_attn_<fwd|bwd_dq|bwd_dkv>_mma_<t>_d<D>_r<BM> (BM = 64 MT rows per block).
-#define ATTN_MMA_INST(SUF, BF, D, MT, BM)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) k_attn_fwd_mma_##SUF##_d##D##_r##BM(                   \
+// Tensor-core kernels: k_attn_<fwd|bwd_dq|bwd_dkv>_<IMPL>_<t>_d<D>_r<BM>, IMPL mma (P = MT: BM = 64 MT
+// rows per block of 4 warps) or wg (P = WG warpgroups of 64 rows, below); NT threads per block.
+#define ATTN_TC_INST(IMPL, SUF, BF, D, P, BM, NT)                                                            \
+    extern "C" __global__ void __launch_bounds__(NT) k_attn_fwd_##IMPL##_##SUF##_d##D##_r##BM(               \
         const u16* q, const u16* k, const u16* v, int ld, u16* y, int ldy, float* lse2, int Tn, int H,       \
         float sl2) {                                                                                         \
-        attn_fwd_mma<BF, D, MT>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                      \
+        attn_fwd_##IMPL<BF, D, P>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                    \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dq_mma_##SUF##_d##D##_r##BM(                \
+    extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dq_##IMPL##_##SUF##_d##D##_r##BM(            \
         const u16* q, const u16* k, const u16* v, int ld, const u16* dy, const u16* y, int ldy,              \
         const float* lse2, float* dvec, u16* dq, int Tn, int H, float sl2, float scale, int accumulate) {    \
-        attn_bwd_dq_mma<BF, D, MT>(q, k, v, ld, dy, y, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate);  \
+        attn_bwd_dq_##IMPL<BF, D, P>(q, k, v, ld, dy, y, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate); \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) k_attn_bwd_dkv_mma_##SUF##_d##D##_r##BM(               \
+    extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkv_##IMPL##_##SUF##_d##D##_r##BM(           \
         const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
         const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate) {        \
-        attn_bwd_dkv_mma<BF, D, MT>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale, accumulate); \
+        attn_bwd_dkv_##IMPL<BF, D, P>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale,           \
+                                      accumulate);                                                           \
     }
-#define ATTN_MMA_ROWS(SUF, BF, D) ATTN_MMA_INST(SUF, BF, D, 1, 64) ATTN_MMA_INST(SUF, BF, D, 2, 128)
+// NT64 / NT128: the threads of a block of 64 / 128 rows
+#define ATTN_TC_ALL(IMPL, NT64, NT128)                                                                       \
+    ATTN_TC_INST(IMPL, bf16, true, 32, 1, 64, NT64) ATTN_TC_INST(IMPL, bf16, true, 32, 2, 128, NT128)         \
+    ATTN_TC_INST(IMPL, bf16, true, 64, 1, 64, NT64) ATTN_TC_INST(IMPL, bf16, true, 64, 2, 128, NT128)         \
+    ATTN_TC_INST(IMPL, f16, false, 32, 1, 64, NT64) ATTN_TC_INST(IMPL, f16, false, 32, 2, 128, NT128)         \
+    ATTN_TC_INST(IMPL, f16, false, 64, 1, 64, NT64) ATTN_TC_INST(IMPL, f16, false, 64, 2, 128, NT128)
 
-ATTN_MMA_ROWS(bf16, true, 32)
-ATTN_MMA_ROWS(bf16, true, 64)
-ATTN_MMA_ROWS(f16, false, 32)
-ATTN_MMA_ROWS(f16, false, 64)
+ATTN_TC_ALL(mma, 128, 128)
 
 // ---------------------------------------------------------------------------------------------
 // Hopper versions (*_wg_<t>_d<D>): the same three kernels and contract as *_mma_*, with warpgroup
@@ -1004,22 +1022,9 @@ __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k
         wg_regs<ND * 4>(o);
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        const int c = h * D + n * 8 + 2 * t4;
-        if (ra < Tn) *reinterpret_cast<unsigned*>(y + (rb + ra) * ldy + c) = pack2<BF>(o[4 * n] * i0, o[4 * n + 1] * i0);
-        if (rc < Tn) *reinterpret_cast<unsigned*>(y + (rb + rc) * ldy + c) = pack2<BF>(o[4 * n + 2] * i1, o[4 * n + 3] * i1);
-    }
-    if (t4 == 0) {
-        if (ra < Tn) lse2[(long long)bh * Tn + ra] = m0 + log2f(l0);
-        if (rc < Tn) lse2[(long long)bh * Tn + rc] = m1 + log2f(l1);
-    }
+    fwd_store<BF, ND>(y, rb, ra, rc, Tn, ldy, h * D + 2 * t4, t4, o, m0, m1, l0, l1, lse2 + (long long)bh * Tn);
 }
+
 
 // dQ per 64 query rows (and dvec, as the mma dQ kernel); key tiles 0 .. the diagonal.
 template <bool BF, int D, int WG>
@@ -1046,19 +1051,8 @@ __device__ void attn_bwd_dq_wg(const u16* __restrict__ q, const u16* __restrict_
     load_afrag<D>(q + h * D, rb, ra, rc, Tn, ld, t4, qa);
     load_afrag<D>(dy + h * D, rb, ra, rc, Tn, ldy, t4, da);
     load_afrag<D>(y + h * D, rb, ra, rc, Tn, ldy, t4, ya);
-    float e0 = 0.0f, e1 = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; i += 2) {
-            e0 += lo_f<BF>(da[kk][i]) * lo_f<BF>(ya[kk][i]) + hi_f<BF>(da[kk][i]) * hi_f<BF>(ya[kk][i]);
-            e1 += lo_f<BF>(da[kk][i + 1]) * lo_f<BF>(ya[kk][i + 1]) + hi_f<BF>(da[kk][i + 1]) * hi_f<BF>(ya[kk][i + 1]);
-        }
-    }
-    e0 += __shfl_xor_sync(0xffffffffu, e0, 1);
-    e0 += __shfl_xor_sync(0xffffffffu, e0, 2);
-    e1 += __shfl_xor_sync(0xffffffffu, e1, 1);
-    e1 += __shfl_xor_sync(0xffffffffu, e1, 2);
+    float e0, e1;
+    dvec_rows<BF, KS>(da, ya, e0, e1);
     if (t4 == 0) {
         if (ra < Tn) dvec[(long long)bh * Tn + ra] = e0;
         if (rc < Tn) dvec[(long long)bh * Tn + rc] = e1;
@@ -1113,12 +1107,7 @@ __device__ void attn_bwd_dq_wg(const u16* __restrict__ q, const u16* __restrict_
         wg_regs<ND * 4>(acc);
         __syncthreads();
     }
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        const int c = h * D + n * 8 + 2 * t4;
-        if (ra < Tn) store_pair<BF>(dq + (rb + ra) * ld + c, acc[4 * n], acc[4 * n + 1], scale, accumulate);
-        if (rc < Tn) store_pair<BF>(dq + (rb + rc) * ld + c, acc[4 * n + 2], acc[4 * n + 3], scale, accumulate);
-    }
+    store_rows<BF, ND>(dq, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, accumulate);
 }
 
 // dK, dV per 64 key rows; query tiles (with dy, lse2, dvec) from the diagonal down.
@@ -1212,42 +1201,10 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
         wg_regs<ND * 4>(dka);
         __syncthreads();
     }
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-        const int c = h * D + n * 8 + 2 * t4;
-        if (ka0 < Tn) {
-            store_pair<BF>(dk + (rb + ka0) * ld + c, dka[4 * n], dka[4 * n + 1], scale, accumulate);
-            store_pair<BF>(dv + (rb + ka0) * ld + c, dva[4 * n], dva[4 * n + 1], 1.0f, accumulate);
-        }
-        if (ka1 < Tn) {
-            store_pair<BF>(dk + (rb + ka1) * ld + c, dka[4 * n + 2], dka[4 * n + 3], scale, accumulate);
-            store_pair<BF>(dv + (rb + ka1) * ld + c, dva[4 * n + 2], dva[4 * n + 3], 1.0f, accumulate);
-        }
-    }
+    store_rows<BF, ND>(dk, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, accumulate);
+    store_rows<BF, ND>(dv, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, accumulate);
 }
 
-// k_attn_<fwd|bwd_dq|bwd_dkv>_wg_<t>_d<D>_r<64 WG>: WG warpgroups (64 rows each) per block.
-#define ATTN_WG_INST(SUF, BF, D, WG, BM)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128 * WG) k_attn_fwd_wg_##SUF##_d##D##_r##BM(               \
-        const u16* q, const u16* k, const u16* v, int ld, u16* y, int ldy, float* lse2, int Tn, int H,       \
-        float sl2) {                                                                                         \
-        attn_fwd_wg<BF, D, WG>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                       \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128 * WG) k_attn_bwd_dq_wg_##SUF##_d##D##_r##BM(            \
-        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, const u16* y, int ldy,              \
-        const float* lse2, float* dvec, u16* dq, int Tn, int H, float sl2, float scale, int accumulate) {    \
-        attn_bwd_dq_wg<BF, D, WG>(q, k, v, ld, dy, y, ldy, lse2, dvec, dq, Tn, H, sl2, scale, accumulate);   \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128 * WG) k_attn_bwd_dkv_wg_##SUF##_d##D##_r##BM(           \
-        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
-        const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate) {        \
-        attn_bwd_dkv_wg<BF, D, WG>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale, accumulate); \
-    }
-#define ATTN_WG_ROWS(SUF, BF, D) ATTN_WG_INST(SUF, BF, D, 1, 64) ATTN_WG_INST(SUF, BF, D, 2, 128)
-
-ATTN_WG_ROWS(bf16, true, 32)
-ATTN_WG_ROWS(bf16, true, 64)
-ATTN_WG_ROWS(f16, false, 32)
-ATTN_WG_ROWS(f16, false, 64)
+ATTN_TC_ALL(wg, 128, 256)  // 128 threads per warpgroup
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
