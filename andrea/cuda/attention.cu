@@ -10,7 +10,7 @@
 // query tiles in order (k_attn_bwd_dkv_*); dQ per query tile by a block that walks the key tiles
 // (k_attn_bwd_dq_*). Each output element has exactly one writer (S and dP are computed by both).
 //
-// Two implementations with the same contract:
+// Three implementations with the same contract:
 //   *_simt_<t>_d<D>: one thread per row, fp32 FMA; any storage type; D in {8, 16, 32, 64, 128};
 //                    D_i = sum dy y comes from k_attn_dvec_<t>.
 //   *_mma_<t>_d<D>:  tensor cores (mma.sync m16n8k16, fp32 accumulate), bf16/fp16 storage,
@@ -20,6 +20,8 @@
 //                    (.trans where the product needs it: no transposed copies); only tiles crossing
 //                    the diagonal are masked; P and dS are rounded to the storage type before their
 //                    matmuls (as FlashAttention does). The dQ kernel also writes D_i (launched first).
+//   *_wg_<t>_d<D>:   the same with warpgroup MMA (wgmma.mma_async, sm_90a: compiled only where the
+//                    loader targets it), 64 rows per warpgroup; see "Hopper versions" below.
 // sl2 = log2(e) / sqrt(D): scores are kept in the log2 domain so exp2f can be used.
 
 // ---------------------------------------------------------------------------------------------
