@@ -922,6 +922,15 @@ __device__ __forceinline__ void async_tile_cm(const u16* __restrict__ src, long 
     }
 }
 
+// Start the copy of 64-row tiles t of a and b (both with leading dimension ld) into buffers t & 1.
+template <int D>
+__device__ __forceinline__ void issue_pair_cm(const u16* a, const u16* b, int ld, long long rb, int t, int Tn,
+                                              u16 (*As2)[64 * D], u16 (*Bs2)[64 * D]) {
+    async_tile_cm<D>(a, rb, t * 64, Tn, ld, As2[t & 1]);
+    async_tile_cm<D>(b, rb, t * 64, Tn, ld, Bs2[t & 1]);
+    cp_async_commit();
+}
+
 // Wait for the tile pair of step t (putting step t+1's in flight first when there is one) and make it
 // visible to wgmma.
 template <typename Issue>
@@ -948,11 +957,7 @@ __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 * WG + wgi * 64, ra = r0 + warp * 16 + g, rc = ra + 8;  // r0: this warpgroup's rows
     const u16 *kh = k + h * D, *vh = v + h * D;
-    auto issue = [&](int t) {
-        async_tile_cm<D>(kh, rb, t * 64, Tn, ld, Ks2[t & 1]);
-        async_tile_cm<D>(vh, rb, t * 64, Tn, ld, Vs2[t & 1]);
-        cp_async_commit();
-    };
+    auto issue = [&](int t) { issue_pair_cm<D>(kh, vh, ld, rb, t, Tn, Ks2, Vs2); };
     issue(0);
     unsigned qa[KS][4];
     load_afrag<D>(q + h * D, rb, ra, rc, Tn, ld, t4, qa);
@@ -1043,11 +1048,7 @@ __device__ void attn_bwd_dq_wg(const u16* __restrict__ q, const u16* __restrict_
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 * WG + wgi * 64, ra = r0 + warp * 16 + g, rc = ra + 8;  // r0: this warpgroup's rows
     const u16 *kh = k + h * D, *vh = v + h * D;
-    auto issue = [&](int t) {
-        async_tile_cm<D>(kh, rb, t * 64, Tn, ld, Ks2[t & 1]);
-        async_tile_cm<D>(vh, rb, t * 64, Tn, ld, Vs2[t & 1]);
-        cp_async_commit();
-    };
+    auto issue = [&](int t) { issue_pair_cm<D>(kh, vh, ld, rb, t, Tn, Ks2, Vs2); };
     issue(0);
     unsigned qa[KS][4], da[KS][4], ya[KS][4];
     load_afrag<D>(q + h * D, rb, ra, rc, Tn, ld, t4, qa);

@@ -15,6 +15,7 @@ are compiled through ``andrea.cuda.loader``; importing this module needs neither
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -275,14 +276,10 @@ def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
     return "simt"
 
 
-_HOPPER: list[bool] = []
-
-
+@functools.cache
 def hopper() -> bool:
     """True on a compute capability 9.0 device (H100/H200): the wgmma kernels exist there."""
-    if not _HOPPER:
-        _HOPPER.append(cp().cuda.Device().compute_capability == "90")
-    return _HOPPER[0]
+    return cp().cuda.Device().compute_capability == "90"
 
 
 # Rows per block of the mma.sync attention kernels (64: 16 per warp, 128: 32 per warp), per
