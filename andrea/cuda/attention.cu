@@ -945,42 +945,56 @@ __device__ __forceinline__ void wg_next(Issue issue, int t, int nt) {
     __syncthreads();
 }
 
+// The forward as FlashAttention-3 orders one warpgroup's work: S_{j+1} = Q K_{j+1}^T and then
+// O += P_j V_j go to the tensor cores together, and the softmax of S_{j+1} runs while P_j V_j is
+// multiplied. Shared stage t holds K tile t and V tile t-1 (the pair one step uses), double-buffered:
+// stage t+2 is in flight while stage t+1 is used. Step j = -1 only starts S_0; a warpgroup is active
+// on key tiles 0 .. its diagonal (the block's other warpgroup may need one tile more).
 template <bool BF, int D, int WG>
 __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, int ld,
                             u16* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H, float sl2) {
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(128) u16 Ks2[2][64 * D];
     __shared__ __align__(128) u16 Vs2[2][64 * D];
-    const int tid = threadIdx.x, wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
-              t4 = lane & 3;
+    // wgi through a shuffle: ptxas then knows it is warp-uniform (no wgmma serialized on divergent paths)
+    const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid >> 7, 0), warp = (tid >> 5) & 3,
+              lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;  // longest rows first
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 * WG + wgi * 64, ra = r0 + warp * 16 + g, rc = ra + 8;  // r0: this warpgroup's rows
     const u16 *kh = k + h * D, *vh = v + h * D;
-    auto issue = [&](int t) { issue_pair_cm<D>(kh, vh, ld, rb, t, Tn, Ks2, Vs2); };
-    issue(0);
-    unsigned qa[KS][4];
+    const int nkt = (min(Tn, qt * 64 * WG + 64 * WG) - 1) / 64 + 1;  // the block's key tiles
+    const int nact = min(nkt, r0 / 64 + 1);                            // this warpgroup's: 0 .. nact-1
+    auto stage = [&](int t) {  // K tile t (t < nkt) and V tile t-1 (t >= 1) into buffers t & 1
+        if (t < nkt) async_tile_cm<D>(kh, rb, t * 64, Tn, ld, Ks2[t & 1]);
+        if (t >= 1) async_tile_cm<D>(vh, rb, (t - 1) * 64, Tn, ld, Vs2[t & 1]);
+        cp_async_commit();
+    };
+    stage(0);
+    unsigned qa[KS][4], pa[4][4];
     load_afrag<D>(q + h * D, rb, ra, rc, Tn, ld, t4, qa);
-    float o[ND * 4];
+    float o[ND * 4], s[32];
 #pragma unroll
     for (int i = 0; i < ND * 4; ++i) o[i] = 0.0f;
-    float m0 = -ANDREA_INF, m1 = -ANDREA_INF, l0 = 0.0f, l1 = 0.0f;
-    const int nkt = (min(Tn, qt * 64 * WG + 64 * WG) - 1) / 64 + 1;
-    for (int kt = 0; kt < nkt; ++kt) {
-        wg_next(issue, kt, nkt);
-        const u16* Ks = Ks2[kt & 1];
-        const u16* Vs = Vs2[kt & 1];
-        const int k0 = kt * 64;
-        if (k0 > r0 + 63) {  // every key of this tile follows every row of this warpgroup
-            __syncthreads();
-            continue;
-        }
-        float s[32];
-        wg_fence();
+    float m0 = -ANDREA_INF, m1 = -ANDREA_INF, l0 = 0.0f, l1 = 0.0f, c0 = 1.0f, c1 = 1.0f;
+    auto top = [&](int j) {  // step j uses stage j+1; every warp has finished step j-1 past the barrier
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();
+        if (j + 2 <= nkt) stage(j + 2);
+    };
+    auto issue_s = [&](int j) {  // S_{j+1} = Q K_{j+1}^T
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(s, qa[kk], desc_xt<D>(Ks, kk), kk);
-        wg_commit_wait();
-        wg_regs<32>(s);
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(s, qa[kk], desc_xt<D>(Ks2[(j + 1) & 1], kk), kk);
+        wg_commit();
+    };
+    auto issue_pv = [&](int j) {  // O += P_j V_j
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(o, pa[kk], desc_x<D>(Vs2[(j + 1) & 1], kk), 1);
+        wg_commit();
+    };
+    auto softmax = [&](int kt) {  // S_kt (in s) -> unnormalized P_kt; m, l and the factor c for o
+        const int k0 = kt * 64;
         if (k0 + 63 > r0 || k0 + 64 > Tn) {
 #pragma unroll
             for (int i = 0; i < 32; ++i) {
@@ -990,9 +1004,9 @@ __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k
         }
         float mx0 = -ANDREA_INF, mx1 = -ANDREA_INF;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-            mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        for (int jj = 0; jj < 8; ++jj) {
+            mx0 = fmaxf(mx0, fmaxf(s[4 * jj], s[4 * jj + 1]));
+            mx1 = fmaxf(mx1, fmaxf(s[4 * jj + 2], s[4 * jj + 3]));
         }
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
@@ -1000,35 +1014,61 @@ __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
         const float n0 = fmaxf(m0, mx0 * sl2), n1 = fmaxf(m1, mx1 * sl2);  // log2 domain
         const float z0 = (n0 == -ANDREA_INF) ? 0.0f : n0, z1 = (n1 == -ANDREA_INF) ? 0.0f : n1;
-        const float c0 = exp2f(m0 - z0), c1 = exp2f(m1 - z1);
+        c0 = exp2f(m0 - z0);
+        c1 = exp2f(m1 - z1);
         m0 = n0;
         m1 = n1;
         float ps0 = 0.0f, ps1 = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            s[4 * j] = exp2f(fmaf(s[4 * j], sl2, -z0));
-            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], sl2, -z0));
-            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], sl2, -z1));
-            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], sl2, -z1));
-            ps0 += s[4 * j] + s[4 * j + 1];
-            ps1 += s[4 * j + 2] + s[4 * j + 3];
+        for (int jj = 0; jj < 8; ++jj) {
+            s[4 * jj] = exp2f(fmaf(s[4 * jj], sl2, -z0));
+            s[4 * jj + 1] = exp2f(fmaf(s[4 * jj + 1], sl2, -z0));
+            s[4 * jj + 2] = exp2f(fmaf(s[4 * jj + 2], sl2, -z1));
+            s[4 * jj + 3] = exp2f(fmaf(s[4 * jj + 3], sl2, -z1));
+            ps0 += s[4 * jj] + s[4 * jj + 1];
+            ps1 += s[4 * jj + 2] + s[4 * jj + 3];
         }
         l0 = l0 * c0 + ps0;
         l1 = l1 * c1 + ps1;
+    };
+    auto rescale_pack = [&]() {  // o to the new maximum; P into A fragments (the last P V is done)
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
             o[4 * n] *= c0; o[4 * n + 1] *= c0; o[4 * n + 2] *= c1; o[4 * n + 3] *= c1;
         }
-        unsigned pa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&s[8 * kk], &s[8 * kk + 4], pa[kk]);
+    };
+    // step -1: S_0 alone (nact >= 1)
+    top(-1);
+    wg_fence();
+    issue_s(-1);
+    wg_wait<0>();
+    wg_regs<32>(s);
+    softmax(0);
+    rescale_pack();
+    // steps 0 .. nact-2: S_{j+1} and P_j V_j in flight together, the softmax of S_{j+1} under P_j V_j
+    int j = 0;
+    for (; j < nact - 1; ++j) {
+        top(j);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(o, pa[kk], desc_x<D>(Vs, kk), 1);
-        wg_commit_wait();
+        issue_s(j);
+        issue_pv(j);
+        wg_wait<1>();
+        wg_regs<32>(s);
+        softmax(j + 1);
+        wg_wait<0>();
         wg_regs<ND * 4>(o);
-        __syncthreads();  // every warp is done with this buffer before it is refilled
+        rescale_pack();
     }
+    // the last step of this warpgroup: P V alone; then the block's remaining steps (the other
+    // warpgroup's diagonal tile) only keep the stages and barriers in step
+    top(j);
+    wg_fence();
+    issue_pv(j);
+    wg_wait<0>();
+    wg_regs<ND * 4>(o);
+    for (++j; j < nkt; ++j) top(j);
     fwd_store<BF, ND>(y, rb, ra, rc, Tn, ldy, h * D + 2 * t4, t4, o, m0, m1, l0, l1, lse2 + (long long)bh * Tn);
 }
 

@@ -256,13 +256,13 @@ def k_scale(g, n, s):
 
 
 # The tensor-core kernels each pass runs on a compute capability 9.0 device: "wg" (wgmma) or "mma"
-# (mma.sync). H200, one layer (docs/bench/attn_wgmma_h200.md): the wgmma backward is 8-23% faster
-# (120M B=32 0.885 vs 0.963 ms, 480M B=8 0.468 vs 0.512, 12M B=8 0.140 vs 0.183), the forwards are
-# within 4%, and the whole step ran 1.7-9% faster with {"fwd": "mma", "bwd": "wg"}
-# (`bench/engine_gpu.py --attn mma,wg`). Session 9 (H200): the engine's gpu tests pass with the
-# wgmma backward (end-to-end gradients bf16/fp16, repeat and resume bytes; 211 passed), and the step
-# ran 4.82 -> 4.67 ms (12M B=8), 54.14 -> 53.05 (120M B=32), 54.59 -> 53.74 (480M B=8).
-ATTN_HOPPER = {"fwd": "mma", "bwd": "wg"}
+# (mma.sync). H200, one layer, session 9 (docs/bench/attn_wgmma_h200.md): the wgmma forward (the
+# FlashAttention-3 order: softmax under the P V product) 0.0505 / 0.2626 / 0.1425 ms against mma's
+# 0.0567 / 0.2770 / 0.1498 (12M B=8, 120M B=32, 480M B=8), the wgmma backward 0.140 / 0.893 / 0.469
+# against 0.184 / 0.965 / 0.512. The whole step, same call (`bench/engine_gpu.py --attn F,B`), wg,wg
+# against mma,wg: 4.13 vs 4.26 ms (12M B=8), 25.94 vs 26.35 (B=64), 52.49 vs 53.37 (120M B=32),
+# 53.62 vs 54.19 (480M B=8); the engine gpu tests pass with either pair (213 passed).
+ATTN_HOPPER = {"fwd": "wg", "bwd": "wg"}
 
 
 def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
