@@ -388,7 +388,11 @@ def embed_segments(idx_host: np.ndarray):
     segment starts (n_seg + 1,) and the token of each segment. (N,) int32 arrays, padded."""
     flat = np.ascontiguousarray(idx_host, dtype=np.int32).reshape(-1)
     N = flat.size
-    order = np.argsort(flat, kind="stable").astype(np.int32)
+    # The step waits for this on the host (the GPU idles meanwhile): NumPy's stable argsort is a
+    # radix sort for 16-bit keys, 8-14x faster than its int32 merge sort at 32-64K tokens (5.8 ->
+    # about 1 ms a step at 12M B=64), same order. Ids past 16 bits keep the int32 sort.
+    keys = flat.astype(np.uint16) if N and 0 <= flat.min() and flat.max() < 1 << 16 else flat
+    order = np.argsort(keys, kind="stable").astype(np.int32)
     s = flat[order]
     starts = np.flatnonzero(np.concatenate(([True], s[1:] != s[:-1]))).astype(np.int32)
     n_seg = starts.size
