@@ -638,7 +638,7 @@ def main(argv=None) -> int:
             # ours' step time that no class holds: the GPU waiting on the host (batch prep, launches,
             # syncs) or on kernels no launcher wraps; session 9 found 6.6 ms of host work here at 12M B=64
             idle = bd["total"] - sum(bd[c] for c in CLASS_ORDER if c in bd)
-            r["breakdown_ms"]["unattributed"] = idle
+            bd["unattributed"] = idle
             print(f"  {'unattributed':<16} {idle:8.2f}")
             print(f"  {'total':<16} {bd['total']:8.2f} {'':8} {sum(theirs.values()) if theirs else float('nan'):8.2f}")
             gf = gemm_flops(s, B)
