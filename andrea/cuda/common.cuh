@@ -88,3 +88,19 @@ __device__ __forceinline__ float block_reduce(float v, float* buf) {
 }
 __device__ __forceinline__ float block_sum(float v, float* buf) { return block_reduce<false>(v, buf); }
 __device__ __forceinline__ float block_max(float v, float* buf) { return block_reduce<true>(v, buf); }
+
+// The MLP's GELU (tanh form) and its derivative, shared by the training kernels (elementwise.cu),
+// the fp8 gradient cast (fp8.cu) and decoding (decode.cu):
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = k (x + a x^3): one expf, no tanhf.
+#define GELU_K 0.7978845608028654f  // sqrt(2/pi)
+#define GELU_C 0.044715f
+__device__ __forceinline__ float gelu_f(float x) {
+    const float u = GELU_K * (x + GELU_C * x * x * x);
+    return x / (1.0f + expf(-2.0f * u));
+}
+// d gelu / dx = s + x s (1 - s) 2 u', s = sigmoid(2u), u' = k (1 + 3a x^2)
+__device__ __forceinline__ float gelu_grad_f(float x) {
+    const float u = GELU_K * (x + GELU_C * x * x * x);
+    const float s = 1.0f / (1.0f + expf(-2.0f * u));
+    return s + x * s * (1.0f - s) * 2.0f * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
+}

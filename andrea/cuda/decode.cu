@@ -38,8 +38,6 @@
 
 #define DEC_CH 64        // positions per attention block
 #define DEC_PF 4         // 16-byte weight chunks per lane loaded before the LayerNorm prologue
-#define GELU_K 0.7978845608028654f
-#define GELU_C 0.044715f
 
 extern "C" __global__ void k_dec_embed(const float* __restrict__ wte, const float* __restrict__ wpe,
                                        const int* __restrict__ state, float* __restrict__ x, int C) {
@@ -49,11 +47,6 @@ extern "C" __global__ void k_dec_embed(const float* __restrict__ wte, const floa
 }
 
 template <typename T> __device__ __forceinline__ T round_t(float v) { return from_f<T>(v); }
-
-__device__ __forceinline__ float gelu_dec(float x) {
-    const float u = GELU_K * (x + GELU_C * x * x * x);
-    return x / (1.0f + expf(-2.0f * u));
-}
 
 // acc += the 16-byte chunk u of a weight row times a[c * VE ..] (a in shared memory)
 template <typename T>
@@ -120,7 +113,7 @@ __device__ void dec_ln_gemv(const float* __restrict__ x, const float* __restrict
     if (mode == 2) {
         reinterpret_cast<float*>(out)[n] = acc;
     } else if (mode == 1) {
-        reinterpret_cast<T*>(out)[n] = round_t<T>(gelu_dec(to_f(round_t<T>(acc))));
+        reinterpret_cast<T*>(out)[n] = round_t<T>(gelu_f(to_f(round_t<T>(acc))));
     } else {
         const int C = N / 3;
         if (n < C) {

@@ -9,8 +9,7 @@
 //                      16-byte aligned buffers; the launchers in kernels.py choose them)
 // GELU is evaluated as x * sigmoid(2u) (one expf), the same function as 0.5 x (1 + tanh u).
 
-#define GELU_K 0.7978845608028654f  // sqrt(2/pi)
-#define GELU_C 0.044715f
+// (gelu_f, gelu_grad_f: common.cuh)
 
 // 8 consecutive elements per thread: one 16-byte access for 16-bit storage, two for fp32.
 template <typename T>
@@ -24,18 +23,6 @@ __device__ __forceinline__ void store8(T* p, const float* f) {
     uint4* q = reinterpret_cast<uint4*>(p);
     q[0] = pack16<T>(f);
     if constexpr (sizeof(T) == 4) q[1] = pack16<T>(f + 4);
-}
-
-// gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = k (x + a x^3): one expf, no tanhf.
-__device__ __forceinline__ float gelu_f(float x) {
-    const float u = GELU_K * (x + GELU_C * x * x * x);
-    return x / (1.0f + expf(-2.0f * u));
-}
-// d gelu / dx = s + x s (1 - s) 2 u', s = sigmoid(2u), u' = k (1 + 3a x^2)
-__device__ __forceinline__ float gelu_grad_f(float x) {
-    const float u = GELU_K * (x + GELU_C * x * x * x);
-    const float s = 1.0f / (1.0f + expf(-2.0f * u));
-    return s + x * s * (1.0f - s) * 2.0f * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
 }
 
 template <typename T>
