@@ -29,6 +29,9 @@ other (never resident together).
 ``--fp8-gelu``: ours in the first fp8 ``--precision`` again for each engine.FUSE_GELU_FP8 choice given
 (``fwd,bwd``: the GELU in the fc forward's and proj dgrad's FP8 epilogues; ``fwd``: the forward's
 only; ``none``: fp8's separate GELU passes, h_act recomputed), same run.
+``--fp8-plain``: ours in the first fp8 ``--precision`` again with the casts as they were before
+session 10 (every weight-gradient transpose cast in the backward, k_gelu_bwd then the cast of dL/dh,
+the weights cast one by one), same run; the same bytes, so only the time differs.
 ``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
 choice of the tensor-core kernels, mma.sync and (on a compute capability 9.0 device) wgmma
 (andrea.cuda.kernels.ATTN_MMA_ROWS / ATTN_WG_ROWS pick one per kernel and D, ATTN_HOPPER the kernels).
@@ -156,8 +159,11 @@ OUR_CLASSES = {"k_attn_fwd": "attention fwd", "k_attn_bwd": "attention bwd", "k_
                "k_gelu_bwd": "elementwise",
                "k_residual_add": "elementwise", "k_cast": "elementwise", "k_loss_fwd": "loss", "k_loss_bwd": "loss",
                "k_loss_mean": "loss", "k_embed_fwd": "embed", "k_embed_bwd": "embed"}
-CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "layernorm", "elementwise", "loss", "embed", "optimizer",
-               "other"]
+CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "fp8 cast", "layernorm", "elementwise", "loss", "embed",
+               "optimizer", "other"]
+# fp8: the E4M3 casts Fp8Gemm runs inside each GEMM call (andrea.cuda.fp8's launchers) are their own class,
+# taken out of the GEMM that ran them; the weights' casts after the optimizer stay in "optimizer"
+FP8_CASTS = ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_t")
 
 
 def class_flops(s: dict, B: int) -> dict:
@@ -173,6 +179,7 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     import cupy as cp
 
     import andrea.cuda.engine as be                      # the launchers the engine's FastOps call
+    import andrea.cuda.fp8 as f8m                        # the E4M3 casts inside fp8's GEMM calls
     from andrea.cuda.backend import make_backend
     from andrea.engine.engine import Hyper
     from andrea.engine.model import ModelConfig
@@ -187,50 +194,60 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     pairs = []
     names = [n for n in OUR_CLASSES if hasattr(be, n)]
     saved = {n: getattr(be, n) for n in names}
+    saved8 = {n: getattr(f8m, n) for n in FP8_CASTS}
     mm = eng.ops._mm
+    phase = ["step"]                                      # "update" once the optimizer runs
 
-    def timed(name, fn):
+    def timed(name, fn, mod_phase=False):
         def w(*a, **k):
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record(eng.stream)
             fn(*a, **k)
             e1.record(eng.stream)
-            pairs.append((name, e0, e1))
+            pairs.append((("fp8 weight cast" if phase[0] == "update" else name) if mod_phase else name, e0, e1, 0))
         return w
 
     def timed_mm(*a, tag="gemm", **k):                    # FastOps._mm: one GEMM, named by its tag
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        first = len(pairs)
         e0.record(eng.stream)
         mm(*a, tag=tag, **k)
         e1.record(eng.stream)
-        pairs.append(("gemm " + tag, e0, e1))
+        pairs.append(("gemm " + tag, e0, e1, len(pairs) - first))   # the casts it ran are the pairs before it
 
     for n in names:
         setattr(be, n, timed(OUR_CLASSES[n], saved[n]))
+    for n in FP8_CASTS:
+        setattr(f8m, n, timed("fp8 cast", saved8[n], mod_phase=True))
     eng.ops._mm = timed_mm
     per_rep = []
     try:
         for _ in range(reps + 1):
             pairs.clear()
+            phase[0] = "step"
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record(eng.stream)
             eng.zero_grads()
             eng.micro_step(x, y)
             o0 = cp.cuda.Event()
             o0.record(eng.stream)
+            phase[0] = "update"
             eng.apply_update(1, 3.0, 3e-4, 1, Hyper())
             e1.record(eng.stream)
             e1.synchronize()
             out: dict[str, float] = {}
-            for name, a, b in pairs:
-                out[name] = out.get(name, 0.0) + cp.cuda.get_elapsed_time(a, b)
+            ms = [cp.cuda.get_elapsed_time(a, b) for _, a, b, _ in pairs]
+            for i, (name, _, _, nested) in enumerate(pairs):
+                out[name] = out.get(name, 0.0) + ms[i] - sum(ms[i - nested:i])
             out["gemm"] = sum(v for k, v in out.items() if k.startswith("gemm "))
-            out["optimizer"] = cp.cuda.get_elapsed_time(o0, e1)
+            out["optimizer"] = cp.cuda.get_elapsed_time(o0, e1)    # fp8: with its "fp8 weight cast"
             out["total"] = cp.cuda.get_elapsed_time(e0, e1)
             per_rep.append(out)
     finally:
         for n in names:
             setattr(be, n, saved[n])
+        for n in FP8_CASTS:
+            setattr(f8m, n, saved8[n])
         eng.ops._mm = mm
     del eng
     cp.get_default_memory_pool().free_all_blocks()
@@ -533,6 +550,10 @@ def main(argv=None) -> int:
                     help="also time ours in the first fp8 --precision with these engine.FUSE_GELU_FP8 choices "
                          "(the GEMMs with the GELU epilogue), e.g. fwd,bwd fwd none "
                          "(default set: engine.FUSE_GELU_FP8)")
+    ap.add_argument("--fp8-plain", action="store_true",
+                    help="also time ours in the first fp8 --precision casting as before session 10: every "
+                         "transpose in the backward, k_gelu_bwd then the cast, the weights one by one "
+                         "(fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST off, Fp8Gemm.cast_weights_each)")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--attn", default=None, metavar="FWD,BWD",
@@ -590,6 +611,18 @@ def main(argv=None) -> int:
             print(f"{key}: ours {p8} with the GELU epilogue on {ch} {x['ms']:.2f} ms/step, peak "
                   f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
             save(key, r)
+        if p8 and args.fp8_plain:
+            import andrea.cuda.fp8 as k8
+
+            saved = (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights)
+            k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights = False, False, k8.Fp8Gemm.cast_weights_each
+            try:
+                r[f"ours-{p8}-plain"] = x = bench_ours(s, B, args.steps, args.warmup, p8)
+            finally:
+                k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights = saved
+            print(f"{key}: ours {p8} casting as before (--fp8-plain) {x['ms']:.2f} ms/step, peak "
+                  f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
+            save(key, r)
         for a in args.anchors:
             prof = args.breakdown and compiled and a == compiled[0]
             r[a] = bench_torch(s, B, args.steps, args.warmup, a, profile=bool(prof))
@@ -640,6 +673,8 @@ def main(argv=None) -> int:
             idle = bd["total"] - sum(bd[c] for c in CLASS_ORDER if c in bd)
             bd["unattributed"] = idle
             print(f"  {'unattributed':<16} {idle:8.2f}")
+            if "fp8 weight cast" in bd:
+                print(f"  {'(of optimizer: fp8 weight casts':<16} {bd['fp8 weight cast']:8.2f})")
             print(f"  {'total':<16} {bd['total']:8.2f} {'':8} {sum(theirs.values()) if theirs else float('nan'):8.2f}")
             gf = gemm_flops(s, B)
             print(f"  per GEMM (ours, in the step): {'ms':>8} {'TFLOP/s':>8} {'share':>6}")

@@ -66,10 +66,12 @@ def test_without_the_fusion_bf16_recomputes_and_plans_fewer_bytes(monkeypatch):
 def test_fp8_mlp_runs_the_epilogues_it_was_given(monkeypatch, fp8_gemms):
     """FastOps over a recording stand-in for Fp8Gemm: the fc forward with GELU_AUX writing h_act and
     aux h_pre, the proj dgrad with DGELU reading h_pre, and no k_gelu_fwd / k_gelu_bwd pass where an
-    epilogue does it; the GEMMs in the order the dY-cast reuse needs (proj dgrad, then its wgrad)."""
+    epilogue does it; the GEMMs in the order the dY-cast reuse needs (proj dgrad, then its wgrad);
+    without the DGELU epilogue the GELU backward is deferred into the cast of dh (fp8.DGELU_CAST) or,
+    with that off, k_gelu_bwd."""
     from types import SimpleNamespace
 
-    from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX
+    from andrea.cuda.cublaslt import EPILOGUE_DEFAULT
 
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(fp8_gemms))
     calls = []
@@ -81,7 +83,16 @@ def test_fp8_mlp_runs_the_epilogues_it_was_given(monkeypatch, fp8_gemms):
         monkeypatch.setattr(ce, k, lambda *a, _k=k: calls.append((_k,)))
     t = {n: SimpleNamespace(name=n, size=8) for n in ("out", "h_pre", "h_act", "x", "w_fc", "w_proj", "dx", "dw_fc",
                                                       "dw_proj", "dout", "dh")}
-    ops = ce.FastOps("bf16", None, {"dh": t["dh"]}, f8=SimpleNamespace(mm=mm))
+    for dgelu_cast in (True, False):      # fp8.DGELU_CAST: gelu' inside the next GEMM's cast of dh, or k_gelu_bwd
+        monkeypatch.setattr(ce.fp8_mod, "DGELU_CAST", dgelu_cast)
+        calls.clear()
+        f8 = SimpleNamespace(mm=mm, memo_enabled=True, defer_dgelu=lambda G, hp: calls.append(("defer", G.name, hp.name)))
+        _mlp_calls(ce.FastOps("bf16", None, {"dh": t["dh"]}, f8=f8), t, calls, fp8_gemms, dgelu_cast)
+
+
+def _mlp_calls(ops, t, calls, fp8_gemms, dgelu_cast):
+    from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX
+
     assert (ops.fused, ops.fused_bwd) == ("fwd" in fp8_gemms, "bwd" in fp8_gemms)
     ops.mlp_forward(t["out"], t["h_pre"], t["h_act"], t["x"], t["w_fc"], t["w_proj"])
     fc = [("mm", "h_act", "x", "w_fc", EPILOGUE_GELU_AUX, "h_pre")] if ops.fused else \
@@ -93,5 +104,6 @@ def test_fp8_mlp_runs_the_epilogues_it_was_given(monkeypatch, fp8_gemms):
     dgrad = ("mm", "dh", "dout", "w_proj", EPILOGUE_DGELU if ops.fused_bwd else EPILOGUE_DEFAULT,
              "h_pre" if ops.fused_bwd else None)
     wgrad = ("mm", "dw_proj", "h_act", "dout", EPILOGUE_DEFAULT, None)
-    assert calls == [dgrad, wgrad] + ([] if ops.fused_bwd else [("k_gelu_bwd",)]) + [
+    gelu_bwd = [("defer", "dh", "h_pre")] if dgelu_cast else [("k_gelu_bwd",)]
+    assert calls == [dgrad, wgrad] + ([] if ops.fused_bwd else gelu_bwd) + [
         ("mm", "dw_fc", "x", "dh", EPILOGUE_DEFAULT, None), ("mm", "dx", "dh", "w_fc", EPILOGUE_DEFAULT, None)]

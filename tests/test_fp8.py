@@ -230,8 +230,8 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
 
     casts = []
 
-    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None):
-        assert scale is None and rec is None                   # current scaling
+    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None, hp=None):
+        assert scale is None and rec is None and hp is None    # current scaling
         q, iv = f8.quantize(f8.bf16_to_f32(np.asarray(x)))
         casts.append(x.data.ptr)
         inv[0] = iv
@@ -324,7 +324,8 @@ def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_mem
 
     calls = []
 
-    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None):
+    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None, hp=None):
+        assert hp is None
         xf = f8.bf16_to_f32(np.asarray(x))
         if scale is None:
             q, iv = f8.quantize(xf)
@@ -440,3 +441,200 @@ def test_an_amax_equal_to_its_history_does_not_count_as_clipped():
     assert h.push([a, 448.0, 5.0]) == 0                         # site 1 (scale 1) holds 448 itself
     assert h.push([np.nextafter(a, np.float32(2)), np.float32(449.0), np.nan]) == 3
     assert h.clipped_total == 3
+
+
+# ----------------------------------------------------------------------------- what a step casts, and when
+def _twin_quantize(log):
+    """Fp8Gemm's ``quantize`` as the NumPy twin (both scalings, the GELU-backward input ``hp``),
+    logging (source ptr, site or None, had hp, wrote the natural copy, wrote the transpose)."""
+    from andrea.engine import ops_numpy as ops
+
+    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None, hp=None):
+        xf = f8.bf16_to_f32(np.asarray(x))
+        if hp is not None:                                     # bf16(dL/dh_act * gelu'(h_pre)), as k_gelu_bwd
+            u = f8.bf16_to_f32(np.asarray(hp)).astype(np.float64)
+            th = np.tanh(ops.GELU_K * (u + ops.GELU_A * u ** 3))
+            d = xf * (0.5 * (1 + th) + 0.5 * u * (1 - th ** 2) * ops.GELU_K * (1 + 3 * ops.GELU_A * u ** 2))
+            xf = f8.bf16_to_f32((d.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        if scale is None:
+            q, iv = f8.quantize(xf)
+            inv[0] = iv
+        else:
+            q, _, _ = f8.quantize_delayed(xf, scale[0])
+        site = None
+        if rec is not None:
+            rec[0] = max(rec[0], f8.amax(xf))
+            site = (rec.data.ptr - log["cur"].data.ptr) // 4
+        log["calls"].append((x.data.ptr, site, hp is not None, out is not None, out_t is not None))
+        if out is not None:
+            out.reshape(-1)[:] = q.reshape(-1)
+        if out_t is not None:
+            out_t[:] = q.reshape(R, C).T
+    return quantize
+
+
+def _gemm_rig(monkeypatch, scaling, saved, n_sites=3, seed=8):
+    """An Fp8Gemm over host arrays (twin casts) whose mm_nt records the E4M3 operands and factors
+    it is given; ``saved``: the arena has f8_saved (SAVE_TRANSPOSES)."""
+    from types import SimpleNamespace
+
+    import andrea.cuda.fp8 as k8
+
+    rng = np.random.default_rng(seed)
+    N, C = 128, 64
+    bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    W = _dev(bf((C, 4 * C)))
+    layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=W.size)])
+    plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
+    cur = _dev(np.zeros(n_sites, np.float32))
+    log = {"cur": cur, "calls": [], "gemms": []}
+    monkeypatch.setattr(k8, "quantize", _twin_quantize(log))
+    inv_arr = _dev(np.zeros(k8.SLOT * (k8.n_slots(plan) + n_sites + 4), np.float32))
+    a = {"w8": _dev(np.zeros(2 * 256 * 64 * 4, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
+         "f8_inv": inv_arr, "f8_cur": cur, **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
+    if saved:
+        a["f8_saved"] = _dev(np.zeros(4 * N * 4 * C, np.uint8))
+
+    def mm_nt(D, X8, Y8, x_inv, y_inv, *rest, **kw):
+        val = lambda p: float(inv_arr[(p - inv_arr.data.ptr) // 4])  # noqa: E731
+        log["gemms"].append((np.array(X8), val(x_inv), np.array(Y8), val(y_inv)))
+
+    lt = SimpleNamespace(mm_nt=mm_nt, mm=lambda *a_, **k: None)
+    g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, set(), None, lt=lt, scaling=scaling, n_sites=n_sites, history=4)
+    g._stream = lambda: 0
+    X, dY, H = _dev(bf((N, C))), _dev(bf((N, 4 * C), 1e-3)), _dev(bf((N, 4 * C)))
+    return g, log, W, X, dY, H
+
+
+def _same_gemms(a, b):
+    assert len(a) == len(b)
+    for (x, xi, y, yi), (x2, xi2, y2, yi2) in zip(a, b):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+        assert (xi, yi) == (xi2, yi2)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_saved_transposes_give_the_weight_gradient_the_same_operands_and_sites(monkeypatch, scaling):
+    """SAVE_TRANSPOSES: the forward casts X in both orientations and the weight gradient X^T dY takes
+    the kept X^T instead of casting X again. Every GEMM gets the same E4M3 bytes and factors as
+    casting where needed (two steps, so delayed scaling reads its history); delayed scaling keeps
+    the site numbering, the weight gradient's site taking the forward site's amax. A transpose the
+    backward does not take is refused; an evaluation forward keeps none."""
+    runs = {}
+    for saved in (False, True):
+        g, log, W, X, dY, _ = _gemm_rig(monkeypatch, scaling, saved)
+        out, dX, dW = (_dev(np.zeros((128, 256), np.uint16)), _dev(np.zeros((128, 64), np.uint16)),
+                       _dev(np.zeros((64, 256), np.float32)))
+        hist = []
+        for _ in range(2):
+            g.reset_amax()
+            g.begin()
+            g.mm(out, X, W)                      # site 0: X (and, saved, X^T)
+            g.mm(dX, dY, W, tb=True)             # site 1: dY
+            g.mm(dW, X, dY, ta=True, beta=1.0)   # site 2: X^T, cast or taken
+            g.check_pass()
+            if g.hist is not None:
+                g.after_step(None)
+                hist.append(np.array(g.hist.state()["amax_history"]))
+        runs[saved] = (log, hist)
+    (plain, h0), (kept, h1) = runs[False], runs[True]
+    _same_gemms(plain["gemms"], kept["gemms"])
+    for a, b in zip(h0, h1):
+        np.testing.assert_array_equal(a, b)
+    x_ptr = X.data.ptr
+    assert [c[0] for c in kept["calls"]][:2] == [x_ptr, dY.data.ptr] and len(kept["calls"]) == 4   # X cast once a step
+    assert kept["calls"][0][3:] == (True, True)                # both orientations in the forward
+    if scaling == "delayed":
+        assert [c[1] for c in plain["calls"][3:]] == [0, 1, 2] and [c[1] for c in kept["calls"][2:]] == [0, 1]
+        assert g._shadow == [(2, 0)]
+    g.begin()
+    g.mm(out, X, W)
+    g.site = g.n_sites
+    with pytest.raises(AndreaError, match="1 saved activation transposes were not used"):
+        g.check_pass()
+    kept["calls"].clear()
+    g.begin(backward=False)                                    # evaluation: natural copy only
+    g.mm(out, X, W)
+    assert kept["calls"][0][3:] == (True, False) and not g._saved
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_deferred_gelu_backward_cast_equals_casting_the_bf16_gradient(monkeypatch, scaling):
+    """DGELU_CAST: ``defer_dgelu(dh, h_pre)`` makes the next GEMM cast bf16(dh * gelu'(h_pre)) from
+    dh and h_pre (one cast, both orientations, dh left as it is) and the GEMM after it reuse that cast:
+    the same operands, factors and sites as writing dL/dh_pre in bf16 first (k_gelu_bwd) and casting
+    it. An unused deferral and a deferral with the reuse off are refused."""
+    from andrea.engine import ops_numpy as ops
+
+    got = {}
+    for deferred in (False, True):
+        g, log, W, X, dY, H = _gemm_rig(monkeypatch, scaling, False, n_sites=2)
+        dh, dX, dW = _dev(np.array(dY)), _dev(np.zeros((128, 64), np.uint16)), _dev(np.zeros((64, 256), np.float32))
+        Wt = _dev(np.ascontiguousarray(np.asarray(W)))
+        g.begin()
+        if deferred:
+            g.defer_dgelu(dh, H)
+        else:                                                  # the bf16 pass it replaces
+            u = f8.bf16_to_f32(np.asarray(H)).astype(np.float64)
+            th = np.tanh(ops.GELU_K * (u + ops.GELU_A * u ** 3))
+            d = f8.bf16_to_f32(np.asarray(dh)) * (0.5 * (1 + th) + 0.5 * u * (1 - th ** 2) * ops.GELU_K
+                                                  * (1 + 3 * ops.GELU_A * u ** 2))
+            dh[...] = (d.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        g.mm(dW, X, dh, ta=True, beta=1.0)                     # fc wgrad: X^T, then dh (site 1)
+        g.mm(dX, dh, Wt, tb=True)                              # fc dgrad: dh reused
+        got[deferred] = log
+        if deferred:
+            np.testing.assert_array_equal(np.asarray(dh), np.asarray(dY))     # dL/dh_act untouched
+            assert [c[2] for c in log["calls"]] == [False, True] and len(log["calls"]) == 2
+    _same_gemms(got[False]["gemms"], got[True]["gemms"])
+    assert [c[1] for c in got[False]["calls"]] == [c[1] for c in got[True]["calls"]]
+    g.begin()
+    g.defer_dgelu(dh, H)
+    with pytest.raises(AndreaError, match="deferred GELU-backward cast"):
+        g.mm(dX, dY, Wt, tb=True)                              # a GEMM on another gradient
+    g.memo_enabled = False
+    with pytest.raises(AndreaError, match="needs the cast reuse"):
+        g.defer_dgelu(dh, H)
+
+
+def test_weight_table_casts_every_weight_like_casting_them_one_by_one(monkeypatch):
+    """``weight_table`` and the twin of its two launches (fp8_numpy.cast_weights_table, block by block
+    as k_fp8_wamax / k_fp8_wcast split the work) give the same w8 and factors as the weight-by-weight
+    casts; every block lands inside its weight; a misaligned weight is refused."""
+    from types import SimpleNamespace
+
+    import andrea.cuda.fp8 as k8
+
+    rng = np.random.default_rng(5)
+    shapes = [("h.0.attn.w_qkv", (64, 192)), ("h.0.attn.w_o", (64, 64)), ("h.0.mlp.w_fc", (128, 512)),
+              ("h.0.mlp.w_proj", (512, 128))]
+    n = sum(r * c + 8 for _, (r, c) in shapes)
+    wlow = _dev((rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
+    wlow[5] = 0x7F80                                           # an inf outside the weights changes nothing
+    WL, off = {}, 8
+    for name, (r, c) in shapes:
+        WL[name] = wlow[off:off + r * c].reshape(r, c).view(_Dev)
+        off += r * c
+    WL["h.0.mlp.w_fc"][3, 7] = 0xFF80                          # -inf inside one: not in its amax, NaN code
+    layout = SimpleNamespace(tensors=[SimpleNamespace(name=nm, size=r * c) for nm, (r, c) in shapes])
+    plan, n8 = k8.weight_plan(layout, ("attn.w_qkv", "attn.w_o", "mlp.w_fc", "mlp.w_proj"))
+    rows = [(WL[nm], o, ot, slot) for nm, (o, ot, slot) in plan.items()]
+    table, chunks, tiles = k8.weight_table(rows, wlow.data.ptr)
+    assert table.shape == (4, 8) and tiles == sum((r // 64) * (c // 64) for _, (r, c) in shapes)
+    assert chunks == sum(-(-r * c // k8.WCHUNK) for _, (r, c) in shapes) and list(table[:, 5]) == [
+        k8.SLOT * s for _, _, s in plan.values()]
+    inv_len = k8.SLOT * (k8.n_slots(plan) + 1)
+    w8, inv = np.zeros(n8, np.uint8), np.zeros(inv_len, np.float32)
+    f8.cast_weights_table(np.asarray(wlow), table, chunks, tiles, w8, inv)
+    log = {"cur": _dev(np.zeros(1, np.float32)), "calls": []}
+    monkeypatch.setattr(k8, "quantize", _twin_quantize(log))
+    a = {"w8": _dev(np.zeros(n8, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
+         "f8_inv": _dev(np.zeros(inv_len, np.float32)), "lt_ws": None}
+    g = k8.Fp8Gemm(a, WL, plan, set(), None, lt=SimpleNamespace())
+    g.cast_weights()                                           # no table in this arena: one by one
+    np.testing.assert_array_equal(w8, np.asarray(a["w8"]))
+    np.testing.assert_array_equal(inv, np.asarray(a["f8_inv"]))
+    assert (w8 == 0x7F).sum() == 2 and inv[k8.SLOT * 3] > 0    # the -inf in both copies
+    with pytest.raises(AndreaError, match="needs 16-byte alignment"):
+        k8.weight_table([(wlow[1:1 + 64 * 64].reshape(64, 64).view(_Dev), 0, 4096, 3)], wlow.data.ptr)

@@ -4,7 +4,8 @@ the dequantized operands, and with the MLP's GELU in its epilogues (GELU_AUX, DG
 NumPy twin and the separate passes; the engine's gradients against the fp32 NumPy engine, with
 and without those epilogues (engine.FUSE_GELU_FP8); under both scalings two runs byte-identical,
 resume (w, m, v and the amax history) bit-exact, CUDA graph == eager, the dY-cast reuse ==
-casting afresh; a non-finite input skips the step; delayed scaling counts the casts a jump in
+casting afresh, the kept transposes, the GELU backward inside the cast and the two-launch weight
+casts == casting every operand where it is needed (bit-exact kernels and engine bytes); a non-finite input skips the step; delayed scaling counts the casts a jump in
 magnitude clipped and its scales follow.
 
     PYTHONPATH=. python3 -m pytest -m gpu -s tests/test_fp8_gpu.py      # on a Hopper (sm_90) GPU
@@ -163,6 +164,63 @@ def test_fused_cast_over_more_tiles_than_blocks_is_bit_exact():
     np.testing.assert_array_equal(cp.asnumpy(flat), q_ref)
     np.testing.assert_array_equal(cp.asnumpy(tr), q_ref.reshape(R, C).T)
     assert cp.asnumpy(rec)[0] == am_ref == cp.asnumpy(rec_t)[0]
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_gelu_backward_cast_is_bit_exact_with_k_gelu_bwd_then_the_cast(delayed):
+    """k_fp8_amax_dgelu_bf16 / k_fp8_dgelu_cast_t_bf16 (quantize(..., hp=h_pre)) against the two
+    passes they replace: k_gelu_bwd writing dL/dh_pre in bf16, then the cast of that tensor. Codes,
+    factor and amax bit-exact (tolerance: none), specials included (inf, NaN, -0, tiny)."""
+    from andrea.cuda.kernels import k_gelu_bwd
+
+    k8 = _engine_modules()
+    R, C = 256, 320
+    dy, hp = gpu(special_tensor(R * C, 21, 0.01)), gpu(special_tensor(R * C, 22, 2.0))
+    ref = cp.empty(R * C, dtype=np.uint16)
+    k_gelu_bwd("bf16", ref, dy, hp, R * C)
+    sc = gpu(np.array([f8.scale_of(np.float32(3.0))[0]], np.float32)) if delayed else None
+    outs = []
+    for x, h in ((ref, None), (dy, hp)):
+        part = cp.full(k8.AMAX_BLOCKS, np.nan, dtype=np.float32)
+        inv, rec = cp.full(1, np.nan, dtype=np.float32), cp.zeros(1, dtype=np.float32)
+        nat, tr = cp.full((R, C), 0xAA, dtype=np.uint8), cp.full((C, R), 0xAA, dtype=np.uint8)
+        k8.quantize(nat, tr, x, part, inv, R, C, scale=sc, rec=rec, hp=h)
+        outs.append([cp.asnumpy(v) for v in (nat, tr, inv, rec)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    assert (outs[0][0] == 0x7F).any()                          # the specials reached the codes
+
+
+def test_weight_casts_in_two_launches_are_bit_exact():
+    """cast_weights (k_fp8_wamax + k_fp8_wcast over the weight table) against the weight-by-weight
+    casts and against their NumPy twin (fp8_numpy.cast_weights_table): w8 and every weight's factor
+    bit-exact, with weights of several chunks and an inf inside one."""
+    from andrea.cuda.backend import make_backend
+
+    k8 = _engine_modules()
+    mc = ModelConfig(vocab_size=97, d_model=128, n_head=2, n_layer=2, context=128)
+    eng = make_backend().make_engine(mc, B, precision="fp8", cuda_graph=False)
+    eng.init_weights(3)
+    host = eng.state_host()[0]
+    t = eng.layout.tensors[[x.name for x in eng.layout.tensors].index("h.1.mlp.w_proj")]
+    host[t.offset + 77] = -np.inf
+    eng.load_state(host, np.zeros_like(host), np.zeros_like(host))        # casts with the two launches
+    g = eng.f8
+    wlow, wd, nw, chunks, tiles = g.table
+    assert nw == 4 * mc.n_layer and chunks > nw                 # w_fc, w_proj: 4 chunks each
+    w8, inv = cp.asnumpy(eng.a["w8"]), cp.asnumpy(eng.a["f8_inv"])
+    first = slice(k8.SLOT * 3, k8.SLOT * (3 + nw), k8.SLOT)    # each weight's factor: its slot's first float
+    tw8, tinv = np.zeros_like(w8), inv.copy()
+    tinv[first] = np.nan
+    f8.cast_weights_table(cp.asnumpy(wlow), cp.asnumpy(wd)[:8 * nw].reshape(nw, 8), chunks, tiles, tw8, tinv)
+    np.testing.assert_array_equal(w8, tw8)
+    np.testing.assert_array_equal(inv, tinv)
+    eng.a["w8"].fill(0xAA)
+    eng.a["f8_inv"][first] = np.nan
+    g.cast_weights_each()
+    np.testing.assert_array_equal(cp.asnumpy(eng.a["w8"]), w8)
+    np.testing.assert_array_equal(cp.asnumpy(eng.a["f8_inv"]), inv)
+    assert (w8 == 0x7F).sum() == 2                              # the -inf: NaN in both copies
 
 
 def _lt():
@@ -445,6 +503,25 @@ def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scal
         assert x.tobytes() == y.tobytes()
     acc = _run(3, accum=2, scaling=scaling)
     assert all(np.isfinite(x).all() for x in acc[1:4])
+
+
+@pytest.mark.parametrize("scaling,gemms", [("current", ""), ("delayed", ""), ("delayed", "fwd")])
+def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gemms, monkeypatch):
+    """fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST and the two-launch weight casts on (the default) against
+    all three off (every transpose cast in the backward, k_gelu_bwd then the cast of dL/dh_pre,
+    the weights one by one): w, m, v and the delayed history byte-identical after 6 steps."""
+    import andrea.cuda.engine as ce
+    import andrea.cuda.fp8 as k8
+
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
+    on = _run(6, scaling=scaling)
+    monkeypatch.setattr(k8, "SAVE_TRANSPOSES", False)
+    monkeypatch.setattr(k8, "DGELU_CAST", False)
+    monkeypatch.setattr(k8.Fp8Gemm, "cast_weights", k8.Fp8Gemm.cast_weights_each)
+    off = _run(6, scaling=scaling)
+    for x, y in zip(on[1:4], off[1:4]):
+        assert x.tobytes() == y.tobytes()
+    assert on[4] == off[4]
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])

@@ -46,6 +46,7 @@ from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_h
                                  k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add,
                                  k_residual_layernorm_fwd)
 from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
+from andrea.cuda import fp8 as fp8_mod
 from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, fp8_buffers, n_slots, require_fp8,
                              weight_plan)
 from andrea.engine import recipe
@@ -193,7 +194,10 @@ class FastOps:
             self._mm(dh, dout, w_proj, tb=True, tag="proj dgrad")   # dL/dh_act
         self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
         if not self.fused_bwd:
-            k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)           # dL/dh_pre, in place
+            if self.f8 is not None and fp8_mod.DGELU_CAST and self.f8.memo_enabled:
+                self.f8.defer_dgelu(dh, h_pre)                      # fp8: gelu' inside the next GEMM's cast of dh
+            else:
+                k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)       # dL/dh_pre, in place
         self._mm(dw_fc, x, dh, ta=True, beta=1.0, tag="fc wgrad")
         self._mm(dx, dh, w_fc, tb=True, tag="fc dgrad")
 
@@ -305,7 +309,7 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec.append(("wte_pad", (vp, mc.d_model), low))       # the head's wte, zero rows to Vp (FastOps._padded_head)
     if precision == "fp8":
         plan8, n8 = fp8_plan(mc)
-        spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8), SITES_PER_LAYER * mc.n_layer)
+        spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8), mc.n_layer)
     offs, off = {}, 0
     for name, shape, dt in spec:
         offs[name] = off
@@ -480,10 +484,11 @@ class GpuEngine:
         for name, arr in zip(("seg_order", "seg_start", "seg_tok", "seg_n"), embed_segments(x)):
             a[name].set(arr)
 
-    def _forward(self, with_loss: bool) -> None:
-        """The weights' fp8 and padded-head copies are already current (``_weights_changed``)."""
+    def _forward(self, with_loss: bool, backward: bool = True) -> None:
+        """The weights' fp8 and padded-head copies are already current (``_weights_changed``);
+        ``backward``: a backward follows (fp8 then keeps the activations' transposes for it)."""
         if self.f8 is not None:
-            self.f8.begin()
+            self.f8.begin(backward)
         recipe.forward(self.ops, self.z, self.mc.n_head, with_loss)
 
     def _backward(self, dscale: float) -> None:
@@ -610,7 +615,7 @@ class GpuEngine:
                 self._load_batch(x, y)
             elif y is not None:
                 self.a["targets"].set(np.ascontiguousarray(y, dtype=np.int32).reshape(self.B, self.T))
-            self._forward(y is not None)
+            self._forward(y is not None, backward=False)
             out = self.a["loss_out"][:1].get(stream=self.stream) if y is not None else None
         self.stream.synchronize()
         return None if out is None else float(out[0])

@@ -17,6 +17,12 @@
 // Both: E4M3(x * scale), round to nearest even, saturating at +-448; a non-finite x writes NaN 0x7F
 // so the step stays non-finite and the engine's guard skips it. The _t kernel also (or only)
 // writes the transpose, which Hopper's FP8 GEMM needs (both operands K-contiguous).
+//
+// k_fp8_amax_dgelu_bf16 / k_fp8_dgelu_cast_t_bf16: the same two kernels over bf16(x * gelu'(hp)), the
+// MLP's dL/dh_pre exactly as k_gelu_bwd_bf16 rounds it, so the fp8 backward casts the output gradient
+// of the fc GEMM straight from the GELU backward and never stores it in bf16 (Fp8Gemm.cast_dgelu).
+// k_fp8_wamax + k_fp8_wcast: every matmul weight's two E4M3 copies (current scaling) in two launches
+// instead of two per weight; the same bytes as k_fp8_amax_bf16 + k_fp8_cast_t_bf16 on each weight.
 
 __device__ __forceinline__ bool bf16_finite(unsigned h) { return (h & 0x7f80u) != 0x7f80u; }
 __device__ __forceinline__ float bf16_absf(unsigned h) {
@@ -75,13 +81,40 @@ __device__ __forceinline__ void fp8_finish(bool current, float s, float m_cur, f
     if (threadIdx.x == 0 && rec) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m));
 }
 
-extern "C" __global__ void k_fp8_amax_bf16(const uint4* __restrict__ x, long long n8, float* __restrict__ part) {
+// 8 consecutive inputs of a cast from element at on, as bf16 bits: x itself, or (DG) bf16(x * gelu'(hp)).
+template <bool DG>
+__device__ __forceinline__ uint4 cast_in(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
+                                         size_t at) {
+    const uint4 v = *reinterpret_cast<const uint4*>(x + at);
+    if constexpr (!DG) {
+        return v;
+    } else {
+        float d[8], f[8];
+        unpack16<bf16_t>(v, d);
+        unpack16<bf16_t>(*reinterpret_cast<const uint4*>(hp + at), f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) d[j] *= gelu_grad_f(f[j]);
+        return pack16<bf16_t>(d);
+    }
+}
+
+template <bool DG>
+__device__ __forceinline__ void amax_body(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
+                                          long long n8, float* __restrict__ part) {
     __shared__ float buf[32];
     float m = 0.0f;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (long long)gridDim.x * blockDim.x)
-        m = fmaxf(m, amax8(x[i]));
+        m = fmaxf(m, amax8(cast_in<DG>(x, hp, 8 * i)));
     m = block_max(m, buf);
     if (threadIdx.x == 0) part[blockIdx.x] = m;
+}
+extern "C" __global__ void k_fp8_amax_bf16(const unsigned short* __restrict__ x, long long n8, float* __restrict__ part) {
+    amax_body<false>(x, nullptr, n8, part);
+}
+extern "C" __global__ void k_fp8_amax_dgelu_bf16(const unsigned short* __restrict__ x,
+                                                 const unsigned short* __restrict__ hp, long long n8,
+                                                 float* __restrict__ part) {
+    amax_body<true>(x, hp, n8, part);
 }
 
 // x (n8 * 8,) bf16 -> out (n8 * 8,) E4M3, same order.
@@ -100,40 +133,111 @@ extern "C" __global__ void k_fp8_cast_bf16(const uint4* __restrict__ x, long lon
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
 
+// One 64 x 64 tile (rows r0.., columns c0..) of x (R, C) bf16 row-major (or DG: of bf16(x * gelu'(hp))):
+// E4M3 at scale s into out_t (C, R) and, unless out is null, out (R, C); m: the running max |input|
+// of the finite entries (delayed). 256 threads; every thread passes the two barriers.
+template <bool DG>
+__device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
+                                          int R, int C, int r0, int c0, float s, bool delayed, float& m,
+                                          unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
+                                          unsigned char (*tile)[72]) {
+#pragma unroll
+    for (int k = threadIdx.x; k < 512; k += 256) {              // 64 rows x 8 chunks of 8 columns
+        const int rr = k >> 3, cc = (k & 7) * 8;
+        const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
+        const uint4 v = cast_in<DG>(x, hp, at);
+        if (delayed) m = fmaxf(m, amax8(v));
+        const uint2 q = fp8_pack8(v, s);
+        if (out) *reinterpret_cast<uint2*>(out + at) = q;
+        *reinterpret_cast<uint2*>(&tile[rr][cc]) = q;
+    }
+    __syncthreads();
+    const int j = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;   // out_t row c0 + j, columns r0 + seg ..
+    unsigned w[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+        w[u] = (unsigned)tile[seg + 4 * u][j] | ((unsigned)tile[seg + 4 * u + 1][j] << 8) |
+               ((unsigned)tile[seg + 4 * u + 2][j] << 16) | ((unsigned)tile[seg + 4 * u + 3][j] << 24);
+    *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
+    __syncthreads();
+}
+
 // x (R, C) bf16 row-major, R and C multiples of 64 -> out_t (C, R) E4M3 and, unless out is null,
 // out (R, C) E4M3. 256 threads a block, 64 x 64 tiles in grid-stride order (fewer blocks than tiles
 // keep the delayed path's atomics few).
-extern "C" __global__ void k_fp8_cast_t_bf16(const unsigned short* __restrict__ x, int R, int C,
-                                             const float* __restrict__ part, int P, const float* __restrict__ sc,
-                                             float* __restrict__ rec, unsigned char* __restrict__ out,
-                                             unsigned char* __restrict__ out_t, float* __restrict__ inv) {
+template <bool DG>
+__device__ __forceinline__ void cast_t_body(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
+                                            int R, int C, const float* __restrict__ part, int P,
+                                            const float* __restrict__ sc, float* __restrict__ rec,
+                                            unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
+                                            float* __restrict__ inv) {
     __shared__ float buf[32];
     __shared__ __align__(16) unsigned char tile[64][72];
     float m_cur = 0.0f, m = 0.0f;
     const float s = fp8_scale(part, P, sc, buf, &m_cur);
     const bool delayed = part == nullptr;
     const int tc = C / 64, n_tiles = tc * (R / 64);
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        const int r0 = (t / tc) * 64, c0 = (t % tc) * 64;
-#pragma unroll
-        for (int k = threadIdx.x; k < 512; k += 256) {              // 64 rows x 8 chunks of 8 columns
-            const int rr = k >> 3, cc = (k & 7) * 8;
-            const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
-            const uint4 v = *reinterpret_cast<const uint4*>(x + at);
-            if (delayed) m = fmaxf(m, amax8(v));
-            const uint2 q = fp8_pack8(v, s);
-            if (out) *reinterpret_cast<uint2*>(out + at) = q;
-            *reinterpret_cast<uint2*>(&tile[rr][cc]) = q;
-        }
-        __syncthreads();
-        const int j = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;   // out_t row c0 + j, columns r0 + seg ..
-        unsigned w[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            w[u] = (unsigned)tile[seg + 4 * u][j] | ((unsigned)tile[seg + 4 * u + 1][j] << 8) |
-                   ((unsigned)tile[seg + 4 * u + 2][j] << 16) | ((unsigned)tile[seg + 4 * u + 3][j] << 24);
-        *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
-        __syncthreads();
-    }
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
+        cast_tile<DG>(x, hp, R, C, (t / tc) * 64, (t % tc) * 64, s, delayed, m, out, out_t, tile);
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
+}
+extern "C" __global__ void k_fp8_cast_t_bf16(const unsigned short* __restrict__ x, int R, int C,
+                                             const float* __restrict__ part, int P, const float* __restrict__ sc,
+                                             float* __restrict__ rec, unsigned char* __restrict__ out,
+                                             unsigned char* __restrict__ out_t, float* __restrict__ inv) {
+    cast_t_body<false>(x, nullptr, R, C, part, P, sc, rec, out, out_t, inv);
+}
+extern "C" __global__ void k_fp8_dgelu_cast_t_bf16(const unsigned short* __restrict__ x,
+                                                   const unsigned short* __restrict__ hp, int R, int C,
+                                                   const float* __restrict__ part, int P, const float* __restrict__ sc,
+                                                   float* __restrict__ rec, unsigned char* __restrict__ out,
+                                                   unsigned char* __restrict__ out_t, float* __restrict__ inv) {
+    cast_t_body<true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The weights' casts, all matmul weights in two launches. wd: 8 int64 per weight, in w8's order:
+// [0] its first element in w (a multiple of 8), [1] R, [2] C (multiples of 64), [3] the byte offset
+// of its (R, C) E4M3 copy in w8, [4] of its (C, R) copy, [5] its factor's float index in inv,
+// [6] its first WCHUNK-element chunk and [7] its first 64 x 64 tile, both counted over the weights
+// before it (so block b's weight is the number of weights i >= 1 with first chunk / tile <= b).
+#define WCHUNK 16384
+
+// The weight whose first unit ([6] chunks or [7] tiles) <= blockIdx.x is the last: every thread gets it.
+__device__ __forceinline__ int weight_of(const long long* __restrict__ wd, int nw, int col) {
+    int sel = 0;
+    for (int base = 1; base < nw; base += blockDim.x)
+        sel += __syncthreads_count(base + (int)threadIdx.x < nw && wd[8 * (base + threadIdx.x) + col] <= blockIdx.x);
+    return sel;
+}
+
+// amax[i] (zeroed before) = max |w_i| over the finite entries: one block per chunk, atomicMax on the
+// float bits (non-negative floats order as integers; a max does not depend on the order).
+extern "C" __global__ void k_fp8_wamax(const unsigned short* __restrict__ w, const long long* __restrict__ wd, int nw,
+                                       float* __restrict__ amax) {
+    __shared__ float buf[32];
+    const int sel = weight_of(wd, nw, 6);
+    const long long* d = wd + 8 * sel;
+    const long long n8 = d[1] * d[2] / 8, c = blockIdx.x - d[6];
+    const uint4* x = reinterpret_cast<const uint4*>(w + d[0]);
+    const long long end = min(n8, (c + 1) * (WCHUNK / 8));
+    float m = 0.0f;
+    for (long long i = c * (WCHUNK / 8) + threadIdx.x; i < end; i += blockDim.x) m = fmaxf(m, amax8(x[i]));
+    m = block_max(m, buf);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax + sel), __float_as_int(m));
+}
+
+// One block per 64 x 64 tile of every weight: scale 448 / amax[i] (1 for an all-zero weight), both
+// E4M3 copies; the block of a weight's first tile writes its factor inv = 1 / scale.
+extern "C" __global__ void k_fp8_wcast(const unsigned short* __restrict__ w, const long long* __restrict__ wd, int nw,
+                                       const float* __restrict__ amax, unsigned char* __restrict__ w8,
+                                       float* __restrict__ inv) {
+    __shared__ __align__(16) unsigned char tile[64][72];
+    const int sel = weight_of(wd, nw, 7);
+    const long long* d = wd + 8 * sel;
+    const int R = (int)d[1], C = (int)d[2], t = (int)(blockIdx.x - d[7]), tc = C / 64;
+    const float am = amax[sel], s = am > 1e-30f ? 448.0f / am : 1.0f;
+    float m = 0.0f;
+    cast_tile<false>(w + d[0], nullptr, R, C, (t / tc) * 64, (t % tc) * 64, s, false, m, w8 + d[3], w8 + d[4], tile);
+    if (t == 0 && threadIdx.x == 0) inv[d[5]] = 1.0f / s;
 }

@@ -34,6 +34,18 @@ dW = X^T dY, which the recipe's backward calls one right after the other) is cas
 both orientations and the copy the next ``mm`` call needs is reused; the reuse is valid only
 for the very next call (``_memo``), which the gpu test checks against casting afresh.
 
+What a step casts, and when (each a bit-exact reorganisation of casting every operand where a GEMM
+needs it; the gpu tests compare both ways):
+- ``SAVE_TRANSPOSES``: a forward activation (X of X W) is cast in both orientations at once, and
+  its transposed copy is kept (``f8_saved``, 7 N C bytes a layer) for the weight gradient X^T dY of
+  the backward, which then casts nothing. Delayed scaling keeps its site numbering: the weight
+  gradient's site still counts, its amax is the forward site's (``after_step``), as it was.
+- ``DGELU_CAST``: the backward's GELU derivative runs inside the cast of dL/dh (``defer_dgelu``):
+  bf16(dL/dh_act * gelu'(h_pre)) as k_gelu_bwd rounds it, straight into both E4M3 orientations,
+  never stored in bf16.
+- ``cast_weights``: every matmul weight in two launches (``k_fp8_wamax``, ``k_fp8_wcast``) from the
+  table ``weight_table``, instead of two launches per weight.
+
 The MLP's GELU (engine FUSE_GELU_FP8): ``mm(h_act, x, w_fc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)``
 writes h_act = gelu(P) and h_pre = P (bf16) from the fp32 product P of the E4M3 operands, and
 ``mm(dh, dout, w_proj, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre)`` dh = (dout w_proj^T) *
@@ -57,7 +69,11 @@ TILE = 64                         # k_fp8_cast_t_bf16's tile: rows and columns m
 SLOT = 64                         # floats between dequantization factors (256 bytes): cuBLASLt wants aligned scales
 SITES_PER_LAYER = 12              # delayed scaling's casts a layer: 4 forward activations, their 4 transposes
                                   # (weight gradients) and 4 output gradients
+SAVED_COLS_PER_LAYER = 7          # the columns of a layer's 4 forward activations (C, C, C, 4C): f8_saved's share
 SCALINGS = ("current", "delayed")
+SAVE_TRANSPOSES = True            # keep each forward activation's transposed E4M3 copy for its weight gradient
+DGELU_CAST = True                 # the GELU backward inside the cast of dL/dh (no bf16 dL/dh_pre pass)
+WCHUNK = 16384                    # k_fp8_wamax's elements per block (fp8.cu's WCHUNK)
 
 
 def require_fp8(compute_capability) -> None:
@@ -67,16 +83,24 @@ def require_fp8(compute_capability) -> None:
                           f"this GPU is sm_{compute_capability}: use train.precision=bf16")
 
 
-def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_sites: int) -> list:
+def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int) -> list:
     """(name, shape, dtype) of the arena entries the fp8 path adds: the weights' E4M3 copies in
     both orientations (``n_weight8`` bytes, see ``weight_plan``), four (N x 4C) cast buffers, the
     amax partials, the per-cast dequantization factors (slots ``n_slots`` on are the delayed
-    sites': inv, then the scale the kernel reads), the delayed sites' amaxes of this step and
-    cuBLASLt's workspace. The same for both scalings."""
-    return [("w8", (n_weight8,), np.uint8), ("f8_a", (N * 4 * C,), np.uint8), ("f8_at", (N * 4 * C,), np.uint8),
-            ("f8_g", (N * 4 * C,), np.uint8), ("f8_gt", (N * 4 * C,), np.uint8),
-            ("f8_part", (AMAX_BLOCKS,), np.float32), ("f8_inv", (SLOT * (n_slots + n_sites),), np.float32),
-            ("f8_cur", (max(1, n_sites),), np.float32), ("lt_ws", (LT_WORKSPACE,), np.uint8)]
+    sites': inv, then the scale the kernel reads; then, with ``SAVE_TRANSPOSES``, one slot per saved
+    transpose for current scaling), the delayed sites' amaxes of this step, cuBLASLt's workspace,
+    the weight table and amaxes of ``cast_weights`` and (``SAVE_TRANSPOSES``) the saved transposed
+    activations. The same for both scalings."""
+    n_sites, n_w = SITES_PER_LAYER * n_layer, n_slots - 3
+    n_saved = 4 * n_layer if SAVE_TRANSPOSES else 0
+    out = [("w8", (n_weight8,), np.uint8), ("f8_a", (N * 4 * C,), np.uint8), ("f8_at", (N * 4 * C,), np.uint8),
+           ("f8_g", (N * 4 * C,), np.uint8), ("f8_gt", (N * 4 * C,), np.uint8),
+           ("f8_part", (AMAX_BLOCKS,), np.float32), ("f8_inv", (SLOT * (n_slots + n_sites + n_saved),), np.float32),
+           ("f8_cur", (max(1, n_sites),), np.float32), ("lt_ws", (LT_WORKSPACE,), np.uint8),
+           ("f8_wdesc", (max(1, n_w) * 8,), np.int64), ("f8_wamax", (max(1, n_w),), np.float32)]
+    if SAVE_TRANSPOSES:
+        out.append(("f8_saved", (n_layer * SAVED_COLS_PER_LAYER * N * C,), np.uint8))
+    return out
 
 
 def weight_plan(layout, names) -> tuple[dict, int]:
@@ -94,13 +118,35 @@ def n_slots(plan: dict) -> int:
     return 3 + len(plan)
 
 
+def weight_table(weights: list, base: int) -> tuple[np.ndarray, int, int]:
+    """``k_fp8_wamax`` / ``k_fp8_wcast``'s table (fp8.cu): one row of 8 int64 per weight of
+    ``weights`` [(W (R, C) bf16 view, offset of its (R, C) copy in w8, of its (C, R) copy, factor
+    slot)], ``base`` the device pointer of the bf16 buffer the views lie in; and the blocks of each
+    launch (chunks, tiles)."""
+    rows, chunks, tiles = [], 0, 0
+    for W, o, ot, slot in weights:
+        R, C = W.shape
+        first = W.data.ptr - base
+        if first % 16 or R % TILE or C % TILE:
+            raise AndreaError(f"fp8 weight casts: a ({R}, {C}) weight at byte {first} of wlow "
+                              f"(needs 16-byte alignment and dimensions that are multiples of {TILE})")
+        rows.append([first // 2, R, C, o, ot, SLOT * slot, chunks, tiles])
+        chunks += -(-R * C // WCHUNK)
+        tiles += (R // TILE) * (C // TILE)
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 8), chunks, tiles
+
+
 # ----------------------------------------------------------------------------- launchers
-def k_fp8_amax(x, part) -> None:
-    """part[AMAX_BLOCKS] = per-block max |x| over the finite entries of bf16 x (size % 8 == 0)."""
+def k_fp8_amax(x, part, hp=None) -> None:
+    """part[AMAX_BLOCKS] = per-block max |x| over the finite entries of bf16 x (size % 8 == 0);
+    with ``hp`` (bf16, x's shape) of bf16(x * gelu'(hp)) instead."""
     n = x.size
-    if n % 8 or x.data.ptr % 16:
+    if n % 8 or x.data.ptr % 16 or (hp is not None and (hp.size != n or hp.data.ptr % 16)):
         raise AndreaError(f"fp8 cast: a tensor of {n} elements (needs a multiple of 8, 16-byte aligned)")
-    kernel("fp8.cu", "k_fp8_amax_bf16")((AMAX_BLOCKS,), (256,), (x, np.int64(n // 8), part))
+    if hp is None:
+        kernel("fp8.cu", "k_fp8_amax_bf16")((AMAX_BLOCKS,), (256,), (x, np.int64(n // 8), part))
+    else:
+        kernel("fp8.cu", "k_fp8_amax_dgelu_bf16")((AMAX_BLOCKS,), (256,), (x, hp, np.int64(n // 8), part))
 
 
 def _ptr(x):
@@ -118,31 +164,45 @@ def k_fp8_cast(out, x, part, inv, scale=None, rec=None) -> None:
                                          out, inv))
 
 
-def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None) -> None:
+def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None, hp=None) -> None:
     """out_t (C, R) E4M3 of x (R, C) transposed and, unless out is None, out (R, C) E4M3; the
-    scale as in ``k_fp8_cast``."""
+    scale as in ``k_fp8_cast``; with ``hp`` (bf16 (R, C)) of bf16(x * gelu'(hp)) instead of x."""
     if R % TILE or C % TILE:
         raise AndreaError(f"fp8 cast: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
     tiles = (R // TILE) * (C // TILE)
-    kernel("fp8.cu", "k_fp8_cast_t_bf16")((min(tiles, 8 * AMAX_BLOCKS),), (256,),
-                                          (x, i32(R), i32(C), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec),
-                                           _ptr(out), out_t, inv))
+    args = (i32(R), i32(C), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec), _ptr(out), out_t, inv)
+    if hp is None:
+        kernel("fp8.cu", "k_fp8_cast_t_bf16")((min(tiles, 8 * AMAX_BLOCKS),), (256,), (x, *args))
+    else:
+        kernel("fp8.cu", "k_fp8_dgelu_cast_t_bf16")((min(tiles, 8 * AMAX_BLOCKS),), (256,), (x, hp, *args))
 
 
-def quantize(out, out_t, x, part, inv, R: int | None = None, C: int | None = None, scale=None, rec=None) -> None:
+def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv) -> None:
+    """Every weight of the table ``wd`` (``weight_table``) cast into its two E4M3 copies in w8
+    (current scaling, factors into inv): amax zeroed, one block per chunk, one per tile."""
+    amax.fill(0)                                      # on the current stream, as the launches
+    kernel("fp8.cu", "k_fp8_wamax")((chunks,), (256,), (w, wd, i32(nw), amax))
+    kernel("fp8.cu", "k_fp8_wcast")((tiles,), (256,), (w, wd, i32(nw), amax, w8, inv))
+
+
+def quantize(out, out_t, x, part, inv, R: int | None = None, C: int | None = None, scale=None, rec=None,
+             hp=None) -> None:
     """Cast bf16 x: natural layout into ``out``, transposed (x as (R, C)) into ``out_t``.
     Current scaling (``scale`` None): an amax pass into ``part``, then the cast, which writes
     inv[0] = 1 / scale (and, with ``rec``, atomicMax-es the amax into rec[0]). Delayed
-    (``scale`` a 1-element fp32 view): the cast alone, at scale[0], atomicMax-ing x's amax into rec[0]."""
+    (``scale`` a 1-element fp32 view): the cast alone, at scale[0], atomicMax-ing x's amax into rec[0].
+    ``hp``: cast bf16(x * gelu'(hp)) instead (both orientations only)."""
+    if hp is not None and out_t is None:
+        raise AndreaError("fp8 cast: the GELU-backward cast writes both orientations (out_t is required)")
     if scale is None:
-        k_fp8_amax(x, part)
+        k_fp8_amax(x, part, hp)
         part_arg = part
     else:
         part_arg = None
     if out_t is None:
         k_fp8_cast(out, x, part_arg, inv, scale, rec)
     else:
-        k_fp8_cast_t(out, out_t, x, R, C, part_arg, inv, scale, rec)
+        k_fp8_cast_t(out, out_t, x, R, C, part_arg, inv, scale, rec, hp)
 
 
 # ----------------------------------------------------------------------------- the GEMM path
@@ -151,6 +211,8 @@ class Fp8Gemm:
 
     def __init__(self, a: dict, WL: dict, plan: dict, bf16_ptrs: set, blas, lt=None, scaling: str = "current",
                  n_sites: int = 0, history: int = 16):
+        """``a``: the arena's views (``fp8_buffers``; one without ``f8_wdesc`` casts the weights one
+        by one, one without ``f8_saved`` casts every transpose where the backward needs it)."""
         if scaling not in SCALINGS:
             raise AndreaError(f"train.fp8_scaling: {scaling!r} (expected current | delayed)")
         self.a, self.blas, self.bf16_ptrs = a, blas, bf16_ptrs
@@ -162,6 +224,12 @@ class Fp8Gemm:
             W = WL[name]
             K, N = W.shape
             self.weights[W.data.ptr] = (W, w8[o:o + K * N].reshape(K, N), w8[ot:ot + K * N].reshape(N, K), slot)
+        self.table = None                          # (wlow, table on the device, rows, chunks, tiles): cast_weights
+        if "f8_wdesc" in a and plan:
+            wd, chunks, tiles = weight_table([(WL[n], o, ot, slot) for n, (o, ot, slot) in plan.items()],
+                                             a["wlow"].data.ptr)
+            a["f8_wdesc"][:wd.size].set(wd.reshape(-1))
+            self.table = (a["wlow"], a["f8_wdesc"], len(wd), chunks, tiles)
         self._memo: dict = {}
         self.memo_enabled = True
         self._stream = lambda: blas.cp.cuda.get_current_stream().ptr
@@ -169,6 +237,12 @@ class Fp8Gemm:
         self.hist = AmaxHistory(self.n_sites, history) if scaling == "delayed" else None
         self.site = 0                              # the next delayed site of this pass (``begin`` resets it)
         self.last_clipped = 0
+        self.saved = a.get("f8_saved")             # SAVE_TRANSPOSES: the forward activations' E4M3 transposes
+        self.save_t = False                        # this pass saves them (``begin``: a backward follows)
+        self._saved: dict = {}                     # activation (ptr, shape) -> stack of (X^T E4M3, slot, site)
+        self._saved_off = 0
+        self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
+        self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
 
     @property
     def calibrating(self) -> bool:
@@ -185,16 +259,36 @@ class Fp8Gemm:
 
     def cast_weights(self) -> None:
         """E4M3 copies of the current ``wlow`` (current scaling); the engine calls it after every
-        weight change (load_state, each optimizer step), not at every forward."""
+        weight change (load_state, each optimizer step), not at every forward. Two launches for all
+        weights (``k_fp8_weights``); the same bytes as ``cast_weights_each``."""
+        if self.table is None:
+            self.cast_weights_each()
+            return
+        wlow, wd, nw, chunks, tiles = self.table
+        k_fp8_weights(wlow, wd, nw, chunks, tiles, self.a["f8_wamax"], self.a["w8"], self.inv)
+
+    def cast_weights_each(self) -> None:
+        """``cast_weights`` weight by weight: an amax pass and a cast per weight (the reference)."""
         part = self.a["f8_part"]
         for W, W8, W8t, slot in self.weights.values():
             K, N = W.shape
             quantize(W8, W8t, W, part, self._inv(slot), K, N)
 
     # ------------------------------------------------------------------ delayed scaling
-    def begin(self) -> None:
-        """The start of a forward: sites are numbered from 0 again, no gradient cast is reusable."""
+    def begin(self, backward: bool = True) -> None:
+        """The start of a forward: sites are numbered from 0 again, no gradient cast is reusable;
+        ``backward``: one follows, so the activations' transposes are saved for it."""
         self.site, self._memo = 0, {}
+        self.save_t = backward and self.saved is not None
+        self._saved, self._saved_off, self._shadow, self._dgelu = {}, 0, [], {}
+
+    def defer_dgelu(self, G, h_pre) -> None:
+        """G holds dL/dh_act; the next GEMM that casts G as a gradient casts bf16(G * gelu'(h_pre))
+        (k_gelu_bwd's dL/dh_pre) instead, in both orientations, and the GEMM after it reuses that
+        (the memo). G itself is left as it is, so this needs the memo (``memo_enabled``)."""
+        if not self.memo_enabled:
+            raise AndreaError("fp8: the GELU backward inside the gradient cast needs the cast reuse (memo_enabled)")
+        self._dgelu[(G.data.ptr, G.shape)] = h_pre
 
     def reset_amax(self) -> None:
         """The start of a step (zero_grads): this step's site amaxes start at 0 (maxed over its microbatches)."""
@@ -207,6 +301,8 @@ class Fp8Gemm:
         if self.hist is None:
             return 0
         cur = self.a["f8_cur"][:self.n_sites].get(stream=stream)
+        for t, f in self._shadow:                  # a saved transpose's site: its forward cast's amax
+            cur[t] = cur[f]
         self.last_clipped = self.hist.push(cur)
         self.write_scales(stream)
         return self.last_clipped
@@ -226,38 +322,70 @@ class Fp8Gemm:
         if self.hist is not None and self.site != self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: a step cast {self.site} activation/gradient tensors, "
                               f"the plan has {self.n_sites} sites (SITES_PER_LAYER in andrea/cuda/fp8.py)")
+        left = sum(len(v) for v in self._saved.values())
+        if left:
+            raise AndreaError(f"fp8: {left} saved activation transposes were not used by the backward "
+                              f"(SAVE_TRANSPOSES in andrea/cuda/fp8.py: every X of X W needs its X^T dY)")
 
-    def _cast(self, out, out_t, x, R=None, C=None, current_slot: int = 0, site=None) -> tuple[int, int]:
+    def _next_site(self) -> int:
+        site = self.site
+        self.site += 1
+        if site >= self.n_sites:
+            raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
+        return site
+
+    def _cast(self, out, out_t, x, R=None, C=None, current_slot: int = 0, site=None, hp=None) -> tuple[int, int]:
         """One activation/gradient cast; returns (its factor slot, its site or -1)."""
         part = self.a["f8_part"]
         if self.hist is None:
-            quantize(out, out_t, x, part, self._inv(current_slot), R, C)
+            quantize(out, out_t, x, part, self._inv(current_slot), R, C, hp=hp)
             return current_slot, -1
         if site is None:
-            site = self.site
-            self.site += 1
-            if site >= self.n_sites:
-                raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
+            site = self._next_site()
         slot, rec = self.site_base + site, self.a["f8_cur"][site:site + 1]
         if self.hist.empty:
-            quantize(out, out_t, x, part, self._inv(slot), R, C, rec=rec)
+            quantize(out, out_t, x, part, self._inv(slot), R, C, rec=rec, hp=hp)
         else:
             quantize(out, out_t, x, part, self._inv(slot), R, C, scale=self.inv[SLOT * slot + 1:SLOT * slot + 2],
-                     rec=rec)
+                     rec=rec, hp=hp)
         return slot, site
 
     def _buf(self, name: str, rows: int, cols: int):
         return self.a[name][:rows * cols].reshape(rows, cols)
 
     def _activation(self, A, transposed: bool):
-        """op(A) as a K-contiguous E4M3 (M, K) matrix of an activation: A itself, or A^T."""
+        """op(A) as a K-contiguous E4M3 (M, K) matrix of an activation: A itself, or A^T. While
+        ``save_t``, A is cast in both orientations and A^T kept for the weight gradient, which takes
+        it (last saved first) instead of casting; under delayed scaling that gradient's site still
+        counts, with the forward site's amax (``after_step``)."""
+        key = (A.data.ptr, A.shape)
         if transposed:
             K, M = A.shape
+            stack = self._saved.get(key)
+            if stack:
+                out, slot, site = stack.pop()
+                if self.hist is not None:
+                    self._shadow.append((self._next_site(), site))
+                return out, self._slot(slot)
             out = self._buf("f8_at", M, K)
             slot, _ = self._cast(None, out, A, K, M, current_slot=1)
             return out, self._slot(slot)
         out = self._buf("f8_a", *A.shape)
-        slot, _ = self._cast(out, None, A, current_slot=0)
+        if not self.save_t:
+            slot, _ = self._cast(out, None, A, current_slot=0)
+            return out, self._slot(slot)
+        R, C = A.shape
+        o = self._saved_off
+        if o + R * C > self.saved.size:
+            raise AndreaError(f"fp8: the saved activation transposes need more than f8_saved's {self.saved.size} "
+                              f"bytes (SAVED_COLS_PER_LAYER in andrea/cuda/fp8.py)")
+        out_t = self.saved[o:o + R * C].reshape(C, R)
+        self._saved_off = o + R * C
+        n_saved = sum(len(v) for v in self._saved.values())
+        if self.site_base + self.n_sites + n_saved >= self.inv.size // SLOT:
+            raise AndreaError(f"fp8: more saved activation transposes than f8_inv has slots for ({n_saved})")
+        slot, site = self._cast(out, out_t, A, R, C, current_slot=self.site_base + self.n_sites + n_saved)
+        self._saved.setdefault(key, []).append((out_t, slot, site))
         return out, self._slot(slot)
 
     def _gradient(self, G, transposed: bool, prev: dict):
@@ -268,7 +396,8 @@ class Fp8Gemm:
         if hit is None or not self.memo_enabled:
             R, C = G.shape
             nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
-            slot, site = self._cast(nat, tr, G, R, C, current_slot=2, site=None if hit is None else hit[3])
+            slot, site = self._cast(nat, tr, G, R, C, current_slot=2, site=None if hit is None else hit[3],
+                                    hp=self._dgelu.pop(key, None))
             hit = (nat, tr, slot, site)
         self._memo[key] = hit
         return (hit[1] if transposed else hit[0]), self._slot(hit[2])
@@ -308,5 +437,7 @@ class Fp8Gemm:
         d_type = CUDA_R_32F if C.dtype == np.float32 else CUDA_R_16BF
         if beta and d_type != CUDA_R_32F:
             raise AndreaError("fp8 gemm: beta=1 needs an fp32 C")
+        if self._dgelu:
+            raise AndreaError("fp8: a deferred GELU-backward cast (defer_dgelu) was not taken by the next GEMM")
         self.lt.mm_nt(C, x8, y8, x_inv, y_inv, M, N, K, d_type, beta=beta, fast_accum=fast,
                       epilogue=epilogue, stream=self._stream(), aux=aux)

@@ -111,6 +111,45 @@ def quantize_delayed(x: np.ndarray, scale) -> tuple[np.ndarray, np.float32, bool
     return encode(y), am, bool(np.float32(am * s) > np.float32(E4M3_MAX))
 
 
+WCHUNK, WTILE = 16384, 64        # fp8.cu's k_fp8_wamax chunk and k_fp8_wcast tile
+
+
+def cast_weights_table(wlow: np.ndarray, table: np.ndarray, n_chunks: int, n_tiles: int, w8: np.ndarray,
+                       inv: np.ndarray) -> None:
+    """Twin of fp8.cu's k_fp8_wamax + k_fp8_wcast (``andrea.cuda.fp8.weight_table``'s rows: first
+    element, R, C, w8 offsets of the (R, C) and (C, R) copies, inv index, first chunk, first tile),
+    block by block as the kernels split the work: each weight's amax over its chunks, then each
+    tile of its two E4M3 copies at scale_of(amax), and the factor 1 / scale into inv. ``wlow``
+    (bf16 payloads), ``w8`` (uint8) and ``inv`` (float32) are flat."""
+    def owner(b, col):                    # fp8.cu's weight_of: the weights i >= 1 starting at or before b
+        return int(np.count_nonzero(table[1:, col] <= b))
+
+    am = np.zeros(len(table), np.float32)
+    for b in range(n_chunks):
+        i = owner(b, 6)
+        first, R, C = (int(v) for v in table[i, :3])
+        c = b - int(table[i, 6])
+        lo, hi = first + c * WCHUNK, first + min(R * C, (c + 1) * WCHUNK)
+        if lo >= hi:
+            raise ValueError(f"weight table: block {b} lies past weight {i}'s last chunk")
+        am[i] = max(am[i], amax(bf16_to_f32(wlow[lo:hi])))
+    for b in range(n_tiles):
+        i = owner(b, 7)
+        first, R, C, o, ot, k = (int(v) for v in table[i, :6])
+        t, tc = b - int(table[i, 7]), C // WTILE
+        r0, c0 = (t // tc) * WTILE, (t % tc) * WTILE
+        if r0 >= R:
+            raise ValueError(f"weight table: block {b} lies past weight {i}'s last tile")
+        s, iv = scale_of(am[i])
+        x = bf16_to_f32(wlow[first:first + R * C].reshape(R, C)[r0:r0 + WTILE, c0:c0 + WTILE])
+        with np.errstate(invalid="ignore", over="ignore"):
+            q = encode(x * s)
+        w8[o:o + R * C].reshape(R, C)[r0:r0 + WTILE, c0:c0 + WTILE] = q
+        w8[ot:ot + R * C].reshape(C, R)[c0:c0 + WTILE, r0:r0 + WTILE] = q.T
+        if t == 0:
+            inv[k] = iv
+
+
 class AmaxHistory:
     """The delayed-scaling state of ``n`` cast sites: the amaxes of their last ``length`` steps
     (a ring, float32) and the count of steps pushed. JSON-able through ``state``/``load``.
