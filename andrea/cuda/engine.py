@@ -106,6 +106,7 @@ class FastOps:
 
     def __init__(self, prec: str, blas, a: dict, f8=None, lt=None):
         self.p, self.lowtype, self.blas, self.a = prec, LOWTYPE[prec], blas, a
+        self.deferred = None        # a list: embed_backward appends its launch there instead of running it
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
@@ -128,9 +129,16 @@ class FastOps:
         k_embed_fwd(out, idx, wte, wpe, B * T, T, C, V)
 
     def embed_backward(self, dwte, dwpe, dout, idx):
-        a = self.a                                     # segments loaded with the batch (GpuEngine._load_batch)
+        """Reads the token segments GpuEngine._load_segments uploads; with ``deferred`` a list the
+        launch is appended there (the engine runs it once the segments are on their way)."""
+        a = self.a
         B, T, C = dout.shape
-        k_embed_bwd(dwte, dwpe, dout, (a["seg_order"], a["seg_start"], a["seg_tok"], a["seg_n"]), B, T, C)
+        run = lambda: k_embed_bwd(dwte, dwpe, dout, (a["seg_order"], a["seg_start"], a["seg_tok"], a["seg_n"]),  # noqa: E731
+                                  B, T, C)
+        if self.deferred is None:
+            run()
+        else:
+            self.deferred.append(run)
 
     def layernorm_forward(self, out, mean, rstd, x, g, b):
         N, C = x.shape
@@ -393,8 +401,12 @@ class GpuEngine:
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
-        self.graph = None
+        self.graph = None                  # (forward + backward up to the embedding's, the embedding backward)
         self.graph_scale = None
+        # pinned staging for the batch's uploads: copies that do not hold the host, so the host
+        # sorts the next segments while the GPU runs (_load_segments)
+        self.staged = {name: xp.cuda.alloc_pinned_memory(self.a[name].nbytes)
+                       for name in ("idx", "targets", "seg_order", "seg_start", "seg_tok", "seg_n")}
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -476,13 +488,48 @@ class GpuEngine:
             self.graph, self.graph_scale = None, None          # recaptured with this scale if graphs are on
 
     # ------------------------------------------------------------------ the step
-    def _load_batch(self, x, y) -> None:
-        a = self.a
-        a["idx"].set(np.ascontiguousarray(x, dtype=np.int32).reshape(self.B, self.T))
+    def _upload(self, name: str, arr) -> None:
+        """arr (host) into the arena buffer ``name`` through its pinned staging, asynchronously on the
+        engine's stream. The staging is rewritten only by the next upload, after the step's sync."""
+        dst, buf = self.a[name], self.staged[name]
+        src = np.ascontiguousarray(arr, dtype=dst.dtype).reshape(-1)
+        if src.size != dst.size:
+            raise AndreaError(f"cupy engine: a batch of {src.size} values for {name} (the plan holds {dst.size})")
+        view = np.frombuffer(buf, dtype=dst.dtype, count=src.size)
+        view[:] = src
+        dst.set(view.reshape(dst.shape), stream=self.stream)    # from pinned memory: cudaMemcpyAsync
+
+    def _load_ids(self, x, y) -> None:
+        """The token ids (and targets) the forward reads."""
+        self._upload("idx", x)
         if y is not None:
-            a["targets"].set(np.ascontiguousarray(y, dtype=np.int32).reshape(self.B, self.T))
+            self._upload("targets", y)
+
+    def _load_segments(self, x) -> None:
+        """The embedding backward's token segments (kernels.embed_segments: a host sort), computed
+        while the GPU runs the forward and the rest of the backward, which do not read them."""
         for name, arr in zip(("seg_order", "seg_start", "seg_tok", "seg_n"), embed_segments(x)):
-            a[name].set(arr)
+            self._upload(name, arr)
+
+    def _pass(self, x, graph: bool = False) -> None:
+        """Forward + backward of the loaded ids: everything but the embedding backward is queued
+        (``graph``: the captured graphs' first part, else eager launches) before the host sorts x's
+        segments, then the embedding backward. The same launches in the same order as one pass."""
+        if graph:
+            self.graph[0].launch(stream=self.stream)
+            self._load_segments(x)
+            self.graph[1].launch(stream=self.stream)
+            return
+        self.ops.deferred = []
+        try:
+            self._forward(True)
+            self._backward(self.loss_scale / self.N)
+            tail = self.ops.deferred
+        finally:
+            self.ops.deferred = None
+        self._load_segments(x)
+        for run in tail:
+            run()
 
     def _forward(self, with_loss: bool, backward: bool = True) -> None:
         """The weights' fp8 and padded-head copies are already current (``_weights_changed``);
@@ -496,26 +543,33 @@ class GpuEngine:
         if self.f8 is not None:
             self.f8.check_pass()
 
-    def _capture(self) -> None:
-        """Capture forward + backward of one microbatch as a CUDA graph (the arena's pointers never
-        change, so replaying it after loading a new batch runs the new batch). One eager run first
-        loads every module and lets cuBLAS set up its workspace outside the capture."""
+    def _capture(self, x) -> None:
+        """Capture forward + backward of one microbatch as two CUDA graphs, all but the embedding
+        backward and then that (``_pass`` uploads the segments between them); the arena's pointers
+        never change, so replaying them after loading a new batch runs the new batch. One eager run
+        (of the loaded batch x) first loads every module and lets cuBLAS set up its workspace
+        outside the capture."""
         with self.stream:
-            self._forward(True)
-            self._backward(self.loss_scale / self.N)
+            self._pass(x)
             self.stream.synchronize()
             try:
+                self.ops.deferred = []
                 self.stream.begin_capture()
                 self._forward(True)
                 self._backward(self.loss_scale / self.N)
-                self.graph = self.stream.end_capture()
+                main = self.stream.end_capture()
+                tail, self.ops.deferred = self.ops.deferred, None
+                self.stream.begin_capture()
+                for run in tail:
+                    run()
+                self.graph = (main, self.stream.end_capture())
                 self.graph_scale = self.loss_scale
             except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
                 try:
                     self.stream.end_capture()
                 except Exception:  # noqa: BLE001
                     pass
-                self.use_graph, self.graph = False, None
+                self.use_graph, self.graph, self.ops.deferred = False, None, None
                 print(f"cupy engine: CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly",
                       file=sys.stderr)
             self.g.fill(0)
@@ -531,15 +585,11 @@ class GpuEngine:
         """Forward + backward of one microbatch, accumulating (+=) its mean-loss gradient into g
         (fp32; times the fp16 loss scale). Returns the microbatch's mean loss."""
         with self.stream:
-            self._load_batch(x, y)
+            self._load_ids(x, y)
             calibrating = self.f8 is not None and self.f8.calibrating   # fp8 delayed, first step: current casts
             if self.use_graph and self.graph is None and not calibrating:
-                self._capture()
-            if self.graph is not None and self.graph_scale == self.loss_scale and not calibrating:
-                self.graph.launch(stream=self.stream)
-            else:
-                self._forward(True)
-                self._backward(self.loss_scale / self.N)
+                self._capture(x)
+            self._pass(x, self.graph is not None and self.graph_scale == self.loss_scale and not calibrating)
             if self.comm is not None and self.comm.size > 1:     # the microbatch's loss over every rank's rows
                 self.comm.all_gather(self.a["loss_out"][:1], self.a["loss_all"])
                 return dist.global_mean(self.a["loss_all"].get(stream=self.stream))
@@ -612,9 +662,9 @@ class GpuEngine:
         """Evaluation: run the model on (B, T) ids; with targets return the mean loss (float)."""
         with self.stream:
             if x is not None:
-                self._load_batch(x, y)
+                self._load_ids(x, y)
             elif y is not None:
-                self.a["targets"].set(np.ascontiguousarray(y, dtype=np.int32).reshape(self.B, self.T))
+                self._upload("targets", y)
             self._forward(y is not None, backward=False)
             out = self.a["loss_out"][:1].get(stream=self.stream) if y is not None else None
         self.stream.synchronize()
