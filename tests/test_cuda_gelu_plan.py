@@ -1,7 +1,9 @@
 """The GPU engine's plan for the MLP's GELU, without a GPU: bf16/fp16 fuse it into the cuBLASLt
 epilogues (andrea/cuda/engine.py FUSE_GELU) and keep h_act per layer (RECOMPUTE_FUSED); fp32 runs the
 separate passes and recomputes h_act in one buffer (RECOMPUTE); fp8 follows FUSE_GELU_FP8 (default
-{"fwd"}: the fc forward fused, h_act kept per layer); turning the fusion off gives bf16 the fp32 plan back. The GPU
+{"fwd"}: the fc forward fused) and, keeping the E4M3 transposes of its GEMM inputs (fp8.SAVE_TRANSPOSES),
+holds h_act and the LayerNorm outputs in one buffer each, never read back; turning the fusion off gives
+bf16 the fp32 plan back. The GPU
 side: tests/test_cuda_kernels.py, tests/test_cuda_engine.py, tests/test_fp8_gpu.py.
 
     python -m pytest -q tests/test_cuda_gelu_plan.py
@@ -25,9 +27,10 @@ def h_act_layers(prec: str) -> int:
     return dict((n, s) for n, s, _ in lay.spec)["h_act"][0]
 
 
-@pytest.mark.parametrize("prec,layers", [("bf16", 3), ("fp16", 3), ("fp32", 1), ("fp8", 3)])
+@pytest.mark.parametrize("prec,layers", [("bf16", 3), ("fp16", 3), ("fp32", 1), ("fp8", 1)])
 def test_fused_precisions_keep_h_act_per_layer(prec, layers):
-    """The defaults: fp8 fuses its fc forward only (FUSE_GELU_FP8 = {"fwd"}, the measured choice)."""
+    """The defaults: fp8 fuses its fc forward only (FUSE_GELU_FP8 = {"fwd"}, the measured choice) and
+    shares h_act across layers (its backward reads the kept E4M3 transpose)."""
     assert ce.FUSE_GELU_FP8 == frozenset({"fwd"})
     assert h_act_layers(prec) == layers
     assert ce.recompute_for(prec) == (frozenset({"gelu"}) if prec == "fp32" else frozenset())
@@ -38,8 +41,10 @@ def test_fused_precisions_keep_h_act_per_layer(prec, layers):
 @pytest.mark.parametrize("fp8_gemms,fused,layers", [({"fwd", "bwd"}, (True, True), 3), ({"fwd"}, (True, False), 3),
                                                     ({"bwd"}, (False, True), 1), (set(), (False, False), 1)])
 def test_fp8_fusion_choice_sets_its_gemms_and_plan(monkeypatch, fp8_gemms, fused, layers):
-    """Only a fused fc forward keeps h_act per layer (it comes out of the GEMM beside h_pre); bf16
-    does not follow FUSE_GELU_FP8; FUSE_GELU off turns fp8's off too."""
+    """Without the kept transposes (fp8.SAVE_TRANSPOSES off): only a fused fc forward keeps h_act per
+    layer (it comes out of the GEMM beside h_pre); bf16 does not follow FUSE_GELU_FP8; FUSE_GELU off
+    turns fp8's off too."""
+    monkeypatch.setattr(ce.fp8_mod, "SAVE_TRANSPOSES", False)
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset())
     sep = ce.arena_layout(MC, 2, "fp8")                                     # the separate passes' plan
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(fp8_gemms))
@@ -50,6 +55,26 @@ def test_fp8_fusion_choice_sets_its_gemms_and_plan(monkeypatch, fp8_gemms, fused
     assert ce.arena_layout(MC, 2, "fp8").nbytes - sep.nbytes == (layers - 1) * h
     monkeypatch.setattr(ce, "FUSE_GELU", False)
     assert ce.fused_gelu("fp8") == (False, False) and h_act_layers("fp8") == 1
+
+
+@pytest.mark.parametrize("fp8_gemms", [{"fwd"}, set(), {"fwd", "bwd"}])
+@pytest.mark.parametrize("recompute", ["auto", "gelu"])
+def test_fp8_with_kept_transposes_shares_ln_and_h_act_and_recomputes_nothing(monkeypatch, fp8_gemms, recompute):
+    """fp8.SAVE_TRANSPOSES (the default): the backward's weight gradients read the kept E4M3 transposes,
+    so ln1, ln2 and h_act are one buffer each (PlanPolicy.shared) and the backward refills none of them
+    (train.recompute=gelu included); the plan is smaller than without the kept transposes by those
+    buffers' other layers, less f8_saved and its slots."""
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(fp8_gemms))
+    lay = ce.arena_layout(MC, 2, "fp8", recompute=recompute)
+    shapes = dict((n, s) for n, s, _ in lay.spec)
+    assert shapes["ln1"][0] == shapes["ln2"][0] == shapes["h_act"][0] == 1 and shapes["h_pre"][0] == MC.n_layer
+    assert lay.policy.shared == {"ln", "gelu"} and lay.policy.recompute == frozenset()
+    N, C, L = 2 * MC.context, MC.d_model, MC.n_layer
+    assert math.prod(shapes["f8_saved"]) == L * 7 * N * C
+    monkeypatch.setattr(ce.fp8_mod, "SAVE_TRANSPOSES", False)
+    plain = ce.arena_layout(MC, 2, "fp8", recompute=recompute)
+    assert "f8_saved" not in dict((n, s) for n, s, _ in plain.spec) and plain.policy.shared == frozenset()
+    assert ce.arena_layout(MC, 2, "bf16").policy.shared == frozenset()
 
 
 def test_without_the_fusion_bf16_recomputes_and_plans_fewer_bytes(monkeypatch):

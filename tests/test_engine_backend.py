@@ -100,8 +100,9 @@ def test_the_16bit_arena_pads_logits_rows_and_holds_the_cublaslt_workspace():
     """bf16/fp16/fp8: logits rows of V rounded up to LOGITS_PAD elements and the zero-padded head
     copy wte_pad (fp8's head is a bf16 GEMM), cuBLASLt's workspace in the arena (planned, not beside
     it), the LayerNorm outputs kept per layer (and h_act where the fc GEMM's GELU epilogue writes it:
-bf16/fp16, fp8 with FUSE_GELU_FP8); fp32 keeps (N, V). The recipe's views are (N, V)
-    either way. Checked without a GPU."""
+    bf16/fp16) but in one buffer in fp8, whose backward reads their kept E4M3 transposes
+    (PlanPolicy.shared); fp32 keeps (N, V). The recipe's views are (N, V) either way. Checked without
+    a GPU."""
     from andrea.cuda.engine import LOGITS_PAD, arena_layout, fused_gelu
     from andrea.cuda.fp8 import LT_WORKSPACE
     from andrea.engine.model import ModelConfig
@@ -114,6 +115,7 @@ bf16/fp16, fp8 with FUSE_GELU_FP8); fp32 keeps (N, V). The recipe's views are (N
         assert spec["logits"][0] == (N, cols), prec
         assert ("lt_ws" in spec) == (prec != "fp32") and (prec == "fp32" or spec["lt_ws"][0] == (LT_WORKSPACE,))
         assert cols % LOGITS_PAD == 0 or prec == "fp32"
-        h_layers = mc.n_layer if fused_gelu(prec)[0] else 1          # the fused GELU epilogue keeps h_act
-        assert spec["ln1"][0][0] == mc.n_layer and spec["h_act"][0][0] == h_layers, prec
+        h_layers = mc.n_layer if fused_gelu(prec)[0] and prec != "fp8" else 1   # the fused epilogue keeps h_act
+        ln_layers = 1 if prec == "fp8" else mc.n_layer
+        assert spec["ln1"][0][0] == ln_layers and spec["h_act"][0][0] == h_layers, prec
         assert ("wte_pad" in spec) == (prec != "fp32") and spec.get("wte_pad", ((cols, 64),))[0] == (cols, 64)

@@ -78,7 +78,9 @@ FUSE_GELU = True
 # +2.1 GiB), "bwd" the proj dgrad (DGELU). H200, one run (`bench/engine_gpu.py --precision bf16 fp8:delayed
 # --fp8-gelu fwd,bwd fwd`, docs/bench/fp8_gelu_h200.json), fp8 ms/step separate / fwd / fwd+bwd:
 # 120M B=32 54.03 / 53.35 / 58.48, 480M B=8 49.10 / 48.27 / 51.50 (bf16 53.90, 54.12): the fused forward
-# pays, FP8 DGELU is slower than the FP8 GEMM + k_gelu_bwd. train.recompute=gelu gives the memory back.
+# pays, FP8 DGELU is slower than the FP8 GEMM + k_gelu_bwd (which now runs inside the cast of dL/dh,
+# fp8.DGELU_CAST). With fp8.SAVE_TRANSPOSES h_act is one buffer for all layers whatever this says
+# (gpu_policy's ``shared``): the backward reads its kept E4M3 transpose.
 FUSE_GELU_FP8 = frozenset({"fwd"})
 
 
@@ -268,8 +270,11 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str, recompute: str = "auto")
         Buffer("seg_order", (N,), "index", "int32"), Buffer("seg_start", (N + 1,), "index", "int32"),
         Buffer("seg_tok", (N,), "index", "int32"), Buffer("seg_n", (1,), "index", "int32"),
     )
-    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=recompute_for(precision, recompute),
-                      cast_branch=precision != "fp32", scratch=scratch,
+    # fp8 keeping the E4M3 transposes of the GEMM inputs (fp8.SAVE_TRANSPOSES): the backward reads
+    # neither the LayerNorm outputs nor h_act, so one buffer each serves every layer (120M B=32: -3.3 GB)
+    shared = frozenset({"ln", "gelu"}) if precision == "fp8" and fp8_mod.SAVE_TRANSPOSES else frozenset()
+    return PlanPolicy(att_shape=(B, H, T), loss_saved=(N,), recompute=recompute_for(precision, recompute) - shared,
+                      shared=shared, cast_branch=precision != "fp32", scratch=scratch,
                       logits_pad=LOGITS_PAD if precision in PAD_PRECISIONS else 1)
 
 

@@ -158,6 +158,9 @@ class PlanPolicy:
                  log-sum-exp (N,) where the backward rebuilds dlogits in place in the logits
     recompute    saved activations kept in ONE buffer for all layers and refilled by the backward
                  (the recipe re-runs their forward op): "ln" (ln1, ln2), "gelu" (h_act)
+    shared       saved activations kept in ONE buffer for all layers and NOT refilled: the backward
+                 never reads them, the engine keeps what it needs of them in its own form (the GPU's
+                 fp8 keeps their E4M3 transposes for the weight gradients)
     cast_branch  the branch gradient dbranch is its own compute-dtype buffer, cast from dres
                  (else dbranch IS dres: no copy)
     scratch      the ops' own buffers (work, constants), declared by the backend
@@ -169,6 +172,7 @@ class PlanPolicy:
     att_shape: tuple[int, ...]
     loss_saved: tuple[int, ...]
     recompute: frozenset = frozenset()
+    shared: frozenset = frozenset()
     cast_branch: bool = False
     scratch: tuple[Buffer, ...] = ()
     logits_pad: int = 1
@@ -180,8 +184,9 @@ def activation_plan(mc: ModelConfig, batch_size: int, policy: PlanPolicy) -> lis
     backend's scratch (``policy.scratch``)."""
     B, T, C, H, V, L = batch_size, mc.context, mc.d_model, mc.n_head, mc.vocab_size, mc.n_layer
     N = B * T
-    Lln = 1 if "ln" in policy.recompute else L         # recomputed: one buffer, refilled per layer
-    Lgelu = 1 if "gelu" in policy.recompute else L
+    one = policy.recompute | policy.shared              # one buffer: refilled per layer, or never read back
+    Lln = 1 if "ln" in one else L
+    Lgelu = 1 if "gelu" in one else L
     return [
         Buffer("idx", (B, T), "index", "int32"),
         Buffer("targets", (B, T), "index", "int32"),
