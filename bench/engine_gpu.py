@@ -32,6 +32,8 @@ only; ``none``: fp8's separate GELU passes, h_act recomputed), same run.
 ``--fp8-plain``: ours in the first fp8 ``--precision`` again with the casts as they were before
 session 10 (every weight-gradient transpose cast in the backward, k_gelu_bwd then the cast of dL/dh,
 the weights cast one by one), same run; the same bytes, so only the time differs.
+``--fp8-cast-t``: ours in the first fp8 ``--precision`` again with each transposing cast kernel given
+(andrea/cuda/fp8.py CAST_T: smem, warp), same run; the same bytes.
 ``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
 choice of the tensor-core kernels, mma.sync and (on a compute capability 9.0 device) wgmma
 (andrea.cuda.kernels.ATTN_MMA_ROWS / ATTN_WG_ROWS pick one per kernel and D, ATTN_HOPPER the kernels).
@@ -554,6 +556,9 @@ def main(argv=None) -> int:
                     help="also time ours in the first fp8 --precision casting as before session 10: every "
                          "transpose in the backward, k_gelu_bwd then the cast, the weights one by one "
                          "(fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST off, Fp8Gemm.cast_weights_each)")
+    ap.add_argument("--fp8-cast-t", nargs="*", default=[], choices=["smem", "warp"],
+                    help="also time ours in the first fp8 --precision with each of these transposing casts "
+                         "(andrea/cuda/fp8.py CAST_T), same run")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--attn", default=None, metavar="FWD,BWD",
@@ -622,6 +627,17 @@ def main(argv=None) -> int:
                 k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights = saved
             print(f"{key}: ours {p8} casting as before (--fp8-plain) {x['ms']:.2f} ms/step, peak "
                   f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
+            save(key, r)
+        for kern in args.fp8_cast_t if p8 else []:
+            import andrea.cuda.fp8 as k8
+
+            saved, k8.CAST_T = k8.CAST_T, kern
+            try:
+                r[f"ours-{p8}-cast-{kern}"] = x = bench_ours(s, B, args.steps, args.warmup, p8)
+            finally:
+                k8.CAST_T = saved
+            print(f"{key}: ours {p8} with the {kern} transposing cast {x['ms']:.2f} ms/step", file=sys.stderr,
+                  flush=True)
             save(key, r)
         for a in args.anchors:
             prof = args.breakdown and compiled and a == compiled[0]

@@ -638,3 +638,21 @@ def test_weight_table_casts_every_weight_like_casting_them_one_by_one(monkeypatc
     assert (w8 == 0x7F).sum() == 2 and inv[k8.SLOT * 3] > 0    # the -inf in both copies
     with pytest.raises(AndreaError, match="needs 16-byte alignment"):
         k8.weight_table([(wlow[1:1 + 64 * 64].reshape(64, 64).view(_Dev), 0, 4096, 3)], wlow.data.ptr)
+
+
+@pytest.mark.parametrize("choice", ["smem", "warp"])
+def test_transposing_cast_kernel_follows_cast_t(monkeypatch, choice):
+    """fp8.CAST_T picks the transposing cast: "warp" runs k_fp8_cast_t_w_bf16 (8 tiles a block) for a
+    plain cast and keeps the shared-memory kernel for the GELU-backward cast; "smem" runs the
+    shared-memory kernels (a tile a block). Both give the same bytes (tests/test_fp8_gpu.py)."""
+    import andrea.cuda.fp8 as k8
+
+    launched = []
+    monkeypatch.setattr(k8, "CAST_T", choice)
+    monkeypatch.setattr(k8, "kernel", lambda f, name: lambda grid, block, args: launched.append((name, grid[0])))
+    x = _dev(np.zeros((1024, 128), np.uint16))
+    k8.k_fp8_cast_t(None, None, x, 1024, 128, None, None)
+    k8.k_fp8_cast_t(None, None, x, 1024, 128, None, None, hp=x)
+    tiles = 16 * 2
+    plain = ("k_fp8_cast_t_w_bf16", tiles // 8) if choice == "warp" else ("k_fp8_cast_t_bf16", tiles)
+    assert launched == [plain, ("k_fp8_dgelu_cast_t_bf16", tiles)]

@@ -70,6 +70,15 @@ def gpu(a):
     return cp.asarray(a)
 
 
+@pytest.fixture(params=["smem", "warp"])
+def cast_t(request, monkeypatch):
+    """Each transposing-cast test runs both kernels (andrea/cuda/fp8.py CAST_T): the same bytes."""
+    from andrea.cuda import fp8 as k8
+
+    monkeypatch.setattr(k8, "CAST_T", request.param)
+    return request.param
+
+
 def _engine_modules():
     from andrea.cuda import fp8 as k8
 
@@ -77,7 +86,7 @@ def _engine_modules():
 
 
 @pytest.mark.parametrize("scale", [1.0, 3e-5, 700.0])
-def test_casts_are_bit_exact_with_numpy(scale):
+def test_casts_are_bit_exact_with_numpy(scale, cast_t):
     k8 = _engine_modules()
     R, C = 128, 192
     xb = special_tensor(R * C, 7, scale)
@@ -104,7 +113,7 @@ def test_casts_are_bit_exact_with_numpy(scale):
 
 
 @pytest.mark.parametrize("scale,factor", [(1.0, 1.0), (3e-5, 0.25), (700.0, 3.0)])
-def test_fused_delayed_cast_and_amax_are_bit_exact_with_numpy(scale, factor):
+def test_fused_delayed_cast_and_amax_are_bit_exact_with_numpy(scale, factor, cast_t):
     """Delayed scaling's one pass: E4M3 at a given scale (factor < 1: the history's amax below
     this tensor's, so values saturate at 448) and the tensor's amax atomicMax-ed into rec; the
     first step's current casts with rec. Tolerance: none (codes and amax bit-exact)."""
@@ -142,7 +151,7 @@ def test_fused_delayed_cast_and_amax_are_bit_exact_with_numpy(scale, factor):
     assert cp.asnumpy(rec)[0] == am_ref and cp.asnumpy(inv)[0] == inv_cur
 
 
-def test_fused_cast_over_more_tiles_than_blocks_is_bit_exact():
+def test_fused_cast_over_more_tiles_than_blocks_is_bit_exact(cast_t):
     """A (4096, 4096) tensor: 4096 tiles for at most 2112 blocks (the grid-stride tile loop) and
     1056 blocks of the flat cast, each adding its max; bit-exact, the amax too."""
     k8 = _engine_modules()
@@ -167,7 +176,7 @@ def test_fused_cast_over_more_tiles_than_blocks_is_bit_exact():
 
 
 @pytest.mark.parametrize("delayed", [False, True])
-def test_gelu_backward_cast_is_bit_exact_with_k_gelu_bwd_then_the_cast(delayed):
+def test_gelu_backward_cast_is_bit_exact_with_k_gelu_bwd_then_the_cast(delayed, cast_t):
     """k_fp8_amax_dgelu_bf16 / k_fp8_dgelu_cast_t_bf16 (quantize(..., hp=h_pre)) against the two
     passes they replace: k_gelu_bwd writing dL/dh_pre in bf16, then the cast of that tensor. Codes,
     factor and amax bit-exact (tolerance: none), specials included (inf, NaN, -0, tiny)."""
@@ -505,16 +514,21 @@ def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scal
     assert all(np.isfinite(x).all() for x in acc[1:4])
 
 
-@pytest.mark.parametrize("scaling,gemms", [("current", ""), ("delayed", ""), ("delayed", "fwd")])
-def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gemms, monkeypatch):
-    """fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST and the two-launch weight casts on (the default) against
-    all three off (every transpose cast in the backward, k_gelu_bwd then the cast of dL/dh_pre,
-    the weights one by one): w, m, v and the delayed history byte-identical after 6 steps."""
+@pytest.mark.parametrize("scaling,gemms,kernel", [("current", "", "smem"), ("delayed", "", "smem"),
+                                                  ("delayed", "fwd", "smem"), ("current", "", "warp"),
+                                                  ("delayed", "fwd", "warp")])
+def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gemms, kernel, monkeypatch):
+    """fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST and the two-launch weight casts on (the default), with either
+    transposing cast (fp8.CAST_T), against all three off and the shared-memory cast (every transpose
+    cast in the backward, k_gelu_bwd then the cast of dL/dh_pre, the weights one by one): w, m, v and
+    the delayed history byte-identical after 6 steps."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
 
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
+    monkeypatch.setattr(k8, "CAST_T", kernel)
     on = _run(6, scaling=scaling)
+    monkeypatch.setattr(k8, "CAST_T", "smem")
     monkeypatch.setattr(k8, "SAVE_TRANSPOSES", False)
     monkeypatch.setattr(k8, "DGELU_CAST", False)
     monkeypatch.setattr(k8.Fp8Gemm, "cast_weights", k8.Fp8Gemm.cast_weights_each)

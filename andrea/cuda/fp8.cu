@@ -195,6 +195,69 @@ extern "C" __global__ void k_fp8_dgelu_cast_t_bf16(const unsigned short* __restr
     cast_t_body<true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv);
 }
 
+// The same cast (k_fp8_cast_t_w_bf16) with a 64 x 64 tile per warp and no shared memory or barrier:
+// lane (c8 = lane % 8, rg = lane / 8) converts rows 16 rg .. 16 rg + 15 of the tile's 8-column chunk c8
+// (16 loads of 16 bytes, a warp's load covering 4 rows x 128 bytes), writes them in place (8 bytes a
+// row) and, transposed in registers by byte permutes (4 x 4 blocks), 16 bytes of each of its 8
+// columns' rows in out_t (a warp's store covering 8 rows x 64 bytes). The same
+// bytes as cast_t_body; fp8.py CAST_T picks one. On the H200 it moves 0.82-0.83 of a device copy's GB/s
+// against the shared-memory kernel's 0.74-0.76 (bench/fp8_casts.py); its GELU-backward form ran at 0.41
+// against 0.61 (twice the loads in flight: 78 registers), so that cast keeps the shared-memory kernel.
+// 4 x 4 bytes: out word j = byte j of a0, a1, a2, a3 (a0's in the low byte)
+__device__ __forceinline__ void t4x4(unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned& b0, unsigned& b1,
+                                     unsigned& b2, unsigned& b3) {
+    const unsigned t0 = __byte_perm(a0, a1, 0x5140), t1 = __byte_perm(a0, a1, 0x7362);   // a0[0] a1[0] a0[1] a1[1]
+    const unsigned t2 = __byte_perm(a2, a3, 0x5140), t3 = __byte_perm(a2, a3, 0x7362);
+    b0 = __byte_perm(t0, t2, 0x5410);
+    b1 = __byte_perm(t0, t2, 0x7632);
+    b2 = __byte_perm(t1, t3, 0x5410);
+    b3 = __byte_perm(t1, t3, 0x7632);
+}
+
+__device__ __forceinline__ void cast_t_warps(const unsigned short* __restrict__ x, int R, int C,
+                                             const float* __restrict__ part, int P, const float* __restrict__ sc, float* __restrict__ rec,
+                                             unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
+                                             float* __restrict__ inv) {
+    __shared__ float buf[32];
+    float m_cur = 0.0f, m = 0.0f;
+    const float s = fp8_scale(part, P, sc, buf, &m_cur);
+    const bool delayed = part == nullptr;
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, c8 = lane & 7, rg = lane >> 3;
+    const int tc = C / 64, n_tiles = tc * (R / 64);
+    for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < n_tiles; t += gridDim.x * nw) {
+        const int r0 = (t / tc) * 64 + rg * 16, c0 = (t % tc) * 64 + c8 * 8;
+        uint2 q[16];
+#pragma unroll
+        for (int h = 0; h < 16; h += 8) {                    // 8 rows' loads in flight before any use
+            uint4 v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = cast_in<false>(x, nullptr, (size_t)(r0 + h + i) * C + c0);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (delayed) m = fmaxf(m, amax8(v[i]));
+                q[h + i] = fp8_pack8(v[i], s);
+                if (out) *reinterpret_cast<uint2*>(out + (size_t)(r0 + h + i) * C + c0) = q[h + i];
+            }
+        }
+        unsigned w[8][4];                                    // column j's 16 rows, 4 bytes a word
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            t4x4(q[4 * g].x, q[4 * g + 1].x, q[4 * g + 2].x, q[4 * g + 3].x, w[0][g], w[1][g], w[2][g], w[3][g]);
+            t4x4(q[4 * g].y, q[4 * g + 1].y, q[4 * g + 2].y, q[4 * g + 3].y, w[4][g], w[5][g], w[6][g], w[7][g]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
+    }
+    fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
+}
+extern "C" __global__ void k_fp8_cast_t_w_bf16(const unsigned short* __restrict__ x, int R, int C,
+                                               const float* __restrict__ part, int P, const float* __restrict__ sc,
+                                               float* __restrict__ rec, unsigned char* __restrict__ out,
+                                               unsigned char* __restrict__ out_t, float* __restrict__ inv) {
+    cast_t_warps(x, R, C, part, P, sc, rec, out, out_t, inv);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The weights' casts, all matmul weights in two launches. wd: 8 int64 per weight, in w8's order:
 // [0] its first element in w (a multiple of 8), [1] R, [2] C (multiples of 64), [3] the byte offset

@@ -74,6 +74,12 @@ SCALINGS = ("current", "delayed")
 SAVE_TRANSPOSES = True            # keep each forward activation's transposed E4M3 copy for its weight gradient
 DGELU_CAST = True                 # the GELU backward inside the cast of dL/dh (no bf16 dL/dh_pre pass)
 WCHUNK = 16384                    # k_fp8_wamax's elements per block (fp8.cu's WCHUNK)
+# The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
+# warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
+# tests). Alone on the H200 (bench/fp8_casts.py) "warp" moves 0.82-0.83 of a device copy's GB/s against
+# 0.74-0.76; the engine step with exactly this split was not timed (session 10 ran out of device time):
+# `bench/engine_gpu.py --precision fp8:delayed --fp8-cast-t smem warp` times both in one run.
+CAST_T = "smem"
 
 
 def require_fp8(compute_capability) -> None:
@@ -171,10 +177,12 @@ def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None,
         raise AndreaError(f"fp8 cast: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
     tiles = (R // TILE) * (C // TILE)
     args = (i32(R), i32(C), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec), _ptr(out), out_t, inv)
-    if hp is None:
-        kernel("fp8.cu", "k_fp8_cast_t_bf16")((min(tiles, 8 * AMAX_BLOCKS),), (256,), (x, *args))
+    name = "k_fp8_cast_t" if hp is None else "k_fp8_dgelu_cast_t"
+    if CAST_T == "warp" and hp is None:        # 8 tiles a block of 8 warps
+        name, grid = name + "_w", min(-(-tiles // 8), 4 * AMAX_BLOCKS)
     else:
-        kernel("fp8.cu", "k_fp8_dgelu_cast_t_bf16")((min(tiles, 8 * AMAX_BLOCKS),), (256,), (x, hp, *args))
+        grid = min(tiles, 8 * AMAX_BLOCKS)
+    kernel("fp8.cu", name + "_bf16")((grid,), (256,), (x, *args) if hp is None else (x, hp, *args))
 
 
 def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv) -> None:
