@@ -91,3 +91,30 @@ def test_breakdown_reports_the_step_time_no_class_holds(eg, tmp_path, monkeypatc
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("unattributed"))
     assert float(line.split()[1]) == pytest.approx(6.6)
     assert json.loads(out.read_text())["andrea-12m:B64"]["breakdown_ms"]["unattributed"] == pytest.approx(6.6)
+
+
+def test_fp8_cast_paths_are_timed_with_their_switches_set_and_restored(eg, tmp_path, monkeypatch):
+    """--fp8-plain and --fp8-cast-t: one more run of ours on the first fp8 precision each, with the
+    fp8 module's switches as they say during that run (plain: no kept transposes, no GELU-backward
+    cast, the weights one by one; cast-t: CAST_T) and as they were afterwards."""
+    import andrea.cuda.fp8 as k8
+
+    seen = []
+
+    def ours(s, B, steps, warmup, prec, recompute=None, fp8_gelu=None):
+        seen.append((prec, k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights is k8.Fp8Gemm.cast_weights_each,
+                     k8.CAST_T))
+        return fake_ours(5.0)
+
+    monkeypatch.setattr(eg, "bench_ours", ours)
+    before = (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights, k8.CAST_T)
+    out = tmp_path / "bench.json"
+    assert eg.main(["--variants", "andrea-12m:8", "--precision", "bf16", "fp8:delayed", "--fp8-plain",
+                    "--fp8-cast-t", "smem", "warp", "--anchors", "--json", str(out)]) == 0
+    d = before[3]
+    assert seen == [("bf16", True, True, False, d), ("fp8:delayed", True, True, False, d),
+                    ("fp8:delayed", False, False, True, d), ("fp8:delayed", True, True, False, "smem"),
+                    ("fp8:delayed", True, True, False, "warp")]
+    assert (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights, k8.CAST_T) == before
+    got = json.loads(out.read_text())["andrea-12m:B8"]
+    assert {"ours-fp8:delayed-plain", "ours-fp8:delayed-cast-smem", "ours-fp8:delayed-cast-warp"} <= set(got)
