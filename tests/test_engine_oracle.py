@@ -91,7 +91,16 @@ def test_ten_adamw_steps_match_torch():
         theirs.append(loss.item())
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
     assert ours[-1] < ours[0] - 0.05, "the model did not learn: the comparison would be vacuous"
-    np.testing.assert_allclose(eng.w, ref.flat(), rtol=1e-3, atol=1e-5)
+    # An AdamW step moves an entry by about lr whenever |g| >> eps, in the direction of g, so where g
+    # passes near zero in some step the float32 rounding of the two implementations moves that entry
+    # by a small part of lr. Ours is the same bytes under every thread setting; torch's CPU result
+    # changes with its thread count (OMP/MKL threads: other bytes) and with the process's state: seen
+    # once in a full CI run, 5 of 27552 entries off by up to 2.4e-5 (alone the largest is 9.7e-6).
+    # So: every entry within 1e-4 (1% of one step's move) + 1e-3 relative, and all but 0.1% of them
+    # within the tight 1e-5.
+    w, want = np.asarray(eng.w, np.float64), np.asarray(ref.flat(), np.float64)
+    np.testing.assert_allclose(w, want, rtol=1e-3, atol=1e-4)
+    assert np.mean(np.abs(w - want) > 1e-5 + 1e-3 * np.abs(want)) < 1e-3
     assert 0 < clipped < 10, "both clipped and unclipped steps should occur"
 
 
