@@ -54,6 +54,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from andrea.fsutil import atomic_write_json  # noqa: E402
+
+
+@contextmanager
+def patched(obj, **attrs):
+    """obj's attributes set as given inside the block and put back after it, whatever happens."""
+    saved = {k: getattr(obj, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(obj, k, v)
 
 PEAK_BF16 = 989.5e12
 
@@ -194,19 +208,17 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
     y = np.roll(x, -1, axis=1)
     pairs = []
-    names = [n for n in OUR_CLASSES if hasattr(be, n)]
-    saved = {n: getattr(be, n) for n in names}
-    saved8 = {n: getattr(f8m, n) for n in FP8_CASTS}
     mm = eng.ops._mm
     phase = ["step"]                                      # "update" once the optimizer runs
 
-    def timed(name, fn, mod_phase=False):
+    def timed(name, fn):
+        """fn with its launches between two events, under ``name`` (a callable: the name when it runs)."""
         def w(*a, **k):
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record(eng.stream)
             fn(*a, **k)
             e1.record(eng.stream)
-            pairs.append((("fp8 weight cast" if phase[0] == "update" else name) if mod_phase else name, e0, e1, 0))
+            pairs.append((name() if callable(name) else name, e0, e1, 0))
         return w
 
     def timed_mm(*a, tag="gemm", **k):                    # FastOps._mm: one GEMM, named by its tag
@@ -217,13 +229,11 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
         e1.record(eng.stream)
         pairs.append(("gemm " + tag, e0, e1, len(pairs) - first))   # the casts it ran are the pairs before it
 
-    for n in names:
-        setattr(be, n, timed(OUR_CLASSES[n], saved[n]))
-    for n in FP8_CASTS:
-        setattr(f8m, n, timed("fp8 cast", saved8[n], mod_phase=True))
-    eng.ops._mm = timed_mm
+    cast_class = lambda: "fp8 weight cast" if phase[0] == "update" else "fp8 cast"  # noqa: E731
+    ours = {n: timed(OUR_CLASSES[n], getattr(be, n)) for n in OUR_CLASSES if hasattr(be, n)}
+    casts = {n: timed(cast_class, getattr(f8m, n)) for n in FP8_CASTS}
     per_rep = []
-    try:
+    with patched(be, **ours), patched(f8m, **casts), patched(eng.ops, _mm=timed_mm):
         for _ in range(reps + 1):
             pairs.clear()
             phase[0] = "step"
@@ -245,12 +255,6 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
             out["optimizer"] = cp.cuda.get_elapsed_time(o0, e1)    # fp8: with its "fp8 weight cast"
             out["total"] = cp.cuda.get_elapsed_time(e0, e1)
             per_rep.append(out)
-    finally:
-        for n in names:
-            setattr(be, n, saved[n])
-        for n in FP8_CASTS:
-            setattr(f8m, n, saved8[n])
-        eng.ops._mm = mm
     del eng
     cp.get_default_memory_pool().free_all_blocks()
     return {k: float(np.median([r.get(k, 0.0) for r in per_rep[1:]])) for k in per_rep[-1]}
@@ -616,29 +620,22 @@ def main(argv=None) -> int:
             print(f"{key}: ours {p8} with the GELU epilogue on {ch} {x['ms']:.2f} ms/step, peak "
                   f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
             save(key, r)
-        if p8 and args.fp8_plain:
+        if p8 and (args.fp8_plain or args.fp8_cast_t):
             import andrea.cuda.fp8 as k8
 
-            saved = (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights)
-            k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights = False, False, k8.Fp8Gemm.cast_weights_each
-            try:
-                r[f"ours-{p8}-plain"] = x = bench_ours(s, B, args.steps, args.warmup, p8)
-            finally:
-                k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights = saved
-            print(f"{key}: ours {p8} casting as before (--fp8-plain) {x['ms']:.2f} ms/step, peak "
-                  f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
-            save(key, r)
-        for kern in args.fp8_cast_t if p8 else []:
-            import andrea.cuda.fp8 as k8
-
-            saved, k8.CAST_T = k8.CAST_T, kern
-            try:
-                r[f"ours-{p8}-cast-{kern}"] = x = bench_ours(s, B, args.steps, args.warmup, p8)
-            finally:
-                k8.CAST_T = saved
-            print(f"{key}: ours {p8} with the {kern} transposing cast {x['ms']:.2f} ms/step", file=sys.stderr,
-                  flush=True)
-            save(key, r)
+            runs = [("plain", "casting as before (--fp8-plain)",
+                     [(k8, {"SAVE_TRANSPOSES": False, "DGELU_CAST": False}),
+                      (k8.Fp8Gemm, {"cast_weights": k8.Fp8Gemm.cast_weights_each})])] if args.fp8_plain else []
+            runs += [(f"cast-{kern}", f"with the {kern} transposing cast", [(k8, {"CAST_T": kern})])
+                     for kern in args.fp8_cast_t]
+            for suffix, what, switches in runs:
+                with ExitStack() as stack:
+                    for obj, attrs in switches:
+                        stack.enter_context(patched(obj, **attrs))
+                    r[f"ours-{p8}-{suffix}"] = x = bench_ours(s, B, args.steps, args.warmup, p8)
+                print(f"{key}: ours {p8} {what} {x['ms']:.2f} ms/step, peak {x['peak_bytes'] / 2 ** 20:.0f} MiB",
+                      file=sys.stderr, flush=True)
+                save(key, r)
         for a in args.anchors:
             prof = args.breakdown and compiled and a == compiled[0]
             r[a] = bench_torch(s, B, args.steps, args.warmup, a, profile=bool(prof))

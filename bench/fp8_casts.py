@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_gpu import event_ms, parse_variants, variant_shapes  # noqa: E402
+from engine_gpu import event_ms, parse_variants, patched, variant_shapes  # noqa: E402
 
 from andrea.engine import fp8_numpy as f8  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
@@ -72,10 +72,8 @@ def shape_rows(cp, k8, N: int, cols: int, reps: int, dgelu: bool) -> dict:
         ref = cp.empty_like(x)                       # the twin of the fused input: k_gelu_bwd's bf16, tested
         k_gelu_bwd("bf16", ref, x, hp, x.size)       # bit-exact against the fused kernel in test_fp8_gpu.py
         want_dg, _, _ = f8.quantize_delayed(f8.bf16_to_f32(cp.asnumpy(ref[:64])), scale)
-    saved = k8.CAST_T
-    try:
-        for kern in ("smem", "warp"):                # fp8.CAST_T: the two transposing casts, the same bytes
-            k8.CAST_T = kern
+    for kern in ("smem", "warp"):                    # fp8.CAST_T: the two transposing casts, the same bytes
+        with patched(k8, CAST_T=kern):
             nat.fill(0)
             tr.fill(0)
             k8.quantize(nat, tr, x, part, inv, N, cols, scale=sc, rec=rec)
@@ -91,8 +89,6 @@ def shape_rows(cp, k8, N: int, cols: int, reps: int, dgelu: bool) -> dict:
                 row[f"dgelu {kern}"] = median_ms(lambda: k8.quantize(nat, tr, x, part, inv, N, cols, scale=sc,
                                                                      rec=rec, hp=hp), reps)
                 moved[f"dgelu {kern}"] = 6
-    finally:
-        k8.CAST_T = saved
     return {k: {"ms": ms, "GBps": moved[k] * N * cols / ms / 1e6} for k, ms in row.items()}
 
 

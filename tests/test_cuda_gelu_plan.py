@@ -108,10 +108,10 @@ def test_fp8_mlp_runs_the_epilogues_it_was_given(monkeypatch, fp8_gemms):
         monkeypatch.setattr(ce, k, lambda *a, _k=k: calls.append((_k,)))
     t = {n: SimpleNamespace(name=n, size=8) for n in ("out", "h_pre", "h_act", "x", "w_fc", "w_proj", "dx", "dw_fc",
                                                       "dw_proj", "dout", "dh")}
-    for dgelu_cast in (True, False):      # fp8.DGELU_CAST: gelu' inside the next GEMM's cast of dh, or k_gelu_bwd
-        monkeypatch.setattr(ce.fp8_mod, "DGELU_CAST", dgelu_cast)
+    for dgelu_cast in (True, False):      # Fp8Gemm.defers_dgelu: gelu' inside the next GEMM's cast of dh, or k_gelu_bwd
         calls.clear()
-        f8 = SimpleNamespace(mm=mm, memo_enabled=True, defer_dgelu=lambda G, hp: calls.append(("defer", G.name, hp.name)))
+        f8 = SimpleNamespace(mm=mm, defers_dgelu=dgelu_cast,
+                             defer_dgelu=lambda G, hp: calls.append(("defer", G.name, hp.name)))
         _mlp_calls(ce.FastOps("bf16", None, {"dh": t["dh"]}, f8=f8), t, calls, fp8_gemms, dgelu_cast)
 
 

@@ -638,6 +638,21 @@ def test_weight_table_casts_every_weight_like_casting_them_one_by_one(monkeypatc
     assert (w8 == 0x7F).sum() == 2 and inv[k8.SLOT * 3] > 0    # the -inf in both copies
     with pytest.raises(AndreaError, match="needs 16-byte alignment"):
         k8.weight_table([(wlow[1:1 + 64 * 64].reshape(64, 64).view(_Dev), 0, 4096, 3)], wlow.data.ptr)
+    # an arena with the table (the engine's): cast_weights hands k_fp8_weights the table it wrote
+    launches = []
+
+    def weights_twin(w, wd, nw, n_chunks, n_tiles, amax, w8_, inv_):
+        launches.append(nw)
+        f8.cast_weights_table(np.asarray(w), np.asarray(wd)[:8 * nw].reshape(nw, 8), n_chunks, n_tiles,
+                              np.asarray(w8_), np.asarray(inv_))
+
+    monkeypatch.setattr(k8, "k_fp8_weights", weights_twin)
+    a.update(w8=_dev(np.zeros(n8, np.uint8)), f8_inv=_dev(np.zeros(inv_len, np.float32)), wlow=wlow,
+             f8_wdesc=_dev(np.zeros(8 * len(plan), np.int64)), f8_wamax=_dev(np.zeros(len(plan), np.float32)))
+    k8.Fp8Gemm(a, WL, plan, set(), None, lt=SimpleNamespace()).cast_weights()
+    assert launches == [len(plan)]
+    np.testing.assert_array_equal(np.asarray(a["w8"]), w8)
+    np.testing.assert_array_equal(np.asarray(a["f8_inv"]), inv)
 
 
 @pytest.mark.parametrize("choice", ["smem", "warp"])

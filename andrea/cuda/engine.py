@@ -135,8 +135,10 @@ class FastOps:
         launch is appended there (the engine runs it once the segments are on their way)."""
         a = self.a
         B, T, C = dout.shape
-        run = lambda: k_embed_bwd(dwte, dwpe, dout, (a["seg_order"], a["seg_start"], a["seg_tok"], a["seg_n"]),  # noqa: E731
-                                  B, T, C)
+
+        def run():
+            k_embed_bwd(dwte, dwpe, dout, (a["seg_order"], a["seg_start"], a["seg_tok"], a["seg_n"]), B, T, C)
+
         if self.deferred is None:
             run()
         else:
@@ -204,7 +206,7 @@ class FastOps:
             self._mm(dh, dout, w_proj, tb=True, tag="proj dgrad")   # dL/dh_act
         self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
         if not self.fused_bwd:
-            if self.f8 is not None and fp8_mod.DGELU_CAST and self.f8.memo_enabled:
+            if self.f8 is not None and self.f8.defers_dgelu:
                 self.f8.defer_dgelu(dh, h_pre)                      # fp8: gelu' inside the next GEMM's cast of dh
             else:
                 k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)       # dL/dh_pre, in place
@@ -410,8 +412,11 @@ class GpuEngine:
         self.graph_scale = None
         # pinned staging for the batch's uploads: copies that do not hold the host, so the host
         # sorts the next segments while the GPU runs (_load_segments)
-        self.staged = {name: xp.cuda.alloc_pinned_memory(self.a[name].nbytes)
-                       for name in ("idx", "targets", "seg_order", "seg_start", "seg_tok", "seg_n")}
+        self.staged = {}
+        for name in ("idx", "targets", "seg_order", "seg_start", "seg_tok", "seg_n"):
+            dst = self.a[name]
+            mem = xp.cuda.alloc_pinned_memory(dst.nbytes)
+            self.staged[name] = np.frombuffer(mem, dtype=dst.dtype, count=dst.size).reshape(dst.shape)
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -496,13 +501,12 @@ class GpuEngine:
     def _upload(self, name: str, arr) -> None:
         """arr (host) into the arena buffer ``name`` through its pinned staging, asynchronously on the
         engine's stream. The staging is rewritten only by the next upload, after the step's sync."""
-        dst, buf = self.a[name], self.staged[name]
-        src = np.ascontiguousarray(arr, dtype=dst.dtype).reshape(-1)
+        dst, view = self.a[name], self.staged[name]
+        src = np.asarray(arr)
         if src.size != dst.size:
             raise AndreaError(f"cupy engine: a batch of {src.size} values for {name} (the plan holds {dst.size})")
-        view = np.frombuffer(buf, dtype=dst.dtype, count=src.size)
-        view[:] = src
-        dst.set(view.reshape(dst.shape), stream=self.stream)    # from pinned memory: cudaMemcpyAsync
+        np.copyto(view, src.reshape(view.shape), casting="unsafe")
+        dst.set(view, stream=self.stream)                       # from pinned memory: cudaMemcpyAsync
 
     def _load_ids(self, x, y) -> None:
         """The token ids (and targets) the forward reads."""

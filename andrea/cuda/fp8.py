@@ -60,7 +60,7 @@ import numpy as np
 from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F, EPILOGUE_DEFAULT, Lt
 from andrea.cuda.kernels import i32, need
 from andrea.cuda.loader import kernel
-from andrea.engine.fp8_numpy import AmaxHistory
+from andrea.engine.fp8_numpy import WCHUNK, AmaxHistory     # WCHUNK: k_fp8_wamax's elements per block
 from andrea.errors import AndreaError
 
 AMAX_BLOCKS = 264                 # 2 per SM on an H100/H200; any count gives the same amax
@@ -73,7 +73,6 @@ SAVED_COLS_PER_LAYER = 7          # the columns of a layer's 4 forward activatio
 SCALINGS = ("current", "delayed")
 SAVE_TRANSPOSES = True            # keep each forward activation's transposed E4M3 copy for its weight gradient
 DGELU_CAST = True                 # the GELU backward inside the cast of dL/dh (no bf16 dL/dh_pre pass)
-WCHUNK = 16384                    # k_fp8_wamax's elements per block (fp8.cu's WCHUNK)
 # The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
 # warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
 # tests). Alone on the H200 (bench/fp8_casts.py) "warp" moves 0.82-0.83 of a device copy's GB/s against
@@ -232,12 +231,12 @@ class Fp8Gemm:
             W = WL[name]
             K, N = W.shape
             self.weights[W.data.ptr] = (W, w8[o:o + K * N].reshape(K, N), w8[ot:ot + K * N].reshape(N, K), slot)
-        self.table = None                          # (wlow, table on the device, rows, chunks, tiles): cast_weights
+        self.table = None                          # (weights, chunks, tiles) of the table in f8_wdesc: cast_weights
         if "f8_wdesc" in a and plan:
             wd, chunks, tiles = weight_table([(WL[n], o, ot, slot) for n, (o, ot, slot) in plan.items()],
                                              a["wlow"].data.ptr)
             a["f8_wdesc"][:wd.size].set(wd.reshape(-1))
-            self.table = (a["wlow"], a["f8_wdesc"], len(wd), chunks, tiles)
+            self.table = (len(wd), chunks, tiles)
         self._memo: dict = {}
         self.memo_enabled = True
         self._stream = lambda: blas.cp.cuda.get_current_stream().ptr
@@ -248,7 +247,7 @@ class Fp8Gemm:
         self.saved = a.get("f8_saved")             # SAVE_TRANSPOSES: the forward activations' E4M3 transposes
         self.save_t = False                        # this pass saves them (``begin``: a backward follows)
         self._saved: dict = {}                     # activation (ptr, shape) -> stack of (X^T E4M3, slot, site)
-        self._saved_off = 0
+        self._saved_off = self._n_saved = 0        # f8_saved bytes and transposes kept this pass
         self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
         self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
 
@@ -272,8 +271,8 @@ class Fp8Gemm:
         if self.table is None:
             self.cast_weights_each()
             return
-        wlow, wd, nw, chunks, tiles = self.table
-        k_fp8_weights(wlow, wd, nw, chunks, tiles, self.a["f8_wamax"], self.a["w8"], self.inv)
+        a = self.a
+        k_fp8_weights(a["wlow"], a["f8_wdesc"], *self.table, a["f8_wamax"], a["w8"], self.inv)
 
     def cast_weights_each(self) -> None:
         """``cast_weights`` weight by weight: an amax pass and a cast per weight (the reference)."""
@@ -288,7 +287,13 @@ class Fp8Gemm:
         ``backward``: one follows, so the activations' transposes are saved for it."""
         self.site, self._memo = 0, {}
         self.save_t = backward and self.saved is not None
-        self._saved, self._saved_off, self._shadow, self._dgelu = {}, 0, [], {}
+        self._saved, self._saved_off, self._n_saved, self._shadow, self._dgelu = {}, 0, 0, [], {}
+
+    @property
+    def defers_dgelu(self) -> bool:
+        """The MLP's GELU backward goes into the next cast of dL/dh (``defer_dgelu``): DGELU_CAST, and
+        the cast reuse on (the deferred cast is not in dh's bf16 bytes, so a second cast of dh would miss it)."""
+        return DGELU_CAST and self.memo_enabled
 
     def defer_dgelu(self, G, h_pre) -> None:
         """G holds dL/dh_act; the next GEMM that casts G as a gradient casts bf16(G * gelu'(h_pre))
@@ -389,11 +394,12 @@ class Fp8Gemm:
                               f"bytes (SAVED_COLS_PER_LAYER in andrea/cuda/fp8.py)")
         out_t = self.saved[o:o + R * C].reshape(C, R)
         self._saved_off = o + R * C
-        n_saved = sum(len(v) for v in self._saved.values())
-        if self.site_base + self.n_sites + n_saved >= self.inv.size // SLOT:
-            raise AndreaError(f"fp8: more saved activation transposes than f8_inv has slots for ({n_saved})")
-        slot, site = self._cast(out, out_t, A, R, C, current_slot=self.site_base + self.n_sites + n_saved)
+        current = self.site_base + self.n_sites + self._n_saved    # current scaling: a slot of its own
+        if current >= self.inv.size // SLOT:
+            raise AndreaError(f"fp8: more saved activation transposes than f8_inv has slots for ({self._n_saved})")
+        slot, site = self._cast(out, out_t, A, R, C, current_slot=current)
         self._saved.setdefault(key, []).append((out_t, slot, site))
+        self._n_saved += 1
         return out, self._slot(slot)
 
     def _gradient(self, G, transposed: bool, prev: dict):
