@@ -179,7 +179,7 @@ CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "fp8 cast", "layernorm"
                "optimizer", "other"]
 # fp8: the E4M3 casts Fp8Gemm runs inside each GEMM call (andrea.cuda.fp8's launchers) are their own class,
 # taken out of the GEMM that ran them; the weights' casts after the optimizer stay in "optimizer"
-FP8_CASTS = ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_t")
+FP8_CASTS = ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_t", "k_fp8_weights")
 
 
 def class_flops(s: dict, B: int) -> dict:
