@@ -34,6 +34,9 @@ session 10 (every weight-gradient transpose cast in the backward, k_gelu_bwd the
 the weights cast one by one), same run; the same bytes, so only the time differs.
 ``--fp8-cast-t``: ours in the first fp8 ``--precision`` again with each transposing cast kernel given
 (andrea/cuda/fp8.py CAST_T: smem, warp), same run; the same bytes.
+``--fp8-flip``: ours in the first fp8 ``--precision`` again with each andrea/cuda/fp8.py switch given
+flipped alone (FC_E4M3: h_act cast from bf16 instead of written in E4M3 by the fc GEMM; FAST_ACCUM_BWD:
+fast accumulation in the backward GEMMs too), same run.
 ``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
 choice of the tensor-core kernels, mma.sync and (on a compute capability 9.0 device) wgmma
 (andrea.cuda.kernels.ATTN_MMA_ROWS / ATTN_WG_ROWS pick one per kernel and D, ATTN_HOPPER the kernels).
@@ -175,11 +178,12 @@ OUR_CLASSES = {"k_attn_fwd": "attention fwd", "k_attn_bwd": "attention bwd", "k_
                "k_gelu_bwd": "elementwise",
                "k_residual_add": "elementwise", "k_cast": "elementwise", "k_loss_fwd": "loss", "k_loss_bwd": "loss",
                "k_loss_mean": "loss", "k_embed_fwd": "embed", "k_embed_bwd": "embed"}
+FP8_SWITCHES = ("FC_E4M3", "SAVE_TRANSPOSES", "DGELU_CAST", "FAST_ACCUM_BWD")   # --fp8-flip: fp8.py's booleans
 CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "fp8 cast", "layernorm", "elementwise", "loss", "embed",
                "optimizer", "other"]
 # fp8: the E4M3 casts Fp8Gemm runs inside each GEMM call (andrea.cuda.fp8's launchers) are their own class,
 # taken out of the GEMM that ran them; the weights' casts after the optimizer stay in "optimizer"
-FP8_CASTS = ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_t", "k_fp8_weights")
+FP8_CASTS = ("k_fp8_amax", "k_fp8_cast", "k_fp8_cast_t", "k_fp8_t_u8", "k_fp8_weights")
 
 
 def class_flops(s: dict, B: int) -> dict:
@@ -563,6 +567,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-cast-t", nargs="*", default=[], choices=["smem", "warp"],
                     help="also time ours in the first fp8 --precision with each of these transposing casts "
                          "(andrea/cuda/fp8.py CAST_T), same run")
+    ap.add_argument("--fp8-flip", nargs="*", default=[], choices=list(FP8_SWITCHES),
+                    help="also time ours in the first fp8 --precision with each of these andrea/cuda/fp8.py "
+                         "switches flipped, one at a time, same run")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--attn", default=None, metavar="FWD,BWD",
@@ -620,7 +627,7 @@ def main(argv=None) -> int:
             print(f"{key}: ours {p8} with the GELU epilogue on {ch} {x['ms']:.2f} ms/step, peak "
                   f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
             save(key, r)
-        if p8 and (args.fp8_plain or args.fp8_cast_t):
+        if p8 and (args.fp8_plain or args.fp8_cast_t or args.fp8_flip):
             import andrea.cuda.fp8 as k8
 
             runs = [("plain", "casting as before (--fp8-plain)",
@@ -628,6 +635,8 @@ def main(argv=None) -> int:
                       (k8.Fp8Gemm, {"cast_weights": k8.Fp8Gemm.cast_weights_each})])] if args.fp8_plain else []
             runs += [(f"cast-{kern}", f"with the {kern} transposing cast", [(k8, {"CAST_T": kern})])
                      for kern in args.fp8_cast_t]
+            runs += [(f"flip-{sw}", f"with fp8.{sw} = {not getattr(k8, sw)}", [(k8, {sw: not getattr(k8, sw)})])
+                     for sw in args.fp8_flip]
             for suffix, what, switches in runs:
                 with ExitStack() as stack:
                     for obj, attrs in switches:

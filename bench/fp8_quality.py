@@ -43,9 +43,27 @@ def lr_at(t: int, steps: int, lr: float, warm: int = 100) -> float:
 
 
 def train(prec: str, mc: ModelConfig, B: int, data: np.ndarray, val: dict, byte_len, eot: int, args) -> dict:
+    """One precision's run; ``prec`` may end in +SWITCH...: those andrea/cuda/fp8.py booleans flipped for it."""
+    import andrea.cuda.fp8 as k8
+
+    base, *flips = prec.split("+")
+    saved = {sw: getattr(k8, sw) for sw in flips}
+    for sw in flips:
+        if not isinstance(saved[sw], bool):
+            raise SystemExit(f"fp8_quality: --precisions {prec}: {sw} is not a boolean switch of andrea/cuda/fp8.py")
+        setattr(k8, sw, not saved[sw])
+    try:
+        return _train(prec, base, mc, B, data, val, byte_len, eot, args)
+    finally:
+        for sw, v in saved.items():
+            setattr(k8, sw, v)
+
+
+def _train(prec: str, base: str, mc: ModelConfig, B: int, data: np.ndarray, val: dict, byte_len, eot: int,
+           args) -> dict:
     from andrea.cuda.backend import make_backend
 
-    precision, _, scaling = prec.partition(":")          # fp8:delayed = train.fp8_scaling=delayed
+    precision, _, scaling = base.partition(":")          # fp8:delayed = train.fp8_scaling=delayed
     eng = make_backend().make_engine(mc, B, precision=precision, **({"fp8_scaling": scaling} if scaling else {}))
     eng.init_weights(args.seed)
     hp = Hyper(grad_clip=1.0)
@@ -80,7 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
-                    help="bf16, fp8 (current scaling), fp8:delayed (train.fp8_scaling=delayed)")
+                    help="bf16, fp8 (current scaling), fp8:delayed (train.fp8_scaling=delayed); a suffix "
+                         "+SWITCH flips that andrea/cuda/fp8.py boolean for the run, e.g. fp8:delayed+FC_E4M3")
     ap.add_argument("--shape", default="768,12,12,1024", help="C,H,L,T (default: the andrea-120m shapes)")
     args = ap.parse_args(argv)
     from andrea.shards import Shard

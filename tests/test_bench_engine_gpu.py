@@ -94,27 +94,29 @@ def test_breakdown_reports_the_step_time_no_class_holds(eg, tmp_path, monkeypatc
 
 
 def test_fp8_cast_paths_are_timed_with_their_switches_set_and_restored(eg, tmp_path, monkeypatch):
-    """--fp8-plain and --fp8-cast-t: one more run of ours on the first fp8 precision each, with the
-    fp8 module's switches as they say during that run (plain: no kept transposes, no GELU-backward
-    cast, the weights one by one; cast-t: CAST_T) and as they were afterwards."""
+    """--fp8-plain, --fp8-cast-t and --fp8-flip: one more run of ours on the first fp8 precision each,
+    with the fp8 module's switches as they say during that run (plain: no kept transposes, no
+    GELU-backward cast, the weights one by one; cast-t: CAST_T; flip: that switch alone) and as they
+    were afterwards."""
     import andrea.cuda.fp8 as k8
 
     seen = []
 
     def ours(s, B, steps, warmup, prec, recompute=None, fp8_gelu=None):
         seen.append((prec, k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights is k8.Fp8Gemm.cast_weights_each,
-                     k8.CAST_T))
+                     k8.CAST_T, k8.FC_E4M3))
         return fake_ours(5.0)
 
     monkeypatch.setattr(eg, "bench_ours", ours)
-    before = (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights, k8.CAST_T)
+    before = (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights, k8.CAST_T, k8.FC_E4M3)
     out = tmp_path / "bench.json"
     assert eg.main(["--variants", "andrea-12m:8", "--precision", "bf16", "fp8:delayed", "--fp8-plain",
-                    "--fp8-cast-t", "smem", "warp", "--anchors", "--json", str(out)]) == 0
+                    "--fp8-cast-t", "smem", "warp", "--fp8-flip", "FC_E4M3", "--anchors", "--json", str(out)]) == 0
     d = before[3]
-    assert seen == [("bf16", True, True, False, d), ("fp8:delayed", True, True, False, d),
-                    ("fp8:delayed", False, False, True, d), ("fp8:delayed", True, True, False, "smem"),
-                    ("fp8:delayed", True, True, False, "warp")]
-    assert (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights, k8.CAST_T) == before
+    assert seen == [("bf16", True, True, False, d, True), ("fp8:delayed", True, True, False, d, True),
+                    ("fp8:delayed", False, False, True, d, True), ("fp8:delayed", True, True, False, "smem", True),
+                    ("fp8:delayed", True, True, False, "warp", True), ("fp8:delayed", True, True, False, d, False)]
+    assert (k8.SAVE_TRANSPOSES, k8.DGELU_CAST, k8.Fp8Gemm.cast_weights, k8.CAST_T, k8.FC_E4M3) == before
     got = json.loads(out.read_text())["andrea-12m:B8"]
-    assert {"ours-fp8:delayed-plain", "ours-fp8:delayed-cast-smem", "ours-fp8:delayed-cast-warp"} <= set(got)
+    assert {"ours-fp8:delayed-plain", "ours-fp8:delayed-cast-smem", "ours-fp8:delayed-cast-warp",
+            "ours-fp8:delayed-flip-FC_E4M3"} <= set(got)

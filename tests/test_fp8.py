@@ -671,3 +671,109 @@ def test_transposing_cast_kernel_follows_cast_t(monkeypatch, choice):
     tiles = 16 * 2
     plain = ("k_fp8_cast_t_w_bf16", tiles // 8) if choice == "warp" else ("k_fp8_cast_t_bf16", tiles)
     assert launched == [plain, ("k_fp8_dgelu_cast_t_bf16", tiles)]
+
+
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_transpose(monkeypatch, e4m3):
+    """FC_E4M3 (delayed scaling, after the first step, transposes kept): the fc forward's GELU_AUX GEMM
+    gets an E4M3 D at h_act's site scale (the slot's DSCALE_AT float) and its AMAX_D; k_fp8_t_u8 folds
+    that amax into the site and writes the transpose the proj weight gradient takes; the proj forward
+    takes the GEMM's own E4M3 copy and h_act is never cast; the sites keep their numbers (the weight
+    gradients' shadows too). The first (calibrating) step, and every step with FC_E4M3 off, keep the bf16
+    h_act and its cast."""
+    from types import SimpleNamespace
+
+    import andrea.cuda.fp8 as k8
+    from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, CUDA_R_16BF, EPILOGUE_GELU_AUX
+
+    monkeypatch.setattr(k8, "FC_E4M3", e4m3)
+    rng = np.random.default_rng(12)
+    N, C = 128, 64
+    bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    Wfc, Wp = _dev(bf((C, 4 * C), 0.2)), _dev(bf((4 * C, C), 0.1))
+    layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=Wfc.size),
+                                      SimpleNamespace(name="h.0.mlp.w_proj", size=Wp.size)])
+    plan, nbytes = k8.weight_plan(layout, ("mlp.w_fc", "mlp.w_proj"))
+    n_sites = 6
+    cur = _dev(np.zeros(n_sites, np.float32))
+    log = {"cur": cur, "calls": [], "gemms": []}
+    monkeypatch.setattr(k8, "quantize", _twin_quantize(log))
+    inv_arr = _dev(np.zeros(k8.SLOT * (k8.n_slots(plan) + n_sites + 4), np.float32))
+    a = {"w8": _dev(np.zeros(nbytes, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
+         "f8_inv": inv_arr, "f8_cur": cur, "f8_saved": _dev(np.zeros(4 * N * 4 * C, np.uint8)),
+         **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
+    val = lambda p: float(inv_arr[(p - inv_arr.data.ptr) // 4])  # noqa: E731
+    trunc = lambda v: (np.asarray(v, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+
+    def mm_nt(D, X8, Y8, x_inv, y_inv, M, N_, K, d_type, beta=0.0, fast_accum=False, epilogue=1, stream=0,
+              aux=None, d_scale=None, amax_d=None):
+        P = f8.gemm_nt(X8, val(x_inv), Y8, val(y_inv))
+        log["gemms"].append((np.array(X8), val(x_inv), np.array(Y8), val(y_inv), d_type,
+                             None if d_scale is None else val(d_scale)))
+        if epilogue == EPILOGUE_GELU_AUX:
+            g = _gelu64(P)[0]
+            aux[:] = trunc(P)
+            if d_type == CUDA_R_8F_E4M3:
+                assert amax_d == a["f8_part"].data.ptr and D.data.ptr == a["f8_g"].data.ptr
+                D[:] = f8.encode(g * val(d_scale))
+                a["f8_part"][0] = np.abs(g).max()
+            else:
+                D[:] = trunc(g)
+
+    transposes = []
+
+    def t_u8(x8, out_t, R, C_, am, rec):
+        transposes.append((x8.data.ptr, None if out_t is None else out_t.data.ptr))
+        rec[0] = max(rec[0], am[0])
+        if out_t is not None:
+            out_t[:] = np.asarray(x8).T
+
+    monkeypatch.setattr(k8, "k_fp8_t_u8", t_u8)
+    lt = SimpleNamespace(mm_nt=mm_nt, mm=lambda *a_, **k: None)
+    g8 = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": Wfc, "h.0.mlp.w_proj": Wp}, plan, set(), None, lt=lt, scaling="delayed",
+                    n_sites=n_sites, history=4)
+    g8._stream = lambda: 0
+    monkeypatch.setattr(k8, "k_fp8_weights", lambda *a_: None)
+    X, dout = _dev(bf((N, C))), _dev(bf((N, C), 1e-2))
+    h_act, h_pre, out = (_dev(np.zeros((N, 4 * C), np.uint16)), _dev(np.zeros((N, 4 * C), np.uint16)),
+                         _dev(np.zeros((N, C), np.uint16)))
+    dh, dX = _dev(np.zeros((N, 4 * C), np.uint16)), _dev(np.zeros((N, C), np.uint16))
+    dWfc, dWp = _dev(np.zeros((C, 4 * C), np.float32)), _dev(np.zeros((4 * C, C), np.float32))
+    steps = []
+    for _ in range(3):
+        log["calls"].clear(), log["gemms"].clear(), transposes.clear()
+        g8.reset_amax()
+        g8.begin()
+        g8.mm(h_act, X, Wfc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)   # sites 0 (X), 1 (h_act)
+        g8.mm(out, h_act, Wp)                                       # proj forward
+        g8.mm(dh, dout, Wp, tb=True)                                # site 2: dout
+        g8.mm(dWp, h_act, dout, ta=True, beta=1.0)                  # site 3: h_act^T (kept)
+        dh[...] = trunc(f8.bf16_to_f32(np.asarray(dh)))
+        g8.mm(dWfc, X, dh, ta=True, beta=1.0)                       # sites 4 (X^T kept), 5 (dh)
+        g8.mm(dX, dh, Wfc, tb=True)
+        g8.check_pass()
+        steps.append(([c[:2] for c in log["calls"]], list(log["gemms"]), list(transposes), np.array(cur)))
+        g8.after_step(None)
+    (calls1, gemms1, t1, _), (calls2, gemms2, t2, cur2), _ = steps
+    assert gemms1[0][4] == CUDA_R_16BF and t1 == []                 # calibrating: the bf16 h_act and its cast
+    assert (h_act.data.ptr, 1) in calls1
+    if not e4m3:
+        assert gemms2[0][4] == CUDA_R_16BF and (h_act.data.ptr, 1) in calls2 and t2 == []
+        return
+    scale1 = float(inv_arr[k8.SLOT * (g8.site_base + 1) + 1])
+    assert gemms2[0][4] == CUDA_R_8F_E4M3 and gemms2[0][5] == scale1 == float(f8.scale_of(steps[0][3][1])[0])
+    assert [p for p, _ in calls2] == [X.data.ptr, dout.data.ptr, dh.data.ptr]   # h_act is never cast
+    assert [s for _, s in calls2] == [0, 2, 5]
+    nat = np.asarray(a["f8_g"][:N * 4 * C]).reshape(N, 4 * C)
+    np.testing.assert_array_equal(gemms2[1][0], nat)                # the proj forward takes the GEMM's E4M3
+    assert gemms2[1][1] == float(inv_arr[k8.SLOT * (g8.site_base + 1)])
+    np.testing.assert_array_equal(gemms2[3][0], nat.T)              # the proj wgrad its kept transpose
+    assert len(t2) == 1 and t2[0][0] == a["f8_g"].data.ptr and t2[0][1] is not None
+    assert cur2[1] == np.float32(np.abs(_gelu64(f8.gemm_nt(gemms2[0][0], gemms2[0][1], gemms2[0][2],
+                                                             gemms2[0][3]))[0]).max())
+    assert g8._shadow == [(3, 1), (4, 0)]
+    g8.begin(backward=False)                                        # evaluation: no transpose, amax still folded
+    transposes.clear()
+    g8.mm(h_act, X, Wfc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)
+    g8.mm(out, h_act, Wp)
+    assert transposes == [(a["f8_g"].data.ptr, None)] and not g8._saved

@@ -215,7 +215,8 @@ def test_weight_casts_in_two_launches_are_bit_exact():
     host[t.offset + 77] = -np.inf
     eng.load_state(host, np.zeros_like(host), np.zeros_like(host))        # casts with the two launches
     g = eng.f8
-    wlow, wd, nw, chunks, tiles = g.table
+    nw, chunks, tiles = g.table
+    wlow, wd = eng.a["wlow"], eng.a["f8_wdesc"]
     assert nw == 4 * mc.n_layer and chunks > nw                 # w_fc, w_proj: 4 chunks each
     w8, inv = cp.asnumpy(eng.a["w8"]), cp.asnumpy(eng.a["f8_inv"])
     first = slice(k8.SLOT * 3, k8.SLOT * (3 + nw), k8.SLOT)    # each weight's factor: its slot's first float
@@ -355,12 +356,78 @@ def test_fp8_gelu_epilogues_match_numpy_and_the_separate_passes():
     from andrea.cuda.cublaslt import CUDA_R_32F
     from andrea.errors import AndreaError
 
-    with pytest.raises(AndreaError, match="needs a bf16 D, beta 0 and a bf16 aux"):
+    with pytest.raises(AndreaError, match="needs a bf16 or E4M3 D, beta 0 and a bf16 aux"):
         lt.mm_nt(h_act[0], X, W, slot(0), slot(1), M, F, C, CUDA_R_16BF, epilogue=EPILOGUE_GELU_AUX,
                  aux=h_pre[0][:, :8])
-    with pytest.raises(AndreaError, match="needs a bf16 D, beta 0 and a bf16 aux"):
+    with pytest.raises(AndreaError, match="needs a bf16 or E4M3 D, beta 0 and a bf16 aux"):
         lt.mm_nt(cp.zeros((M, F), np.float32), X, W, slot(0), slot(1), M, F, C, CUDA_R_32F,
                  epilogue=EPILOGUE_GELU_AUX, aux=h_pre[0])
+
+
+def test_fp8_gelu_gemm_writes_e4m3_with_its_amax_and_saturates():
+    """FC_E4M3's GEMM (Lt.mm_nt with an E4M3 D, GELU_AUX, bf16 aux): D = E4M3(d_scale * gelu(P)) and
+    amax_d = max |gelu(P)| before the scale. Against the float64 twin, elementwise,
+        2^-4 |ref| (E4M3 rounding, 3 mantissa bits) + GELU_SLOPE 2^-12 |X||Y|^T (the accumulation, as
+        in the bf16 test) + 2e-3 (the epilogue's tanh) + 2^-10 / scale (half the subnormal step),
+    the aux h_pre within the bf16 test's bound, amax_d within the largest bound. With the scale 8x too
+    large, what lies beyond 448 saturates at +-448 (0x7E / 0xFE), never NaN: the delayed scale trails a
+    growing tensor, and the step must stay finite (the engine counts it as clipped). The same bits on a
+    repeat; D, aux and amax prefilled with NaN."""
+    from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, EPILOGUE_GELU_AUX
+
+    rng = np.random.default_rng(37)
+    M, C = 512, 256
+    F = 4 * C
+    (qx, ix), (qw, iw) = (f8.quantize(rng.standard_normal((M, C)).astype(np.float32)),
+                          f8.quantize(rng.normal(0, 2.0 / np.sqrt(C), (F, C)).astype(np.float32)))
+    P = f8.gemm_nt(qx, ix, qw, iw)
+    m = np.abs(f8.dequantize(qx, ix)).astype(np.float64) @ np.abs(f8.dequantize(qw, iw)).T.astype(np.float64)
+    g = _gelu64(P)[0]
+    lt = _lt()
+    X, W = gpu(qx), gpu(qw)
+    for factor in (1.0, 8.0):
+        s = np.float32(f8.scale_of(np.float32(np.abs(g).max()))[0] * np.float32(factor))
+        inv = gpu(np.kron(np.array([ix, iw, s], np.float32), np.eye(1, 16, dtype=np.float32)[0]))
+        slot = lambda i: inv.data.ptr + 64 * i                                 # noqa: E731
+        runs = []
+        for _ in range(2):
+            D, aux = cp.full((M, F), 0x7F, dtype=np.uint8), cp.full((M, F), 0x7FC0, dtype=np.uint16)
+            am = cp.full(4, np.nan, dtype=np.float32)
+            lt.mm_nt(D, X, W, slot(0), slot(1), M, F, C, CUDA_R_8F_E4M3, fast_accum=True,
+                     epilogue=EPILOGUE_GELU_AUX, aux=aux, d_scale=slot(2), amax_d=am.data.ptr)
+            runs.append((cp.asnumpy(D), cp.asnumpy(aux), float(cp.asnumpy(am)[0])))
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(runs[0][:2], runs[1][:2])) and runs[0][2] == runs[1][2]
+        d8, h_pre, amax_d = runs[0]
+        bound = 2.0 ** -4 * np.abs(g) + GELU_SLOPE * 2.0 ** -12 * m + 2e-3 + 2.0 ** -10 / float(s)
+        assert not np.isin(d8, (0x7F, 0xFF)).any(), "an E4M3 D wrote NaN codes"
+        free = np.abs(g) * float(s) < 440                                     # not at the saturation edge
+        _within(np.where(free, f8.decode(d8) / float(s), g), g, bound, f"fp8 GELU_AUX E4M3 D (scale x{factor})")
+        sat = np.abs(g) * float(s) > 460
+        assert (sat.any() if factor > 1 else not sat.any())
+        np.testing.assert_array_equal(d8[sat], np.where(g[sat] < 0, 0xFE, 0x7E).astype(np.uint8))
+        _within(f8.bf16_to_f32(h_pre).astype(np.float64), P, 2.0 ** -8 * np.abs(P) + 2.0 ** -12 * m,
+                "fp8 GELU_AUX E4M3 D: aux h_pre")
+        assert abs(amax_d - np.abs(g).max()) <= bound.max(), (amax_d, np.abs(g).max())
+
+
+def test_e4m3_transpose_kernel_and_its_amax_fold():
+    """k_fp8_t_u8: out_t = in^T byte for byte (more tiles than a block's warps, a non-square matrix),
+    prefilled; the GEMM's amax atomicMax-ed into the site (a smaller one leaves it, a NaN or inf counts
+    as 0); with out_t None only the fold. Tolerance: none."""
+    from andrea.cuda import fp8 as k8
+
+    rng = np.random.default_rng(5)
+    R, C = 192, 640
+    x = rng.integers(0, 256, (R, C), dtype=np.uint8)
+    out_t = cp.full((C, R), 0xAA, dtype=np.uint8)
+    rec, am = cp.asarray(np.array([1.5], np.float32)), cp.asarray(np.array([2.25], np.float32))
+    k8.k_fp8_t_u8(gpu(x), out_t, R, C, am, rec)
+    np.testing.assert_array_equal(cp.asnumpy(out_t), x.T)
+    assert float(rec[0]) == 2.25
+    for a, want in ((1.0, 2.25), (np.nan, 2.25), (np.inf, 2.25), (3.0, 3.0)):
+        am[0] = a
+        k8.k_fp8_t_u8(gpu(x), None, R, C, am, rec)
+        assert float(rec[0]) == want, (a, float(rec[0]))
 
 
 def _bf16_gpu(rng, shape, scale=1.0):
@@ -481,7 +548,7 @@ def _run(steps, start=None, graph=True, accum=1, memo=True, scaling="current"):
 
 
 @pytest.mark.parametrize("scaling,gemms", [("current", ""), ("delayed", ""), ("current", "fwd,bwd"),
-                                           ("delayed", "fwd,bwd")])
+                                           ("delayed", "fwd,bwd"), ("delayed", "fwd")])
 def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scaling, gemms, monkeypatch):
     """Delayed with a 4-step history over 6 steps: the ring wraps, and the resume at step 3
     restores it (and the step count) from extra_state, as a checkpoint does. ``gemms``:
@@ -521,11 +588,13 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     """fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST and the two-launch weight casts on (the default), with either
     transposing cast (fp8.CAST_T), against all three off and the shared-memory cast (every transpose
     cast in the backward, k_gelu_bwd then the cast of dL/dh_pre, the weights one by one): w, m, v and
-    the delayed history byte-identical after 6 steps."""
+    the delayed history byte-identical after 6 steps. fp8.FC_E4M3 is off in both (it rounds h_act once
+    from fp32, not the same bytes: test_e4m3_h_act_tracks_the_bf16_cast)."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
 
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
+    monkeypatch.setattr(k8, "FC_E4M3", False)
     monkeypatch.setattr(k8, "CAST_T", kernel)
     on = _run(6, scaling=scaling)
     monkeypatch.setattr(k8, "CAST_T", "smem")
@@ -536,6 +605,38 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     for x, y in zip(on[1:4], off[1:4]):
         assert x.tobytes() == y.tobytes()
     assert on[4] == off[4]
+
+
+def test_e4m3_h_act_tracks_the_bf16_cast(monkeypatch):
+    """fp8.FC_E4M3 on (the default: delayed scaling's fc GEMM writes h_act in E4M3) against off (bf16
+    h_act, then its cast), 6 steps: E4M3 rounded once from fp32 instead of from bf16 moves a code by one
+    step where the two roundings part, so the runs differ in the bytes but not in what they learn:
+    every step's loss within 2e-3 relative; the weights: AdamW moves an entry by up to ~lr a step
+    whatever its gradient's size, so an entry whose tiny gradient changes sign parts by up to 2 lr a
+    step (max |dw| <= 12 lr), while the mean |dw| stays below lr / 10 (H200: ~1e-2 lr); the per-site
+    amax histories within 2^-7 relative (bf16 h_act vs fp32 gelu)."""
+    import andrea.cuda.engine as ce
+    import andrea.cuda.fp8 as k8
+    from andrea.cuda.backend import make_backend
+
+    monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset({"fwd"}))
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(k8, "FC_E4M3", on)
+        eng = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling="delayed", fp8_amax_history=4)
+        eng.init_weights(0)
+        assert eng.f8.e4m3_gelu is False                     # no history yet
+        losses = [eng.train_step([batch(300 + 7 * t)], 3e-3, t, HP).loss for t in range(1, 7)]
+        assert eng.f8.e4m3_gelu is on
+        out[on] = (losses, eng.state_host()[0], np.array(eng.extra_state()["amax_history"]))
+    (l1, w1, h1), (l0, w0, h0) = out[True], out[False]
+    assert w1.tobytes() != w0.tobytes()
+    np.testing.assert_allclose(l1, l0, rtol=2e-3)
+    lr, dw = 3e-3, np.abs(w1 - w0)
+    assert float(dw.max()) <= 12 * lr and float(dw.mean()) <= lr / 10, (float(dw.max()), float(dw.mean()))
+    np.testing.assert_allclose(h1, h0, rtol=2.0 ** -7, atol=0)
+    print(f"FC_E4M3 on vs off, 6 steps: losses {l1[-1]:.5f} / {l0[-1]:.5f}, |dw| max {float(dw.max()):.2e} "
+          f"mean {float(dw.mean()):.2e}, lr {lr}")
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
@@ -559,13 +660,19 @@ def test_a_non_finite_input_skips_the_fp8_step(scaling):
         assert not res.ok and eng.extra_state()["steps"] == 2
 
 
-def test_delayed_scaling_counts_clipped_casts_and_its_scales_follow_a_jump():
+@pytest.mark.parametrize("fc_e4m3", [False, True])
+def test_delayed_scaling_counts_clipped_casts_and_its_scales_follow_a_jump(fc_e4m3, monkeypatch):
     """lr = 0 keeps the weights: step 2 repeats step 1 on the history's scales (nothing clips);
     then one layer's w_fc grows 8x: its activations and gradients exceed their scales, they
     saturate at 448 (the step stays finite) and are counted; the history takes the new amaxes,
-    and with the same batch and weights the count falls back to 0 within a few steps."""
+    and with the same batch and weights the count falls back to 0 within a few steps.
+    fp8.FC_E4M3 (the default): the first step casts a bf16 h_act, later ones take the GEMM's E4M3 of
+    the unrounded gelu, whose amax can lie a bf16 rounding above the first step's: step 2 may count
+    those sites (and what follows from them) as clipped, once; from step 3 the steps repeat."""
+    import andrea.cuda.fp8 as k8
     from andrea.cuda.backend import make_backend
 
+    monkeypatch.setattr(k8, "FC_E4M3", fc_e4m3)
     eng = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling="delayed", fp8_amax_history=16)
     eng.init_weights(0)
     xb = batch(21)
@@ -577,13 +684,20 @@ def test_delayed_scaling_counts_clipped_casts_and_its_scales_follow_a_jump():
         counts.append(eng.fp8_clipped_total - sum(counts))
         return res.loss
 
-    l1, l2 = step(1), step(2)
-    assert counts == [0, 0] and l1 == l2
+    if fc_e4m3:
+        l1, l2, l3, l4 = (step(t) for t in (1, 2, 3, 4))
+        assert counts[0] == 0 and counts[3] == 0 and l4 == l3 and abs(l2 - l1) <= 1e-3 * abs(l1), (counts, l1, l2)
+        print(f"fp8 delayed with FC_E4M3, clipped casts per step at lr 0: {counts}")
+        t0 = 4
+    else:
+        l1, l2 = step(1), step(2)
+        assert counts == [0, 0] and l1 == l2
+        t0 = 2
     w, m, v = eng.state_host()
     layer = eng.layout.tensors[[t.name for t in eng.layout.tensors].index("h.1.mlp.w_fc")]
     w[layer.offset:layer.offset + layer.size] *= 8
     eng.load_state(w, m, v)
-    for t in range(3, 9):
+    for t in range(t0 + 1, t0 + 7):
         step(t)
-    print(f"fp8 delayed, clipped casts per step (w_fc x8 at step 3): {counts}")
-    assert counts[2] > 0 and counts[-1] == 0
+    print(f"fp8 delayed, clipped casts per step (w_fc x8 at step {t0 + 1}): {counts}")
+    assert counts[t0] > 0 and counts[-1] == 0

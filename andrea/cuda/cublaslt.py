@@ -25,8 +25,9 @@ starts 128-byte aligned.
 ``mm_nt``: row-major D (M, N) = (x_inv X8) (M, K) @ ((y_inv Y8) (N, K))^T + beta D, X8 and Y8
 E4M3 (uint8 payloads), both K-contiguous: the "TN" form Hopper's FP8 tensor cores require.
 x_inv / y_inv are device pointers to one float each (per-tensor dequantization factors). D is
-bf16 (beta 0) or fp32 (beta 0 or 1: the weight-gradient accumulation). Compute and scale type
-fp32. In cuBLASLt's column-major terms D^T (N, M) = op(A) op(B) with A = Y8 (K x N, transa T),
+bf16 (beta 0), fp32 (beta 0 or 1: the weight-gradient accumulation) or E4M3 (beta 0, with a D scale
+and an AMAX_D pointer: D = E4M3(d_scale * result), satfinite on the H200, amax of the result before
+the scale; its C is a bf16 layout, unread). Compute and scale type fp32. In cuBLASLt's column-major terms D^T (N, M) = op(A) op(B) with A = Y8 (K x N, transa T),
 B = X8 (K x M, transb N). With a bf16 D, beta 0, ``epilogue`` GELU_AUX or DGELU and ``aux`` (bf16,
 D's shape, row stride a multiple of 8 elements) it fuses the GELU as ``mm`` does, from the fp32
 product of the dequantized E4M3 operands (the fp8 engine's fc forward and proj dgrad). cuBLAS's
@@ -58,6 +59,7 @@ OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
 DESC_EPILOGUE_AUX_POINTER, DESC_EPILOGUE_AUX_LD, DESC_EPILOGUE_AUX_DATA_TYPE = 11, 12, 22
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
+DESC_D_SCALE_POINTER, DESC_AMAX_D_POINTER = 20, 21
 PREF_MAX_WORKSPACE_BYTES = 1
 PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}
 EPILOGUE_DEFAULT = 1
@@ -165,7 +167,7 @@ class Lt:
         self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "layout")
         return lay
 
-    def _plan(self, key: tuple, x_inv: int, y_inv: int, aux_ptr: int = 0):
+    def _plan(self, key: tuple, x_inv: int, y_inv: int, aux_ptr: int = 0, d_scale: int = 0, amax_d: int = 0):
         """Descriptors and up to N_ALGOS heuristic candidates of a problem (scale and aux pointers
         set first: an FP8 problem with scales is another problem to the heuristic)."""
         plan = self.plans.get(key)
@@ -182,20 +184,27 @@ class Lt:
         self._set(sd, desc, DESC_FAST_ACCUM, 1 if fast else 0, ctypes.c_int8)
         self._set(sd, desc, DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
         self._set(sd, desc, DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
-        self._set_aux(desc, epilogue, aux_ptr, ld_aux)             # aux type unset: D's (bf16)
+        e4m3 = d_type == CUDA_R_8F_E4M3
+        if e4m3:                                                   # D's scale and amax, set per call (site)
+            self._set(sd, desc, DESC_D_SCALE_POINTER, int(d_scale), ctypes.c_void_p)
+            self._set(sd, desc, DESC_AMAX_D_POINTER, int(amax_d), ctypes.c_void_p)
+        # the aux type: unset (D's, bf16), or bf16 set beside an E4M3 D
+        self._set_aux(desc, epilogue, aux_ptr, ld_aux, CUDA_R_16BF if e4m3 else None)
         a_l = self._layout(CUDA_R_8F_E4M3, K, N, K)
         b_l = self._layout(CUDA_R_8F_E4M3, K, M, K)
         d_l = self._layout(d_type, N, M, N)
+        c_l = self._layout(CUDA_R_16BF, N, M, N) if e4m3 else d_l   # an E4M3 D takes a bf16 C (beta 0: unread)
         plan = self._candidates(desc, a_l, b_l, d_l, aligns,
                                 f"FP8 D {M}x{N} (type {d_type}) K={K} beta={beta} epilogue {epilogue}",
-                                "; M, N, K must be multiples of 16")
+                                "; M, N, K must be multiples of 16", c_l=c_l)
         self.plans[key] = plan
         return plan
 
-    def _candidates(self, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "") -> list:
+    def _candidates(self, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "", c_l=None) -> list:
         """The plan of a problem whose descriptor and layouts are made: [desc, a_l, b_l, d_l, the
-        heuristic's result buffer, the addresses of up to N_ALGOS candidate algorithms, None]; the
-        last entry becomes the index of the candidate that ran (``_run``)."""
+        heuristic's result buffer, the addresses of up to N_ALGOS candidate algorithms, None, C's
+        layout (``c_l``, default D's)]; entry 6 becomes the index of the candidate that ran (``_run``)."""
+        c_l = d_l if c_l is None else c_l
         L = self.lib
         pref = _P()
         self._check(L.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
@@ -205,21 +214,23 @@ class Lt:
             self._set(sp, pref, PREF_MIN_ALIGNMENT[name], a, ctypes.c_uint32)
         res = (ctypes.c_ubyte * (HEURISTIC_RESULT_BYTES * N_ALGOS))()
         n = _I(0)
-        rc = L.cublasLtMatmulAlgoGetHeuristic(self.h, desc, a_l, b_l, d_l, d_l, pref, N_ALGOS, res, ctypes.byref(n))
+        rc = L.cublasLtMatmulAlgoGetHeuristic(self.h, desc, a_l, b_l, c_l, d_l, pref, N_ALGOS, res, ctypes.byref(n))
         if rc or n.value < 1:
             raise AndreaError(f"cuBLASLt: no algorithm for {what} (status {rc}){hint}")
         algos = [ctypes.addressof(res) + i * HEURISTIC_RESULT_BYTES for i in range(n.value)]
-        return [desc, a_l, b_l, d_l, res, algos, None]
+        return [desc, a_l, b_l, d_l, res, algos, None, c_l]
 
-    def _run(self, plan: list, a_ptr: int, b_ptr: int, d_ptr: int, beta: float, stream: int, what) -> None:
-        """cublasLtMatmul of a plan (D = alpha op(A) op(B) + beta D in place, cuBLASLt's column-major
-        A and B): its kept candidate, or on first use each in turn until one runs (kept from then on).
-        ``what()`` names the problem in the refusal, built only then."""
-        desc, a_l, b_l, d_l, _, algos, chosen = plan
+    def _run(self, plan: list, a_ptr: int, b_ptr: int, d_ptr: int, beta: float, stream: int, what,
+             c_ptr: int | None = None) -> None:
+        """cublasLtMatmul of a plan (D = alpha op(A) op(B) + beta C, C = D in place unless ``c_ptr``;
+        cuBLASLt's column-major A and B): its kept candidate, or on first use each in turn until one
+        runs (kept from then on). ``what()`` names the problem in the refusal, built only then."""
+        desc, a_l, b_l, d_l, _, algos, chosen, c_l = plan
+        c_ptr = d_ptr if c_ptr is None else c_ptr
         statuses = []
         for i in ([chosen] if chosen is not None else range(len(algos))):
             rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
-                                         self._beta[float(beta)].ctypes.data, d_ptr, d_l, d_ptr, d_l,
+                                         self._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l,
                                          algos[i], self.ws.data.ptr, self.ws_bytes, stream)
             if rc == 0:
                 plan[6] = i                                     # this problem runs this candidate from now on
@@ -231,36 +242,51 @@ class Lt:
                           "candidate algorithm(s)")
 
     def mm_nt(self, D, X8, Y8, x_inv, y_inv, M: int, N: int, K: int, d_type: int, beta: float = 0.0,
-              fast_accum: bool = False, epilogue: int = EPILOGUE_DEFAULT, stream: int = 0, aux=None) -> None:
+              fast_accum: bool = False, epilogue: int = EPILOGUE_DEFAULT, stream: int = 0, aux=None,
+              d_scale=None, amax_d=None) -> None:
         """D (M, N) = (x_inv X8) @ (y_inv Y8)^T + beta D; x_inv / y_inv device pointers (ints); with
-        ``epilogue`` GELU_AUX or DGELU and ``aux`` (bf16, D's shape) the fused GELU (module docstring)."""
+        ``epilogue`` GELU_AUX or DGELU and ``aux`` (bf16, D's shape) the fused GELU (module docstring).
+        ``d_type`` CUDA_R_8F_E4M3 (D uint8, beta 0; ``d_scale`` and ``amax_d`` device pointers to one
+        float each): D = E4M3(d_scale[0] * result), cuBLASLt's rounding, and amax_d[0] = max |result|
+        (before the scale, after the epilogue), overwritten; the aux stays bf16 (the fp8 engine's
+        fc forward under delayed scaling)."""
         if beta not in (0.0, 1.0):
             raise AndreaError("cuBLASLt fp8 gemm: beta must be 0 or 1")
         if K % 16 or M % 16 or N % 16:
             raise AndreaError(f"cuBLASLt fp8 gemm: {M}x{N}x{K} is not a multiple of 16 in every dimension")
-        ptrs = (Y8.data.ptr, X8.data.ptr, D.data.ptr, D.data.ptr)
+        e4m3 = d_type == CUDA_R_8F_E4M3
+        if e4m3 and (beta != 0.0 or d_scale is None or amax_d is None or D.dtype != np.uint8
+                     or int(d_scale) % 16 or int(amax_d) % 16):
+            raise AndreaError(f"cuBLASLt fp8 gemm: an E4M3 D needs beta 0, a uint8 D and 16-byte aligned d_scale "
+                              f"and amax_d pointers (got beta {beta}, D {D.dtype}, d_scale {d_scale}, amax_d {amax_d})")
+        epilogue = int(epilogue)
+        fits = aux is not None and aux.ndim == 2 and aux.shape == (M, N) and aux.dtype == np.uint16 \
+            and aux.strides[1] == aux.itemsize and (aux.strides[0] // aux.itemsize) % 8 == 0 \
+            and aux.data.ptr % 16 == 0 and d_type in (CUDA_R_16BF, CUDA_R_8F_E4M3) and beta == 0.0
+        aux_ptr, ld_aux, aux_align = self._epilogue_aux(
+            epilogue, aux, fits, "cuBLASLt fp8 gemm",
+            lambda: f"a bf16 or E4M3 D, beta 0 and a bf16 aux matrix of D's shape ({M}, {N}), unit column stride, "
+                    f"row stride a multiple of 8 elements, 16-byte aligned (got D type {d_type}, beta {beta}, aux "
+                    f"{None if aux is None else (aux.shape, aux.dtype, aux.strides)})")
+        # an E4M3 D's C (bf16, unread at beta 0) is pointed at the aux, or at D when there is none
+        c_ptr = aux_ptr if e4m3 and aux_ptr else D.data.ptr
+        ptrs = (Y8.data.ptr, X8.data.ptr, c_ptr, D.data.ptr)
         aligns = tuple(_align(p) for p in ptrs)
         if min(aligns) < 16 or int(x_inv) % 16 or int(y_inv) % 16:
             raise AndreaError(f"cuBLASLt fp8 gemm: buffers and scale pointers must be 16-byte aligned "
                               f"(alignments {aligns}, scales at {int(x_inv) % 16} and {int(y_inv) % 16} mod 16)")
-        epilogue = int(epilogue)
-        fits = aux is not None and aux.ndim == 2 and aux.shape == (M, N) and aux.dtype == np.uint16 \
-            and aux.strides[1] == aux.itemsize and (aux.strides[0] // aux.itemsize) % 8 == 0 \
-            and aux.data.ptr % 16 == 0 and d_type == CUDA_R_16BF and beta == 0.0
-        aux_ptr, ld_aux, aux_align = self._epilogue_aux(
-            epilogue, aux, fits, "cuBLASLt fp8 gemm",
-            lambda: f"a bf16 D, beta 0 and a bf16 aux matrix of D's shape ({M}, {N}), unit column stride, row "
-                    f"stride a multiple of 8 elements, 16-byte aligned (got D type {d_type}, beta {beta}, aux "
-                    f"{None if aux is None else (aux.shape, aux.dtype, aux.strides)})")
         key = (M, N, K, d_type, float(beta), bool(fast_accum), epilogue, aligns, ld_aux, aux_align)
-        plan = self._plan(key, x_inv, y_inv, aux_ptr)
+        plan = self._plan(key, x_inv, y_inv, aux_ptr, d_scale or 0, amax_d or 0)
         sd = self.lib.cublasLtMatmulDescSetAttribute
         self._set(sd, plan[0], DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
         self._set(sd, plan[0], DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
+        if e4m3:
+            self._set(sd, plan[0], DESC_D_SCALE_POINTER, int(d_scale), ctypes.c_void_p)
+            self._set(sd, plan[0], DESC_AMAX_D_POINTER, int(amax_d), ctypes.c_void_p)
         self._point_aux(plan, aux_ptr)
         self._run(plan, Y8.data.ptr, X8.data.ptr, D.data.ptr, beta, stream,
                   lambda: f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum}, "
-                          f"epilogue {epilogue})")
+                          f"epilogue {epilogue})", c_ptr=c_ptr)
 
     # ------------------------------------------------------------------ 16-bit GEMM
     def _plan16(self, key: tuple, aux_ptr: int = 0):

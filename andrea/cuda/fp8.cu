@@ -21,6 +21,7 @@
 // k_fp8_amax_dgelu_bf16 / k_fp8_dgelu_cast_t_bf16: the same two kernels over bf16(x * gelu'(hp)), the
 // MLP's dL/dh_pre exactly as k_gelu_bwd_bf16 rounds it, so the fp8 backward casts the output gradient
 // of the fc GEMM straight from the GELU backward and never stores it in bf16 (Fp8Gemm.cast_dgelu).
+// k_fp8_t_u8: the byte transpose of an E4M3 GEMM output, folding the GEMM's amax into its site.
 // k_fp8_wamax + k_fp8_wcast: every matmul weight's two E4M3 copies (current scaling) in two launches
 // instead of two per weight; the same bytes as k_fp8_amax_bf16 + k_fp8_cast_t_bf16 on each weight.
 
@@ -256,6 +257,38 @@ extern "C" __global__ void k_fp8_cast_t_w_bf16(const unsigned short* __restrict_
                                                float* __restrict__ rec, unsigned char* __restrict__ out,
                                                unsigned char* __restrict__ out_t, float* __restrict__ inv) {
     cast_t_warps(x, R, C, part, P, sc, rec, out, out_t, inv);
+}
+
+// k_fp8_t_u8: the transpose of an E4M3 matrix that a GEMM wrote itself (the fc forward's h_act under
+// delayed scaling, fp8.py FC_E4M3): in (R, C) -> out_t (C, R), R and C multiples of 64, a 64 x 64
+// tile per warp transposed in registers as in cast_t_warps (lane c8 = lane % 8, rg = lane / 8: rows
+// 16 rg .. 16 rg + 15 of the tile's 8-byte column chunk c8). Block 0's thread 0 also atomicMax-es the
+// GEMM's amax *am (cuBLASLt's AMAX_D, which each GEMM overwrites) into the site's *rec, a non-finite one
+// as 0 (that step is non-finite: the guard skips it). out_t null: only that.
+extern "C" __global__ void k_fp8_t_u8(const unsigned char* __restrict__ in, int R, int C, const float* __restrict__ am,
+                                      float* __restrict__ rec, unsigned char* __restrict__ out_t) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && rec) {
+        const float a = *am;
+        atomicMax(reinterpret_cast<int*>(rec), __float_as_int(a <= 3.402823466e38f ? a : 0.0f));   // NaN, inf: 0
+    }
+    if (out_t == nullptr) return;
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, c8 = lane & 7, rg = lane >> 3;
+    const int tc = C / 64, n_tiles = tc * (R / 64);
+    for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < n_tiles; t += gridDim.x * nw) {
+        const int r0 = (t / tc) * 64 + rg * 16, c0 = (t % tc) * 64 + c8 * 8;
+        uint2 q[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = *reinterpret_cast<const uint2*>(in + (size_t)(r0 + i) * C + c0);
+        unsigned w[8][4];
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            t4x4(q[4 * g].x, q[4 * g + 1].x, q[4 * g + 2].x, q[4 * g + 3].x, w[0][g], w[1][g], w[2][g], w[3][g]);
+            t4x4(q[4 * g].y, q[4 * g + 1].y, q[4 * g + 2].y, q[4 * g + 3].y, w[4][g], w[5][g], w[6][g], w[7][g]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -49,15 +49,19 @@ needs it; the gpu tests compare both ways):
 The MLP's GELU (engine FUSE_GELU_FP8): ``mm(h_act, x, w_fc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)``
 writes h_act = gelu(P) and h_pre = P (bf16) from the fp32 product P of the E4M3 operands, and
 ``mm(dh, dout, w_proj, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre)`` dh = (dout w_proj^T) *
-gelu'(h_pre) (``Lt.mm_nt``); only those two weight forms take an epilogue. h_act stays bf16: the
-proj forward and its weight gradient cast it to E4M3 at their own sites, as without the fusion.
+gelu'(h_pre) (``Lt.mm_nt``); only those two weight forms take an epilogue. With ``FC_E4M3`` (delayed
+scaling once it has a history, SAVE_TRANSPOSES) the fc GEMM writes h_act in E4M3 itself, at the site's
+scale that the proj forward's cast would have used, with cuBLASLt's AMAX_D as the site's amax; the
+proj forward takes that copy and the proj weight gradient its transpose (``k_fp8_t_u8``): h_act is
+never stored in bf16. Otherwise h_act is bf16 and the proj forward and weight gradient cast it at
+their own sites, as without the fusion.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F, EPILOGUE_DEFAULT, Lt
+from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_32F, EPILOGUE_DEFAULT, EPILOGUE_GELU_AUX, Lt
 from andrea.cuda.kernels import i32, need
 from andrea.cuda.loader import kernel
 from andrea.engine.fp8_numpy import WCHUNK, AmaxHistory     # WCHUNK: k_fp8_wamax's elements per block
@@ -73,6 +77,15 @@ SAVED_COLS_PER_LAYER = 7          # the columns of a layer's 4 forward activatio
 SCALINGS = ("current", "delayed")
 SAVE_TRANSPOSES = True            # keep each forward activation's transposed E4M3 copy for its weight gradient
 DGELU_CAST = True                 # the GELU backward inside the cast of dL/dh (no bf16 dL/dh_pre pass)
+# Delayed scaling with a history and SAVE_TRANSPOSES: the fc forward's GELU_AUX GEMM writes h_act in E4M3
+# at its site's scale (cuBLASLt's D scale, its AMAX_D the site's amax) instead of bf16 for a cast, and
+# k_fp8_t_u8 writes the kept transpose: h_act is never stored in bf16. Not the same bytes as False: E4M3
+# is rounded once from cuBLASLt's fp32 gelu, not from bf16(gelu).
+FC_E4M3 = True
+# cuBLASLt's fast FP8 accumulation in the backward GEMMs too (False: split accumulation there, Transformer
+# Engine's choice; the forward is fast either way).
+FAST_ACCUM_BWD = False
+DSCALE_AT = 4                     # the float of a site's slot holding its scale again, 16-byte aligned for cuBLASLt
 # The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
 # warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
 # tests). Alone on the H200 (bench/fp8_casts.py) "warp" moves 0.82-0.83 of a device copy's GB/s against
@@ -184,6 +197,15 @@ def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None,
     kernel("fp8.cu", name + "_bf16")((grid,), (256,), (x, *args) if hp is None else (x, hp, *args))
 
 
+def k_fp8_t_u8(x8, out_t, R: int, C: int, am, rec) -> None:
+    """out_t (C, R) = x8 (R, C)^T, E4M3 bytes (unless out_t is None), and am[0] (a GEMM's amax) atomicMax-ed
+    into rec[0], a non-finite one as 0."""
+    if R % TILE or C % TILE:
+        raise AndreaError(f"fp8 transpose: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
+    grid = 1 if out_t is None else min(-(-(R // TILE) * (C // TILE) // 8), 4 * AMAX_BLOCKS)
+    kernel("fp8.cu", "k_fp8_t_u8")((grid,), (256,), (x8, i32(R), i32(C), am, rec, _ptr(out_t)))
+
+
 def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv) -> None:
     """Every weight of the table ``wd`` (``weight_table``) cast into its two E4M3 copies in w8
     (current scaling, factors into inv): amax zeroed, one block per chunk, one per tile."""
@@ -250,6 +272,7 @@ class Fp8Gemm:
         self._saved_off = self._n_saved = 0        # f8_saved bytes and transposes kept this pass
         self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
         self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
+        self._ready: dict = {}                     # FC_E4M3: activation (ptr, shape) -> (its E4M3 copy, slot)
 
     @property
     def calibrating(self) -> bool:
@@ -287,7 +310,7 @@ class Fp8Gemm:
         ``backward``: one follows, so the activations' transposes are saved for it."""
         self.site, self._memo = 0, {}
         self.save_t = backward and self.saved is not None
-        self._saved, self._saved_off, self._n_saved, self._shadow, self._dgelu = {}, 0, 0, [], {}
+        self._saved, self._saved_off, self._n_saved, self._shadow, self._dgelu, self._ready = {}, 0, 0, [], {}, {}
 
     @property
     def defers_dgelu(self) -> bool:
@@ -326,7 +349,7 @@ class Fp8Gemm:
             return
         scale, inv = self.hist.scales()
         host = np.zeros((self.n_sites, SLOT), dtype=np.float32)
-        host[:, 0], host[:, 1] = inv, scale
+        host[:, 0], host[:, 1], host[:, DSCALE_AT] = inv, scale, scale
         dst = self.inv[SLOT * self.site_base:SLOT * (self.site_base + self.n_sites)]
         dst.set(host.reshape(-1), stream=stream)
 
@@ -383,24 +406,58 @@ class Fp8Gemm:
             out = self._buf("f8_at", M, K)
             slot, _ = self._cast(None, out, A, K, M, current_slot=1)
             return out, self._slot(slot)
+        ready = self._ready.pop(key, None)
+        if ready is not None:                                 # FC_E4M3: the GEMM that made A wrote it in E4M3
+            return ready[0], self._slot(ready[1])
         out = self._buf("f8_a", *A.shape)
         if not self.save_t:
             slot, _ = self._cast(out, None, A, current_slot=0)
             return out, self._slot(slot)
         R, C = A.shape
+        out_t, current = self._save_slot(R, C)
+        slot, site = self._cast(out, out_t, A, R, C, current_slot=current)
+        self._keep(key, out_t, slot, site)
+        return out, self._slot(slot)
+
+    def _save_slot(self, R: int, C: int):
+        """The next (C, R) transpose in ``f8_saved`` and the factor slot current scaling gives it."""
         o = self._saved_off
         if o + R * C > self.saved.size:
             raise AndreaError(f"fp8: the saved activation transposes need more than f8_saved's {self.saved.size} "
                               f"bytes (SAVED_COLS_PER_LAYER in andrea/cuda/fp8.py)")
-        out_t = self.saved[o:o + R * C].reshape(C, R)
         self._saved_off = o + R * C
         current = self.site_base + self.n_sites + self._n_saved    # current scaling: a slot of its own
         if current >= self.inv.size // SLOT:
             raise AndreaError(f"fp8: more saved activation transposes than f8_inv has slots for ({self._n_saved})")
-        slot, site = self._cast(out, out_t, A, R, C, current_slot=current)
+        return self.saved[o:o + R * C].reshape(C, R), current
+
+    def _keep(self, key, out_t, slot: int, site: int) -> None:
         self._saved.setdefault(key, []).append((out_t, slot, site))
         self._n_saved += 1
-        return out, self._slot(slot)
+
+    @property
+    def e4m3_gelu(self) -> bool:
+        """FC_E4M3 applies now: delayed scaling with a history (the scale is known before the GEMM) and
+        the kept transposes (the backward never reads h_act in bf16)."""
+        return FC_E4M3 and self.hist is not None and not self.hist.empty and self.saved is not None
+
+    def _gelu_e4m3(self, Hk, x8, x_inv, y8, y_inv, M: int, N: int, K: int, aux) -> None:
+        """FC_E4M3's fc forward: h_act (M, N) = gelu(x W) straight into E4M3 (``f8_g``, free in the forward)
+        at the next site's scale, h_pre bf16 into ``aux``; its amax (cuBLASLt's, into f8_part[0]) folded
+        into the site by k_fp8_t_u8, which also writes the kept transpose when a backward follows. The next
+        ``_activation`` of h_act (the proj forward) takes that copy instead of casting."""
+        site = self._next_site()
+        slot = self.site_base + site
+        nat, am = self._buf("f8_g", M, N), self.a["f8_part"][:1]
+        self.lt.mm_nt(nat, x8, y8, x_inv, y_inv, M, N, K, CUDA_R_8F_E4M3, fast_accum=True,
+                      epilogue=EPILOGUE_GELU_AUX, stream=self._stream(), aux=aux,
+                      d_scale=self._slot(slot) + 4 * DSCALE_AT, amax_d=am.data.ptr)
+        out_t = None
+        if self.save_t:
+            out_t, _ = self._save_slot(M, N)
+            self._keep(Hk, out_t, slot, site)
+        k_fp8_t_u8(nat, out_t, M, N, am, self.a["f8_cur"][site:site + 1])
+        self._ready[Hk] = (nat, slot)
 
     def _gradient(self, G, transposed: bool, prev: dict):
         """G or G^T in E4M3 for a gradient G (rows, cols): both orientations cast at once, the
@@ -440,11 +497,11 @@ class Fp8Gemm:
                 x8, x_inv = self._gradient(A, ta, prev)
             else:
                 x8, x_inv = self._activation(A, ta)
-            fast = not tb
+            fast = FAST_ACCUM_BWD or not tb
         elif ta:                                              # dW = X^T dY
             x8, x_inv = self._activation(A, True)
             y8, y_inv = self._gradient(B, not tb, prev)
-            fast = False
+            fast = FAST_ACCUM_BWD
         else:
             raise AndreaError(f"fp8 gemm: no fp8 form for C {C.shape} = A {A.shape} @ B {B.shape} "
                               f"(ta={ta}, tb={tb}); the engine's GEMMs are X W, dY W^T and X^T dY")
@@ -453,5 +510,8 @@ class Fp8Gemm:
             raise AndreaError("fp8 gemm: beta=1 needs an fp32 C")
         if self._dgelu:
             raise AndreaError("fp8: a deferred GELU-backward cast (defer_dgelu) was not taken by the next GEMM")
+        if int(epilogue) == EPILOGUE_GELU_AUX and d_type == CUDA_R_16BF and self.e4m3_gelu:
+            self._gelu_e4m3((C.data.ptr, C.shape), x8, x_inv, y8, y_inv, M, N, K, aux)
+            return
         self.lt.mm_nt(C, x8, y8, x_inv, y_inv, M, N, K, d_type, beta=beta, fast_accum=fast,
                       epilogue=epilogue, stream=self._stream(), aux=aux)
