@@ -174,11 +174,12 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
 # (the fused residual add + LayerNorm forward, and the LayerNorm backward that also writes the branch
 # gradient's cast, count as layernorm)
 OUR_CLASSES = {"k_attn_fwd": "attention fwd", "k_attn_bwd": "attention bwd", "k_layernorm_fwd": "layernorm",
-               "k_layernorm_bwd": "layernorm", "k_residual_layernorm_fwd": "layernorm", "k_gelu_fwd": "elementwise",
+               "k_layernorm_bwd": "layernorm", "k_residual_layernorm_fwd": "layernorm",
+               "k_layernorm_fwd_e4m3": "layernorm", "k_gelu_fwd": "elementwise",
                "k_gelu_bwd": "elementwise",
                "k_residual_add": "elementwise", "k_cast": "elementwise", "k_loss_fwd": "loss", "k_loss_bwd": "loss",
                "k_loss_mean": "loss", "k_embed_fwd": "embed", "k_embed_bwd": "embed"}
-FP8_SWITCHES = ("FC_E4M3", "SAVE_TRANSPOSES", "DGELU_CAST", "FAST_ACCUM_BWD")   # --fp8-flip: fp8.py's booleans
+FP8_SWITCHES = ("FC_E4M3", "LN_E4M3", "SAVE_TRANSPOSES", "DGELU_CAST", "FAST_ACCUM_BWD")   # --fp8-flip: fp8.py's booleans
 CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "fp8 cast", "layernorm", "elementwise", "loss", "embed",
                "optimizer", "other"]
 # fp8: the E4M3 casts Fp8Gemm runs inside each GEMM call (andrea.cuda.fp8's launchers) are their own class,

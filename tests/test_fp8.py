@@ -777,3 +777,49 @@ def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_
     g8.mm(h_act, X, Wfc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)
     g8.mm(out, h_act, Wp)
     assert transposes == [(a["f8_g"].data.ptr, None)] and not g8._saved
+
+
+def test_a_layernorm_written_in_e4m3_gives_its_gemms_the_cast_operands_and_sites(monkeypatch):
+    """LN_E4M3: ``produce`` hands the LayerNorm kernel the site's scale and amax slot and the natural
+    E4M3 buffer; the next X W takes that copy and the weight gradient X^T dY its kept transpose, with
+    the operands, factors, sites and history of casting X (the kernel writes what the cast writes:
+    tests/test_fp8_gpu.py checks that bit for bit). Off before the history exists, for other outputs
+    than ``ln_ptrs``, and with LN_E4M3 False."""
+    import andrea.cuda.fp8 as k8
+
+    runs = {}
+    for on in (False, True):
+        g, log, W, X, dY, _ = _gemm_rig(monkeypatch, "delayed", True)
+        g.ln_ptrs = {X.data.ptr}
+        monkeypatch.setattr(k8, "LN_E4M3", on)
+        monkeypatch.setattr(k8, "k_fp8_t_u8", lambda x8, out_t, R, C, am, rec: out_t.__setitem__(..., np.asarray(x8).T))
+        out, dX, dW = (_dev(np.zeros((128, 256), np.uint16)), _dev(np.zeros((128, 64), np.uint16)),
+                       _dev(np.zeros((64, 256), np.float32)))
+        produced = []
+
+        def ln_kernel(nat, scale, rec):              # what k_layernorm_fwd_e4m3 writes: the delayed cast of X
+            q, am, _ = f8.quantize_delayed(f8.bf16_to_f32(np.asarray(X)), scale[0])
+            nat[...] = q.reshape(nat.shape)
+            rec[0] = max(rec[0], am)
+            produced.append((rec.data.ptr - log["cur"].data.ptr) // 4)
+
+        hist = []
+        for _ in range(3):
+            g.reset_amax()
+            g.begin()
+            if g.ln_e4m3(X):
+                g.produce(X, ln_kernel)              # site 0
+            assert not g.ln_e4m3(dY)
+            g.mm(out, X, W)
+            g.mm(dX, dY, W, tb=True)                 # site 1
+            g.mm(dW, X, dY, ta=True, beta=1.0)       # site 2: X^T
+            g.check_pass()
+            g.after_step(None)
+            hist.append(np.array(g.hist.state()["amax_history"]))
+        runs[on] = (log, hist, produced)
+    (off, h0, p0), (on_, h1, p1) = runs[False], runs[True]
+    assert p0 == [] and p1 == [0, 0]                 # steps 2 and 3: the first step has no history
+    _same_gemms(off["gemms"], on_["gemms"])
+    for a, b in zip(h0, h1):
+        np.testing.assert_array_equal(a, b)
+    assert [c[0] for c in on_["calls"]].count(X.data.ptr) == 1   # X cast on the first step only

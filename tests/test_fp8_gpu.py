@@ -430,6 +430,54 @@ def test_e4m3_transpose_kernel_and_its_amax_fold():
         assert float(rec[0]) == want, (a, float(rec[0]))
 
 
+@pytest.mark.parametrize("C", [128, 768, 1536])
+@pytest.mark.parametrize("residual", [False, True])
+def test_e4m3_layernorm_forward_is_the_bf16_forward_then_the_delayed_cast(C, residual):
+    """fp8.LN_E4M3's kernels (k_layernorm_fwd_e4m3, plain and residual) against k_layernorm_fwd /
+    k_residual_layernorm_fwd (bf16) followed by the delayed cast at the same scale: the E4M3 bytes, the
+    amax (atomicMax-ed over blocks, into a nonzero start), mean, rstd and the residual sum bit-exact,
+    with a row of a NaN (NaN codes) and a scale small enough that the largest values saturate.
+    Tolerance: none."""
+    from andrea.cuda import fp8 as k8
+    from andrea.cuda import kernels as kk
+
+    rng = np.random.default_rng(C)
+    N = 64
+    x = (rng.standard_normal((N, C)) * 3 + 0.5).astype(np.float32)
+    x[5, 7] = np.nan
+    g, b = (rng.standard_normal(C) * 0.5 + 1).astype(np.float32), (rng.standard_normal(C) * 0.1).astype(np.float32)
+    a, br = (x * 0.5).astype(np.float32), to_bf16(x * 0.5)
+    ref_y, ref_m, ref_r = cp.full((N, C), 0x7FC0, np.uint16), cp.full(N, np.nan, np.float32), cp.full(N, np.nan, np.float32)
+    ref_xo = cp.full((N, C), np.nan, np.float32)
+    if residual:
+        kk.k_residual_layernorm_fwd("bf16", ref_xo, ref_y, ref_m, ref_r, gpu(a), gpu(br), gpu(g), gpu(b), N, C)
+    else:
+        kk.k_layernorm_fwd("bf16", ref_y, ref_m, ref_r, gpu(x), gpu(g), gpu(b), N, C)
+    yf = f8.bf16_to_f32(cp.asnumpy(ref_y))
+    am = f8.amax(yf)
+    scale = np.float32(f8.scale_of(am)[0] * np.float32(4.0))            # 4x: the top values saturate
+    q_ref, am_ref, clipped = f8.quantize_delayed(yf, scale)
+    assert clipped and am_ref == am
+    y8, m, r = cp.full((N, C), 0xAA, np.uint8), cp.full(N, np.nan, np.float32), cp.full(N, np.nan, np.float32)
+    xo = cp.full((N, C), np.nan, np.float32)
+    rec = cp.asarray(np.array([np.float32(am) / 2], np.float32))          # a smaller amax already there
+    sc = gpu(np.array([scale], np.float32))
+    if residual:
+        kk.k_layernorm_fwd_e4m3(y8, m, r, xo, gpu(g), gpu(b), N, C, sc, rec, a=gpu(a), br=gpu(br))
+        np.testing.assert_array_equal(cp.asnumpy(xo), cp.asnumpy(ref_xo))
+    else:
+        kk.k_layernorm_fwd_e4m3(y8, m, r, gpu(x), gpu(g), gpu(b), N, C, sc, rec)
+    np.testing.assert_array_equal(cp.asnumpy(y8), q_ref.reshape(N, C))
+    assert (cp.asnumpy(y8)[5] == 0x7F).all()                             # the NaN row
+    np.testing.assert_array_equal(cp.asnumpy(m), cp.asnumpy(ref_m))
+    np.testing.assert_array_equal(cp.asnumpy(r), cp.asnumpy(ref_r))
+    assert float(rec[0]) == float(am_ref)
+    from andrea.errors import AndreaError
+
+    with pytest.raises(AndreaError, match="N a multiple of 8"):
+        kk.k_layernorm_fwd_e4m3(y8[:60], m[:60], r[:60], gpu(x[:60]), gpu(g), gpu(b), 60, C, sc, rec)
+
+
 def _bf16_gpu(rng, shape, scale=1.0):
     return gpu(to_bf16((rng.standard_normal(shape) * scale).astype(np.float32)).reshape(shape))
 
@@ -588,8 +636,9 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     """fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST and the two-launch weight casts on (the default), with either
     transposing cast (fp8.CAST_T), against all three off and the shared-memory cast (every transpose
     cast in the backward, k_gelu_bwd then the cast of dL/dh_pre, the weights one by one): w, m, v and
-    the delayed history byte-identical after 6 steps. fp8.FC_E4M3 is off in both (it rounds h_act once
-    from fp32, not the same bytes: test_e4m3_h_act_tracks_the_bf16_cast)."""
+    the delayed history byte-identical after 6 steps; fp8.LN_E4M3 (delayed scaling's LayerNorms writing
+    E4M3) is on in the first. fp8.FC_E4M3 is off in both (it rounds h_act once from fp32, not the same
+    bytes: test_e4m3_h_act_tracks_the_bf16_cast)."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
 

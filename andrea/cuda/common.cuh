@@ -89,6 +89,28 @@ __device__ __forceinline__ float block_reduce(float v, float* buf) {
 __device__ __forceinline__ float block_sum(float v, float* buf) { return block_reduce<false>(v, buf); }
 __device__ __forceinline__ float block_max(float v, float* buf) { return block_reduce<true>(v, buf); }
 
+// bf16 bits -> FP8 E4M3 (fp8.cu's casts, and the fp8 engine's LayerNorm forwards in layernorm.cu):
+// E4M3(bf16 value * s), round to nearest even, saturating at +-448; a non-finite bf16 gives NaN 0x7F.
+__device__ __forceinline__ bool bf16_finite(unsigned h) { return (h & 0x7f80u) != 0x7f80u; }
+__device__ __forceinline__ float bf16_absf(unsigned h) {
+    return bf16_finite(h) ? __uint_as_float((h & 0x7fffu) << 16) : 0.0f;
+}
+
+// Two E4M3 codes in one 16-bit word: `lo` (bf16 bits of the first element) in the low byte.
+__device__ __forceinline__ unsigned fp8_pair(unsigned lo, unsigned hi, float s) {
+    const float a = __uint_as_float(lo << 16) * s, b = __uint_as_float(hi << 16) * s;
+    unsigned short r;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));   // first operand -> high byte
+#else
+    r = 0x7f7f;   // no FP8 conversion before sm_89 (the fp8 engine refuses those GPUs: fp8.require_fp8)
+#endif
+    unsigned w = r;
+    if (!bf16_finite(lo)) w = (w & 0xff00u) | 0x7fu;
+    if (!bf16_finite(hi)) w = (w & 0x00ffu) | 0x7f00u;
+    return w;
+}
+
 // The MLP's GELU (tanh form) and its derivative, shared by the training kernels (elementwise.cu),
 // the fp8 gradient cast (fp8.cu) and decoding (decode.cu):
 // gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = k (x + a x^3): one expf, no tanhf.

@@ -43,8 +43,8 @@ from andrea import dist
 from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, attn_impl, cp,
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
-                                 k_layernorm_bwd, k_layernorm_fwd, k_loss_bwd, k_loss_fwd, k_loss_mean, k_residual_add,
-                                 k_residual_layernorm_fwd)
+                                 k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd_e4m3, k_loss_bwd, k_loss_fwd,
+                                 k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_e4m3_fits)
 from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
 from andrea.cuda import fp8 as fp8_mod
 from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, fp8_buffers, n_slots, require_fp8,
@@ -144,8 +144,15 @@ class FastOps:
         else:
             self.deferred.append(run)
 
+    def _e4m3(self, out, N, C, *arrays) -> bool:
+        """fp8: this LayerNorm output goes to an E4M3 GEMM and is written in E4M3 (fp8.LN_E4M3)."""
+        return self.f8 is not None and self.f8.ln_e4m3(out) and ln_e4m3_fits(N, C, *arrays)
+
     def layernorm_forward(self, out, mean, rstd, x, g, b):
         N, C = x.shape
+        if self._e4m3(out, N, C, x, g, b):
+            self.f8.produce(out, lambda y8, sc, rec: k_layernorm_fwd_e4m3(y8, mean, rstd, x, g, b, N, C, sc, rec))
+            return
         k_layernorm_fwd(self.p, out, mean, rstd, x, g, b, N, C)
 
     def layernorm_backward(self, dx, dg, db, dout, x, mean, rstd, g, work):
@@ -160,6 +167,10 @@ class FastOps:
 
     def residual_layernorm_forward(self, xo, out, mean, rstd, a, b, g, beta):
         N, C = xo.shape
+        if self._e4m3(out, N, C, a, b, xo, g, beta):
+            self.f8.produce(out, lambda y8, sc, rec: k_layernorm_fwd_e4m3(y8, mean, rstd, xo, g, beta, N, C, sc, rec,
+                                                                          a=a, br=b))
+            return
         k_residual_layernorm_fwd(self.p, xo, out, mean, rstd, a, b, g, beta, N, C)
 
     def attn_qkv_forward(self, qkv, x, w_qkv):
@@ -402,6 +413,7 @@ class GpuEngine:
             head = {self.WL["wte"].data.ptr, self.G["wte"].data.ptr, a["wte_pad"].data.ptr}   # bf16 GEMMs
             f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], head, self.blas, scaling=fp8_scaling,
                          n_sites=SITES_PER_LAYER * mc.n_layer, history=int(fp8_amax_history))
+            f8.ln_ptrs = {a["ln1"].data.ptr, a["ln2"].data.ptr}      # their outputs feed E4M3 GEMMs (LN_E4M3)
         self.f8 = f8
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)

@@ -25,21 +25,7 @@
 // k_fp8_wamax + k_fp8_wcast: every matmul weight's two E4M3 copies (current scaling) in two launches
 // instead of two per weight; the same bytes as k_fp8_amax_bf16 + k_fp8_cast_t_bf16 on each weight.
 
-__device__ __forceinline__ bool bf16_finite(unsigned h) { return (h & 0x7f80u) != 0x7f80u; }
-__device__ __forceinline__ float bf16_absf(unsigned h) {
-    return bf16_finite(h) ? __uint_as_float((h & 0x7fffu) << 16) : 0.0f;
-}
-
-// Two E4M3 codes in one 16-bit word: `lo` (bf16 bits of the first element) in the low byte.
-__device__ __forceinline__ unsigned fp8_pair(unsigned lo, unsigned hi, float s) {
-    const float a = __uint_as_float(lo << 16) * s, b = __uint_as_float(hi << 16) * s;
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));   // first operand -> high byte
-    unsigned w = r;
-    if (!bf16_finite(lo)) w = (w & 0xff00u) | 0x7fu;
-    if (!bf16_finite(hi)) w = (w & 0x00ffu) | 0x7f00u;
-    return w;
-}
+// bf16_finite, bf16_absf and fp8_pair (two bf16 -> two E4M3 codes) are in common.cuh.
 
 // 8 bf16 (one uint4) -> 8 E4M3 bytes (one uint2), element order kept.
 __device__ __forceinline__ uint2 fp8_pack8(uint4 v, float s) {

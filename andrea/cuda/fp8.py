@@ -82,6 +82,10 @@ DGELU_CAST = True                 # the GELU backward inside the cast of dL/dh (
 # k_fp8_t_u8 writes the kept transpose: h_act is never stored in bf16. Not the same bytes as False: E4M3
 # is rounded once from cuBLASLt's fp32 gelu, not from bf16(gelu).
 FC_E4M3 = True
+# The same conditions: the LayerNorms before the QKV and fc GEMMs write their output in E4M3 at its site's
+# scale with its amax (k_layernorm_fwd_e4m3: bf16 rounding then the cast's own conversion, so the same
+# bytes as False), and a byte transpose keeps its copy: the bf16 LayerNorm output is never stored.
+LN_E4M3 = True
 # cuBLASLt's fast FP8 accumulation in the backward GEMMs too (False: split accumulation there, Transformer
 # Engine's choice; the forward is fast either way).
 FAST_ACCUM_BWD = False
@@ -198,12 +202,12 @@ def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None,
 
 
 def k_fp8_t_u8(x8, out_t, R: int, C: int, am, rec) -> None:
-    """out_t (C, R) = x8 (R, C)^T, E4M3 bytes (unless out_t is None), and am[0] (a GEMM's amax) atomicMax-ed
-    into rec[0], a non-finite one as 0."""
+    """out_t (C, R) = x8 (R, C)^T, E4M3 bytes (unless out_t is None), and (unless rec is None) am[0] (a
+    GEMM's amax) atomicMax-ed into rec[0], a non-finite one as 0."""
     if R % TILE or C % TILE:
         raise AndreaError(f"fp8 transpose: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
     grid = 1 if out_t is None else min(-(-(R // TILE) * (C // TILE) // 8), 4 * AMAX_BLOCKS)
-    kernel("fp8.cu", "k_fp8_t_u8")((grid,), (256,), (x8, i32(R), i32(C), am, rec, _ptr(out_t)))
+    kernel("fp8.cu", "k_fp8_t_u8")((grid,), (256,), (x8, i32(R), i32(C), am, _ptr(rec), _ptr(out_t)))
 
 
 def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv) -> None:
@@ -273,6 +277,7 @@ class Fp8Gemm:
         self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
         self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
         self._ready: dict = {}                     # FC_E4M3: activation (ptr, shape) -> (its E4M3 copy, slot)
+        self.ln_ptrs: set = set()                  # LN_E4M3: the LayerNorm outputs that go to E4M3 GEMMs (engine)
 
     @property
     def calibrating(self) -> bool:
@@ -358,6 +363,9 @@ class Fp8Gemm:
         if self.hist is not None and self.site != self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: a step cast {self.site} activation/gradient tensors, "
                               f"the plan has {self.n_sites} sites (SITES_PER_LAYER in andrea/cuda/fp8.py)")
+        if self._ready:
+            raise AndreaError(f"fp8: {len(self._ready)} activations written in E4M3 by their producer were not "
+                              f"taken by a GEMM (FC_E4M3 / LN_E4M3 in andrea/cuda/fp8.py)")
         left = sum(len(v) for v in self._saved.values())
         if left:
             raise AndreaError(f"fp8: {left} saved activation transposes were not used by the backward "
@@ -436,28 +444,49 @@ class Fp8Gemm:
         self._n_saved += 1
 
     @property
-    def e4m3_gelu(self) -> bool:
-        """FC_E4M3 applies now: delayed scaling with a history (the scale is known before the GEMM) and
-        the kept transposes (the backward never reads h_act in bf16)."""
-        return FC_E4M3 and self.hist is not None and not self.hist.empty and self.saved is not None
+    def _written(self) -> bool:
+        """An activation can be written in E4M3 by its producer: delayed scaling with a history (the
+        scale is known before) and the kept transposes (the backward never reads the bf16 tensor)."""
+        return self.hist is not None and not self.hist.empty and self.saved is not None
 
-    def _gelu_e4m3(self, Hk, x8, x_inv, y8, y_inv, M: int, N: int, K: int, aux) -> None:
-        """FC_E4M3's fc forward: h_act (M, N) = gelu(x W) straight into E4M3 (``f8_g``, free in the forward)
-        at the next site's scale, h_pre bf16 into ``aux``; its amax (cuBLASLt's, into f8_part[0]) folded
-        into the site by k_fp8_t_u8, which also writes the kept transpose when a backward follows. The next
-        ``_activation`` of h_act (the proj forward) takes that copy instead of casting."""
+    @property
+    def e4m3_gelu(self) -> bool:
+        """FC_E4M3 applies now."""
+        return FC_E4M3 and self._written
+
+    def ln_e4m3(self, out) -> bool:
+        """LN_E4M3 applies now to a LayerNorm writing ``out`` (one of ``ln_ptrs``)."""
+        return LN_E4M3 and self._written and out.data.ptr in self.ln_ptrs
+
+    def produce(self, A, write, buf: str = "f8_a", folds: bool = False) -> None:
+        """A (R, C), the activation the next GEMM would cast, is written in E4M3 by its producer instead:
+        ``write(nat, scale, rec)`` puts it into ``buf`` at the next site's scale (scale: a 1-float view of
+        the slot) and its amax into rec (the site's f8_cur entry), or, ``folds``, into f8_part[0] for
+        k_fp8_t_u8 to fold; the transpose is kept for the weight gradient when a backward follows. The
+        next ``_activation`` of A takes the copy instead of casting (same site, same factor)."""
+        R, C = A.shape
         site = self._next_site()
-        slot = self.site_base + site
-        nat, am = self._buf("f8_g", M, N), self.a["f8_part"][:1]
-        self.lt.mm_nt(nat, x8, y8, x_inv, y_inv, M, N, K, CUDA_R_8F_E4M3, fast_accum=True,
-                      epilogue=EPILOGUE_GELU_AUX, stream=self._stream(), aux=aux,
-                      d_scale=self._slot(slot) + 4 * DSCALE_AT, amax_d=am.data.ptr)
+        slot, key, rec = self.site_base + site, (A.data.ptr, A.shape), self.a["f8_cur"][site:site + 1]
+        nat, am = self._buf(buf, R, C), self.a["f8_part"][:1]
+        write(nat, self.inv[SLOT * slot + 1:SLOT * slot + 2], am if folds else rec)
         out_t = None
         if self.save_t:
-            out_t, _ = self._save_slot(M, N)
-            self._keep(Hk, out_t, slot, site)
-        k_fp8_t_u8(nat, out_t, M, N, am, self.a["f8_cur"][site:site + 1])
-        self._ready[Hk] = (nat, slot)
+            out_t, _ = self._save_slot(R, C)
+            self._keep(key, out_t, slot, site)
+        if out_t is not None or folds:
+            k_fp8_t_u8(nat, out_t, R, C, am, rec if folds else None)
+        self._ready[key] = (nat, slot)
+
+    def _gelu_e4m3(self, H, x8, x_inv, y8, y_inv, M: int, N: int, K: int, aux) -> None:
+        """FC_E4M3's fc forward: h_act H (M, N) = gelu(x W) straight into E4M3 (``f8_g``, free in the
+        forward; ``f8_a`` holds x) at its site's scale (the slot's DSCALE_AT float, 16-byte aligned for
+        cuBLASLt), h_pre bf16 into ``aux``; cuBLASLt's AMAX_D into f8_part[0], folded into the site."""
+        def gemm(nat, scale, am):
+            self.lt.mm_nt(nat, x8, y8, x_inv, y_inv, M, N, K, CUDA_R_8F_E4M3, fast_accum=True,
+                          epilogue=EPILOGUE_GELU_AUX, stream=self._stream(), aux=aux,
+                          d_scale=scale.data.ptr + 4 * (DSCALE_AT - 1), amax_d=am.data.ptr)
+
+        self.produce(H, gemm, buf="f8_g", folds=True)
 
     def _gradient(self, G, transposed: bool, prev: dict):
         """G or G^T in E4M3 for a gradient G (rows, cols): both orientations cast at once, the
@@ -511,7 +540,7 @@ class Fp8Gemm:
         if self._dgelu:
             raise AndreaError("fp8: a deferred GELU-backward cast (defer_dgelu) was not taken by the next GEMM")
         if int(epilogue) == EPILOGUE_GELU_AUX and d_type == CUDA_R_16BF and self.e4m3_gelu:
-            self._gelu_e4m3((C.data.ptr, C.shape), x8, x_inv, y8, y_inv, M, N, K, aux)
+            self._gelu_e4m3(C, x8, x_inv, y8, y_inv, M, N, K, aux)
             return
         self.lt.mm_nt(C, x8, y8, x_inv, y_inv, M, N, K, d_type, beta=beta, fast_accum=fast,
                       epilogue=epilogue, stream=self._stream(), aux=aux)

@@ -190,6 +190,28 @@ def k_residual_layernorm_fwd(prec, xo, y, mean, rstd, a, br, g, b, N, C):
         (blocks(N, 8),), (256,), (a, br, xo, g, b, y, mean, rstd, i32(N), i32(C), f32(LN_EPS)))
 
 
+def ln_e4m3_fits(N: int, C: int, *arrays) -> bool:
+    """The E4M3 LayerNorm forwards take these rows: the vectorized kernels, and N a multiple of a block's 8."""
+    return N % 8 == 0 and _ln_vec(C, *arrays) is not None
+
+
+def k_layernorm_fwd_e4m3(y8, mean, rstd, x, g, b, N, C, sc, rec, a=None, br=None):
+    """The fp8 engine's LayerNorm forward straight to E4M3 (fp8.LN_E4M3): y8 (N, C) uint8 =
+    E4M3(bf16(LayerNorm(x)) * sc[0]) and mean, rstd as k_layernorm_fwd; the max |bf16 value| over the
+    finite entries atomicMax-ed into rec[0]: the bytes of k_layernorm_fwd (bf16) then fp8.cu's delayed
+    cast. With ``a``, ``br`` (bf16): x (fp32) = a + br first, as k_residual_layernorm_fwd."""
+    arrays = (x, g, b) if a is None else (a, br, x, g, b)
+    if not ln_e4m3_fits(N, C, *arrays):
+        raise AndreaError(f"cuda op layernorm_forward (E4M3): {N} x {C} rows need the vectorized kernel "
+                          f"(C % 4 == 0, C <= 2048, 16-byte aligned rows) and N a multiple of 8")
+    V = _ln_vec(C, *arrays)
+    tail = (y8, mean, rstd, i32(N), i32(C), f32(LN_EPS), sc, rec)
+    if a is None:
+        kernel("layernorm.cu", f"k_layernorm_fwd4_e4m3_v{V}")((blocks(N, 8),), (256,), (x, g, b, *tail))
+    else:
+        kernel("layernorm.cu", f"k_residual_layernorm_fwd4_e4m3_v{V}")((blocks(N, 8),), (256,), (a, br, x, g, b, *tail))
+
+
 def k_layernorm_wsum(dg, db, part, n_chunks, C):
     """dg, db (C,) += the column sums of part (n_chunks, 2, C) over its chunks, in a fixed order."""
     kernel("layernorm.cu", "k_layernorm_bwd_wsum")((blocks(C, 32),), (32, 32), (part, dg, db, i32(n_chunks), i32(C)))

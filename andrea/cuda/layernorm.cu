@@ -154,12 +154,23 @@ __device__ __forceinline__ void store4(T* p, float4 v) {
     *reinterpret_cast<uint2*>(p) = u;
 }
 __device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+// The forward's store: a storage type (store4), or E4M3 bytes at scale s (the fp8 forwards below: the bf16
+// value the bf16 kernel stores, cast as fp8.cu's k_fp8_cast_bf16 casts it; m the running max |bf16 value|).
+template <typename T>
+__device__ __forceinline__ void put4(T* p, float4 v, float, float&) { store4(p, v); }
+__device__ __forceinline__ void put4(unsigned char* p, float4 v, float s, float& m) {
+    const unsigned a = from_f<bf16_t>(v.x).x, b = from_f<bf16_t>(v.y).x, c = from_f<bf16_t>(v.z).x,
+                   d = from_f<bf16_t>(v.w).x;
+    m = fmaxf(m, fmaxf(fmaxf(bf16_absf(a), bf16_absf(b)), fmaxf(bf16_absf(c), bf16_absf(d))));
+    *reinterpret_cast<unsigned*>(p) = fp8_pair(a, b, s) | (fp8_pair(c, d, s) << 16);
+}
 
-// The forward of one row held in registers (xv: lane's float4 columns k * 32 + lane), one warp.
-template <typename T, int V>
+// The forward of one row held in registers (xv: lane's float4 columns k * 32 + lane), one warp; Y
+// unsigned char: E4M3 out at scale s (put4), m the lane's running max |bf16 value|.
+template <typename T, int V, typename Y>
 __device__ __forceinline__ void layernorm_row4(const float4* xv, const float* __restrict__ w,
-                                               const float* __restrict__ b, T* __restrict__ yr, float* mean,
-                                               float* rstd, int row, int C, float eps) {
+                                               const float* __restrict__ b, Y* __restrict__ yr, float* mean,
+                                               float* rstd, int row, int C, float eps, float sc, float& m) {
     const int lane = threadIdx.x & 31, C4 = C >> 2;
     float s = 0.0f;
 #pragma unroll
@@ -179,17 +190,28 @@ __device__ __forceinline__ void layernorm_row4(const float4* xv, const float* __
         const int c4 = k * 32 + lane;
         if (c4 < C4) {
             const float4 w4 = load4(w + 4 * c4), b4 = load4(b + 4 * c4);
-            store4(yr + 4 * c4, make_float4((xv[k].x - mu) * rs * w4.x + b4.x, (xv[k].y - mu) * rs * w4.y + b4.y,
-                                            (xv[k].z - mu) * rs * w4.z + b4.z, (xv[k].w - mu) * rs * w4.w + b4.w));
+            put4(yr + 4 * c4, make_float4((xv[k].x - mu) * rs * w4.x + b4.x, (xv[k].y - mu) * rs * w4.y + b4.y,
+                                          (xv[k].z - mu) * rs * w4.z + b4.z, (xv[k].w - mu) * rs * w4.w + b4.w), sc, m);
         }
     }
     if (lane == 0) { mean[row] = mu; rstd[row] = rs; }
 }
 
-template <typename T, int V>
+// Y unsigned char (the _e4m3 kernels): y is E4M3 at scale *sc, and the block's max |bf16 value| is
+// atomicMax-ed into *rec; N a multiple of 8 (the launcher's check: every warp of a block has a row).
+template <typename T, int V, typename Y>
+__device__ __forceinline__ void fwd4_amax(float m, float* __restrict__ rec) {
+    if constexpr (sizeof(Y) == 1) {
+        __shared__ float buf[32];
+        m = block_max(m, buf);
+        if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m));
+    }
+}
+
+template <typename T, int V, typename Y = T>
 __device__ void layernorm_fwd4(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
-                               T* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int N, int C,
-                               float eps) {
+                               Y* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int N, int C,
+                               float eps, const float* __restrict__ sc = nullptr, float* __restrict__ rec = nullptr) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= N) return;
@@ -201,14 +223,17 @@ __device__ void layernorm_fwd4(const float* __restrict__ x, const float* __restr
         const int c4 = k * 32 + lane;
         xv[k] = c4 < C4 ? load4(xr + 4 * c4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
-    layernorm_row4<T, V>(xv, w, b, y + (long long)row * C, mean, rstd, row, C, eps);
+    float m = 0.0f;
+    layernorm_row4<T, V, Y>(xv, w, b, y + (long long)row * C, mean, rstd, row, C, eps, sizeof(Y) == 1 ? sc[0] : 1.0f, m);
+    fwd4_amax<T, V, Y>(m, rec);
 }
 
-template <typename T, int V>
+template <typename T, int V, typename Y = T>
 __device__ void residual_layernorm_fwd4(const float* __restrict__ a, const T* __restrict__ br,
                                         float* __restrict__ xo, const float* __restrict__ w,
-                                        const float* __restrict__ b, T* __restrict__ y, float* __restrict__ mean,
-                                        float* __restrict__ rstd, int N, int C, float eps) {
+                                        const float* __restrict__ b, Y* __restrict__ y, float* __restrict__ mean,
+                                        float* __restrict__ rstd, int N, int C, float eps,
+                                        const float* __restrict__ sc = nullptr, float* __restrict__ rec = nullptr) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= N) return;
@@ -224,7 +249,9 @@ __device__ void residual_layernorm_fwd4(const float* __restrict__ a, const T* __
             store4(xo + o + 4 * c4, xv[k]);
         }
     }
-    layernorm_row4<T, V>(xv, w, b, y + o, mean, rstd, row, C, eps);
+    float m = 0.0f;
+    layernorm_row4<T, V, Y>(xv, w, b, y + o, mean, rstd, row, C, eps, sizeof(Y) == 1 ? sc[0] : 1.0f, m);
+    fwd4_amax<T, V, Y>(m, rec);
 }
 
 template <typename T, int V, int R>
@@ -343,6 +370,21 @@ __device__ void layernorm_bwd4(const float* __restrict__ x, const float* __restr
     LNB_INST(SUF, T, 1, 1) LNB_INST(SUF, T, 2, 1) LNB_INST(SUF, T, 3, 1) LNB_INST(SUF, T, 6, 1)             \
     LNB_INST(SUF, T, 2, 2) LNB_INST(SUF, T, 3, 2) LNB_INST(SUF, T, 6, 2) LNB_INST(SUF, T, 2, 4)             \
     LNB_INST(SUF, T, 3, 4) LNB_INST(SUF, T, 4, 4) LNB_INST(SUF, T, 2, 8) LNB_INST(SUF, T, 3, 8)
+
+// The fp8 engine's ln1 / ln2 forwards under delayed scaling (andrea/cuda/fp8.py LN_E4M3): bf16 rounding,
+// then E4M3 at scale *sc, amax into *rec; the bytes of the bf16 kernel followed by k_fp8_cast_bf16.
+#define LNF8_INST(V)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) k_layernorm_fwd4_e4m3_v##V(                            \
+        const float* x, const float* w, const float* b, unsigned char* y, float* mean, float* rstd, int N,   \
+        int C, float eps, const float* sc, float* rec) {                                                     \
+        layernorm_fwd4<bf16_t, V, unsigned char>(x, w, b, y, mean, rstd, N, C, eps, sc, rec);                \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) k_residual_layernorm_fwd4_e4m3_v##V(                   \
+        const float* a, const bf16_t* br, float* xo, const float* w, const float* b, unsigned char* y,       \
+        float* mean, float* rstd, int N, int C, float eps, const float* sc, float* rec) {                    \
+        residual_layernorm_fwd4<bf16_t, V, unsigned char>(a, br, xo, w, b, y, mean, rstd, N, C, eps, sc, rec); \
+    }
+LNF8_INST(1) LNF8_INST(2) LNF8_INST(3) LNF8_INST(6) LNF8_INST(12) LNF8_INST(16)
 
 LN4_ALL(f32, float)
 LN4_ALL(bf16, bf16_t)
