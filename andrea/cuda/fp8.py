@@ -93,9 +93,10 @@ DSCALE_AT = 4                     # the float of a site's slot holding its scale
 # The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
 # warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
 # tests). Alone on the H200 (bench/fp8_casts.py) "warp" moves 0.82-0.83 of a device copy's GB/s against
-# 0.74-0.76; the engine step with exactly this split was not timed (session 10 ran out of device time):
-# `bench/engine_gpu.py --precision fp8:delayed --fp8-cast-t smem warp` times both in one run.
-CAST_T = "smem"
+# 0.74-0.76; the step (`bench/engine_gpu.py --precision fp8:delayed --fp8-cast-t smem warp`, two calls
+# of session 11): 120M B=32 45.60 / 45.46 ms against 45.72 / 45.83, 480M B=8 44.63 / 44.26 against
+# 44.65 / 45.01.
+CAST_T = "warp"
 
 
 def require_fp8(compute_capability) -> None:
