@@ -8,10 +8,8 @@ given scale, the amax atomicMax-ed), ms per call (CUDA events, the median of 5 w
 calls after one untimed call) of:
 - copy:       cupy's device copy of the bf16 (N, cols) tensor (reads 2, writes 2 bytes an element);
 - both K:     the transposing cast writing the natural and the transposed E4M3 copies (2 + 1 + 1), with
-              each kernel K of fp8.CAST_T: smem (k_fp8_cast_t_bf16), warp (k_fp8_cast_t_w_bf16) and pf
-              (k_fp8_cast_t_pf_bf16, the next tile's loads in flight during the transposed store);
-- dgelu K:    the same over dL/dh_act and h_pre (k_fp8_dgelu_cast_t*, fp8.DGELU_CAST_T smem and pf:
-              2 + 2 + 1 + 1), 4C columns only;
+              each kernel K of fp8.CAST_T: smem (k_fp8_cast_t_bf16) and warp (k_fp8_cast_t_w_bf16);
+- dgelu K:    the same over dL/dh_act and h_pre (k_fp8_dgelu_cast_t*: 2 + 2 + 1 + 1), 4C columns only;
 - flat:       k_fp8_cast_bf16, the natural copy only (2 + 1);
 and, once per variant, the two-launch weight casts (k_fp8_wamax + k_fp8_wcast: 2 + 2 + 1 + 1) against
 the weight-by-weight casts. Before any timing every kernel's output is checked against the NumPy twin
@@ -74,8 +72,8 @@ def shape_rows(cp, k8, N: int, cols: int, reps: int, dgelu: bool) -> dict:
         ref = cp.empty_like(x)                       # the twin of the fused input: k_gelu_bwd's bf16, tested
         k_gelu_bwd("bf16", ref, x, hp, x.size)       # bit-exact against the fused kernel in test_fp8_gpu.py
         want_dg, _, _ = f8.quantize_delayed(f8.bf16_to_f32(cp.asnumpy(ref[:64])), scale)
-    for kern in ("smem", "warp", "pf"):              # fp8.CAST_T (DGELU_CAST_T): the transposing casts, same bytes
-        with patched(k8, CAST_T=kern, DGELU_CAST_T="pf" if kern == "pf" else "smem"):
+    for kern in ("smem", "warp"):                    # fp8.CAST_T: the two transposing casts, the same bytes
+        with patched(k8, CAST_T=kern):
             nat.fill(0)
             tr.fill(0)
             k8.quantize(nat, tr, x, part, inv, N, cols, scale=sc, rec=rec)
@@ -84,7 +82,7 @@ def shape_rows(cp, k8, N: int, cols: int, reps: int, dgelu: bool) -> dict:
             row[f"both {kern}"] = median_ms(lambda: k8.quantize(nat, tr, x, part, inv, N, cols, scale=sc, rec=rec),
                                             reps)
             moved[f"both {kern}"] = 4
-            if dgelu and kern != "warp":               # the GELU-backward cast has no per-warp form
+            if dgelu:
                 k8.quantize(nat, tr, x, part, inv, N, cols, scale=sc, rec=rec, hp=hp)
                 check(f"dgelu {kern}", cp.asnumpy(nat[:64]), want_dg)
                 check(f"dgelu {kern} (transposed)", cp.asnumpy(tr[:, :64]).T, want_dg)

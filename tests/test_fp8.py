@@ -655,29 +655,22 @@ def test_weight_table_casts_every_weight_like_casting_them_one_by_one(monkeypatc
     np.testing.assert_array_equal(np.asarray(a["f8_inv"]), inv)
 
 
-@pytest.mark.parametrize("choice,dgelu", [("smem", "smem"), ("warp", "smem"), ("pf", "pf"), ("warp", "pf")])
-def test_transposing_cast_kernel_follows_cast_t(monkeypatch, choice, dgelu):
-    """fp8.CAST_T picks the plain transposing cast: "warp" runs k_fp8_cast_t_w_bf16 (8 tiles a block),
-    "smem" the shared-memory kernel (a tile a block), "pf" its prefetching form; DGELU_CAST_T the
-    GELU-backward cast's ("smem" or "pf"; "warp" is refused in one line). All give the same bytes
-    (tests/test_fp8_gpu.py)."""
+@pytest.mark.parametrize("choice", ["smem", "warp"])
+def test_transposing_cast_kernel_follows_cast_t(monkeypatch, choice):
+    """fp8.CAST_T picks the transposing cast: "warp" runs k_fp8_cast_t_w_bf16 (8 tiles a block) for a
+    plain cast and keeps the shared-memory kernel for the GELU-backward cast; "smem" runs the
+    shared-memory kernels (a tile a block). Both give the same bytes (tests/test_fp8_gpu.py)."""
     import andrea.cuda.fp8 as k8
 
     launched = []
     monkeypatch.setattr(k8, "CAST_T", choice)
-    monkeypatch.setattr(k8, "DGELU_CAST_T", dgelu)
     monkeypatch.setattr(k8, "kernel", lambda f, name: lambda grid, block, args: launched.append((name, grid[0])))
     x = _dev(np.zeros((1024, 128), np.uint16))
     k8.k_fp8_cast_t(None, None, x, 1024, 128, None, None)
     k8.k_fp8_cast_t(None, None, x, 1024, 128, None, None, hp=x)
     tiles = 16 * 2
-    plain = {"warp": ("k_fp8_cast_t_w_bf16", tiles // 8), "smem": ("k_fp8_cast_t_bf16", tiles),
-             "pf": ("k_fp8_cast_t_pf_bf16", tiles)}[choice]
-    dg = ("k_fp8_dgelu_cast_t_pf_bf16" if dgelu == "pf" else "k_fp8_dgelu_cast_t_bf16", tiles)
-    assert launched == [plain, dg]
-    monkeypatch.setattr(k8, "DGELU_CAST_T", "warp")
-    with pytest.raises(AndreaError, match="smem | pf for the GELU-backward cast"):
-        k8.k_fp8_cast_t(None, None, x, 1024, 128, None, None, hp=x)
+    plain = ("k_fp8_cast_t_w_bf16", tiles // 8) if choice == "warp" else ("k_fp8_cast_t_bf16", tiles)
+    assert launched == [plain, ("k_fp8_dgelu_cast_t_bf16", tiles)]
 
 
 @pytest.mark.parametrize("e4m3", [False, True])

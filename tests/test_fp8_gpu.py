@@ -70,14 +70,12 @@ def gpu(a):
     return cp.asarray(a)
 
 
-@pytest.fixture(params=["smem", "warp", "pf"])
+@pytest.fixture(params=["smem", "warp"])
 def cast_t(request, monkeypatch):
-    """Each transposing-cast test runs every kernel (andrea/cuda/fp8.py CAST_T; "pf" also sets the GELU-
-    backward cast's DGELU_CAST_T, the others keep its "smem"): the same bytes."""
+    """Each transposing-cast test runs both kernels (andrea/cuda/fp8.py CAST_T): the same bytes."""
     from andrea.cuda import fp8 as k8
 
     monkeypatch.setattr(k8, "CAST_T", request.param)
-    monkeypatch.setattr(k8, "DGELU_CAST_T", "pf" if request.param == "pf" else "smem")
     return request.param
 
 
@@ -633,7 +631,7 @@ def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scal
 
 @pytest.mark.parametrize("scaling,gemms,kernel", [("current", "", "smem"), ("delayed", "", "smem"),
                                                   ("delayed", "fwd", "smem"), ("current", "", "warp"),
-                                                  ("delayed", "fwd", "warp"), ("delayed", "fwd", "pf")])
+                                                  ("delayed", "fwd", "warp")])
 def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gemms, kernel, monkeypatch):
     """fp8.SAVE_TRANSPOSES, fp8.DGELU_CAST and the two-launch weight casts on (the default), with either
     transposing cast (fp8.CAST_T), against all three off and the shared-memory cast (every transpose
@@ -647,10 +645,8 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
     monkeypatch.setattr(k8, "FC_E4M3", False)
     monkeypatch.setattr(k8, "CAST_T", kernel)
-    monkeypatch.setattr(k8, "DGELU_CAST_T", "pf" if kernel == "pf" else "smem")
     on = _run(6, scaling=scaling)
     monkeypatch.setattr(k8, "CAST_T", "smem")
-    monkeypatch.setattr(k8, "DGELU_CAST_T", "smem")
     monkeypatch.setattr(k8, "SAVE_TRANSPOSES", False)
     monkeypatch.setattr(k8, "DGELU_CAST", False)
     monkeypatch.setattr(k8.Fp8Gemm, "cast_weights", k8.Fp8Gemm.cast_weights_each)

@@ -68,16 +68,6 @@ __device__ __forceinline__ void fp8_finish(bool current, float s, float m_cur, f
     if (threadIdx.x == 0 && rec) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m));
 }
 
-// bf16(x * gelu'(hp)) of 8 bf16 pairs: the MLP's dL/dh_pre as k_gelu_bwd_bf16 rounds it.
-__device__ __forceinline__ uint4 dgelu8(uint4 v, uint4 h) {
-    float d[8], f[8];
-    unpack16<bf16_t>(v, d);
-    unpack16<bf16_t>(h, f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) d[j] *= gelu_grad_f(f[j]);
-    return pack16<bf16_t>(d);
-}
-
 // 8 consecutive inputs of a cast from element at on, as bf16 bits: x itself, or (DG) bf16(x * gelu'(hp)).
 template <bool DG>
 __device__ __forceinline__ uint4 cast_in(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
@@ -86,7 +76,12 @@ __device__ __forceinline__ uint4 cast_in(const unsigned short* __restrict__ x, c
     if constexpr (!DG) {
         return v;
     } else {
-        return dgelu8(v, *reinterpret_cast<const uint4*>(hp + at));
+        float d[8], f[8];
+        unpack16<bf16_t>(v, d);
+        unpack16<bf16_t>(*reinterpret_cast<const uint4*>(hp + at), f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) d[j] *= gelu_grad_f(f[j]);
+        return pack16<bf16_t>(d);
     }
 }
 
@@ -185,74 +180,6 @@ extern "C" __global__ void k_fp8_dgelu_cast_t_bf16(const unsigned short* __restr
                                                    float* __restrict__ rec, unsigned char* __restrict__ out,
                                                    unsigned char* __restrict__ out_t, float* __restrict__ inv) {
     cast_t_body<true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv);
-}
-
-// The same casts with the next tile's loads in flight while this tile's transpose is stored
-// (k_fp8_cast_t_pf_bf16, k_fp8_dgelu_cast_t_pf_bf16; fp8.py CAST_T / DGELU_CAST_T "pf"): each thread
-// holds its two 8-element chunks of tile t + gridDim.x (and of hp) in registers from before the
-// first barrier of tile t. The same bytes as cast_t_body.
-template <bool DG>
-__device__ __forceinline__ void cast_t_pf_body(const unsigned short* __restrict__ x,
-                                               const unsigned short* __restrict__ hp, int R, int C,
-                                               const float* __restrict__ part, int P, const float* __restrict__ sc,
-                                               float* __restrict__ rec, unsigned char* __restrict__ out,
-                                               unsigned char* __restrict__ out_t, float* __restrict__ inv) {
-    __shared__ float buf[32];
-    __shared__ __align__(16) unsigned char tile[64][72];
-    float m_cur = 0.0f, m = 0.0f;
-    const float s = fp8_scale(part, P, sc, buf, &m_cur);
-    const bool delayed = part == nullptr;
-    const int tc = C / 64, n_tiles = tc * (R / 64);
-    uint4 vx[2], vh[2];
-    auto load = [&](int t) {
-        const int r0 = (t / tc) * 64, c0 = (t % tc) * 64;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int k = threadIdx.x + 256 * u;
-            const size_t at = (size_t)(r0 + (k >> 3)) * C + c0 + (k & 7) * 8;
-            vx[u] = *reinterpret_cast<const uint4*>(x + at);
-            if constexpr (DG) vh[u] = *reinterpret_cast<const uint4*>(hp + at);
-        }
-    };
-    if (blockIdx.x < n_tiles) load(blockIdx.x);
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        const int r0 = (t / tc) * 64, c0 = (t % tc) * 64;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int k = threadIdx.x + 256 * u, rr = k >> 3, cc = (k & 7) * 8;
-            uint4 v = vx[u];
-            if constexpr (DG) v = dgelu8(v, vh[u]);
-            if (delayed) m = fmaxf(m, amax8(v));
-            const uint2 q = fp8_pack8(v, s);
-            if (out) *reinterpret_cast<uint2*>(out + (size_t)(r0 + rr) * C + c0 + cc) = q;
-            *reinterpret_cast<uint2*>(&tile[rr][cc]) = q;
-        }
-        if (t + (int)gridDim.x < n_tiles) load(t + gridDim.x);
-        __syncthreads();
-        const int j = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;
-        unsigned w[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            w[u] = (unsigned)tile[seg + 4 * u][j] | ((unsigned)tile[seg + 4 * u + 1][j] << 8) |
-                   ((unsigned)tile[seg + 4 * u + 2][j] << 16) | ((unsigned)tile[seg + 4 * u + 3][j] << 24);
-        *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
-        __syncthreads();
-    }
-    fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
-}
-extern "C" __global__ void k_fp8_cast_t_pf_bf16(const unsigned short* __restrict__ x, int R, int C,
-                                                const float* __restrict__ part, int P, const float* __restrict__ sc,
-                                                float* __restrict__ rec, unsigned char* __restrict__ out,
-                                                unsigned char* __restrict__ out_t, float* __restrict__ inv) {
-    cast_t_pf_body<false>(x, nullptr, R, C, part, P, sc, rec, out, out_t, inv);
-}
-extern "C" __global__ void k_fp8_dgelu_cast_t_pf_bf16(const unsigned short* __restrict__ x,
-                                                      const unsigned short* __restrict__ hp, int R, int C,
-                                                      const float* __restrict__ part, int P,
-                                                      const float* __restrict__ sc, float* __restrict__ rec,
-                                                      unsigned char* __restrict__ out,
-                                                      unsigned char* __restrict__ out_t, float* __restrict__ inv) {
-    cast_t_pf_body<true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv);
 }
 
 // The same cast (k_fp8_cast_t_w_bf16) with a 64 x 64 tile per warp and no shared memory or barrier:

@@ -98,10 +98,6 @@ DSCALE_AT = 4                     # the float of a site's slot holding its scale
 # of session 11): 120M B=32 45.60 / 45.46 ms against 45.72 / 45.83, 480M B=8 44.63 / 44.26 against
 # 44.65 / 45.01.
 CAST_T = "warp"
-# The GELU-backward cast's kernel: "smem" (cast_t_body) or "pf" (the same with the next tile's loads in
-# flight during the transposed store: k_fp8_dgelu_cast_t_pf_bf16); CAST_T "pf" is that form for the
-# plain casts. The same bytes (gpu tests).
-DGELU_CAST_T = "smem"
 
 
 def require_fp8(compute_capability) -> None:
@@ -200,14 +196,10 @@ def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None,
     tiles = (R // TILE) * (C // TILE)
     args = (i32(R), i32(C), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec), _ptr(out), out_t, inv)
     name = "k_fp8_cast_t" if hp is None else "k_fp8_dgelu_cast_t"
-    form = CAST_T if hp is None else DGELU_CAST_T
-    if form not in ("smem", "warp", "pf") or (hp is not None and form == "warp"):
-        raise AndreaError(f"fp8 cast: CAST_T {CAST_T!r} / DGELU_CAST_T {DGELU_CAST_T!r} in andrea/cuda/fp8.py "
-                          f"(expected smem | warp | pf, and smem | pf for the GELU-backward cast)")
-    if form == "warp":                         # 8 tiles a block of 8 warps
+    if CAST_T == "warp" and hp is None:        # 8 tiles a block of 8 warps
         name, grid = name + "_w", min(-(-tiles // 8), 4 * AMAX_BLOCKS)
     else:
-        name, grid = name + ("_pf" if form == "pf" else ""), min(tiles, 8 * AMAX_BLOCKS)
+        grid = min(tiles, 8 * AMAX_BLOCKS)
     kernel("fp8.cu", name + "_bf16")((grid,), (256,), (x, *args) if hp is None else (x, hp, *args))
 
 
