@@ -34,6 +34,8 @@ session 10 (every weight-gradient transpose cast in the backward, k_gelu_bwd the
 the weights cast one by one), same run; the same bytes, so only the time differs.
 ``--fp8-cast-t``: ours in the first fp8 ``--precision`` again with each transposing cast kernel given
 (andrea/cuda/fp8.py CAST_T: smem, warp), same run; the same bytes.
+``--lt-first``: ours in every ``--precision`` again with cuBLASLt's first heuristic candidate for each
+GEMM instead of the committed table's choice (andrea/cuda/cublaslt.py USE_CHOICES), same run.
 ``--fp8-flip``: ours in the first fp8 ``--precision`` again with each andrea/cuda/fp8.py switch given
 flipped alone (FC_E4M3: h_act cast from bf16 instead of written in E4M3 by the fc GEMM; FAST_ACCUM_BWD:
 fast accumulation in the backward GEMMs too), same run.
@@ -571,6 +573,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-flip", nargs="*", default=[], choices=list(FP8_SWITCHES),
                     help="also time ours in the first fp8 --precision with each of these andrea/cuda/fp8.py "
                          "switches flipped, one at a time, same run")
+    ap.add_argument("--lt-first", action="store_true",
+                    help="also time ours in every --precision with cuBLASLt's first heuristic candidate for every "
+                         "GEMM instead of andrea/cuda/lt_choices.json's (cublaslt.USE_CHOICES off), same run")
     ap.add_argument("--attn-sweep", action="store_true",
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--attn", default=None, metavar="FWD,BWD",
@@ -615,6 +620,15 @@ def main(argv=None) -> int:
             print(f"{key}: ours {p} {r[f'ours-{p}']['ms']:.2f} ms/step ({r['ours']['ms'] / r[f'ours-{p}']['ms']:.3f}x "
                   f"{prec0}'s tokens/s)", file=sys.stderr, flush=True)
             save(key, r)
+        if args.lt_first:
+            import andrea.cuda.cublaslt as ltm
+
+            for p in args.precision:
+                with patched(ltm, USE_CHOICES=False):
+                    r[f"ours-{p}-heuristic"] = x = bench_ours(s, B, args.steps, args.warmup, p)
+                print(f"{key}: ours {p} with the heuristic's first GEMM algorithms {x['ms']:.2f} ms/step",
+                      file=sys.stderr, flush=True)
+                save(key, r)
         for rc in args.recompute:
             sel = frozenset() if rc == "none" else frozenset(rc.split(","))
             r[f"ours-recompute-{rc}"] = x = bench_ours(s, B, args.steps, args.warmup, prec0, sel)

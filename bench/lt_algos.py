@@ -10,8 +10,11 @@ problem's plan and the buffers of its last call); then each problem runs ``--rep
 every candidate (after 3 untimed calls; CUDA events on the stream; the buffers of that last call, so
 an accumulating weight gradient keeps accumulating, which does not change its time). Printed per
 problem: calls a step, the candidate the engine runs and its ms, the fastest candidate and its ms,
-and the step time the fastest would save; the total at the end. Nothing here changes what the
-engine runs.
+and the step time the fastest would save; the total at the end. ``--write-table PATH`` merges the
+choices into that table (andrea/cuda/lt_choices.json is the engine's, read by cublaslt.Lt): for each
+problem the fastest candidate when it beats the heuristic's first by ``MARGIN`` or more, else the
+first; keyed by GPU model and cuBLASLt version. Measure with ``USE_CHOICES`` as committed: the
+candidate lists do not depend on it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from andrea.fsutil import atomic_write_json  # noqa: E402
+
+
+MARGIN = 0.02        # a candidate replaces the heuristic's first only when this much faster (not noise)
+
+
+def choose(times: list) -> int:
+    """The table's candidate for one problem: the fastest when it beats candidate 0 by MARGIN, else 0."""
+    ok = [(t, i) for i, t in enumerate(times) if t is not None]
+    best_t, best_i = min(ok)
+    first = times[0]
+    return best_i if first is None or best_t <= first * (1 - MARGIN) else 0
 
 
 def _engine_gpu():
@@ -62,7 +76,7 @@ def time_candidates(lt, plan, args, reps: int) -> list[float | None]:
     """ms per call of each candidate (None: it refused the problem)."""
     import cupy as cp
 
-    desc, a_l, b_l, d_l, _, algos, chosen, c_l = plan
+    desc, a_l, b_l, d_l, _, algos, chosen, c_l, _ = plan
     a_ptr, b_ptr, d_ptr, beta, stream, c_ptr = args
     c_ptr = d_ptr if c_ptr is None else c_ptr
     out = []
@@ -93,7 +107,14 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", nargs="+", default=["bf16", "fp8:delayed"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--write-table", default=None, metavar="PATH",
+                    help="merge each problem's choice into this table (e.g. andrea/cuda/lt_choices.json)")
     args = ap.parse_args(argv)
+    table = {}
+    if args.write_table and Path(args.write_table).exists():
+        import json
+
+        table = json.loads(Path(args.write_table).read_text())
     import cupy as cp
 
     from andrea.cuda.backend import make_backend
@@ -127,6 +148,7 @@ def main(argv=None) -> int:
                 total += save
                 rows.append({"problem": what, "calls": calls, "chosen": plan[6], "chosen_ms": cur, "best": best_i,
                              "best_ms": best_t, "candidates_ms": times, "save_ms_per_step": save})
+                table.setdefault(lt.table_key, {})[plan[8]] = choose(times)
                 print(f"{v}:B{B} {p} {what}: {calls} calls, runs #{plan[6]} {cur:.4f} ms, fastest #{best_i} "
                       f"{best_t:.4f} ms ({len(ok)}/{len(times)} candidates run), saves {save:.3f} ms/step",
                       flush=True)
@@ -134,6 +156,8 @@ def main(argv=None) -> int:
             allres[f"{v}:B{B}:{p}"] = {"problems": rows, "save_ms_per_step": total}
             if args.json:
                 atomic_write_json(Path(args.json), allres)
+            if args.write_table:
+                atomic_write_json(Path(args.write_table), {k: dict(sorted(v.items())) for k, v in table.items()})
             del eng
             cp.get_default_memory_pool().free_all_blocks()
     return 0

@@ -120,3 +120,23 @@ def test_fp8_cast_paths_are_timed_with_their_switches_set_and_restored(eg, tmp_p
     got = json.loads(out.read_text())["andrea-12m:B8"]
     assert {"ours-fp8:delayed-plain", "ours-fp8:delayed-cast-smem", "ours-fp8:delayed-cast-warp",
             "ours-fp8:delayed-flip-FC_E4M3"} <= set(got)
+
+
+def test_lt_first_times_every_precision_without_the_algorithm_table_and_restores_it(eg, tmp_path, monkeypatch):
+    """--lt-first: one more run of ours per precision with cublaslt.USE_CHOICES off, then back on."""
+    import andrea.cuda.cublaslt as ltm
+
+    seen = []
+
+    def ours(s, B, steps, warmup, prec, recompute=None, fp8_gelu=None):
+        seen.append((prec, ltm.USE_CHOICES))
+        return fake_ours(5.0)
+
+    monkeypatch.setattr(eg, "bench_ours", ours)
+    out = tmp_path / "bench.json"
+    assert eg.main(["--variants", "andrea-12m:8", "--precision", "bf16", "fp8:delayed", "--lt-first", "--anchors",
+                    "--json", str(out)]) == 0
+    assert seen == [("bf16", True), ("fp8:delayed", True), ("bf16", False), ("fp8:delayed", False)]
+    assert ltm.USE_CHOICES is True
+    got = json.loads(out.read_text())["andrea-12m:B8"]
+    assert {"ours-bf16-heuristic", "ours-fp8:delayed-heuristic"} <= set(got)

@@ -36,8 +36,13 @@ GELU, dGELU and bias epilogues, column-major D) lists both; the aux type is left
 D's type (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE may differ from it only for an E4M3 D).
 
 One algorithm per problem (shape, types, beta, accumulation mode, epilogue, alignments) is
-picked on first use (the first of cuBLASLt's heuristic candidates that runs) and kept, so a
-given shape always runs the same kernel (cuBLAS is bit-reproducible for a fixed algorithm on one GPU model). The
+picked on first use and kept, so a given shape always runs the same kernel (cuBLAS is
+bit-reproducible for a fixed algorithm on one GPU model): the candidate ``lt_choices.json`` names
+for this GPU model and cuBLASLt version (measured by ``bench/lt_algos.py --write-table``: the
+fastest of the heuristic's candidates, where it beat the first by 2% or more), else the first of
+cuBLASLt's heuristic candidates that runs. The table is data in git, so the same GPU model and
+library give the same choice, and the same bytes, on every run (``USE_CHOICES = False``: the
+heuristic's first everywhere). The
 epilogue (a cublasLtEpilogue_t; default 1 = none), its aux buffer's leading dimension and
 alignment are part of the problem; the aux pointer is set on the problem's descriptor at each call
 (the engine's layers differ only in it). The calls are legal inside a CUDA graph capture (no allocation; the heuristic
@@ -47,6 +52,9 @@ runs on the host). Importing this module needs neither CuPy nor a GPU.
 from __future__ import annotations
 
 import ctypes
+import json
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -68,6 +76,27 @@ AUX_EPILOGUES = (EPILOGUE_GELU_AUX, EPILOGUE_DGELU)
 HEURISTIC_RESULT_BYTES = 96          # cublasLtMatmulAlgo_t (64) + size_t + status + float + int[4]
 N_ALGOS = 8                          # heuristic candidates kept; the first that runs is used from then on
 STATUS_NOT_SUPPORTED = 15
+CHOICES = Path(__file__).with_name("lt_choices.json")   # {"<GPU> | cuBLASLt <version>": {problem: candidate}}
+USE_CHOICES = True
+
+
+@lru_cache(maxsize=None)
+def load_choices(path: str = str(CHOICES)) -> dict:
+    """The committed algorithm table (module docstring); {} when there is none."""
+    p = Path(path)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def problem_id(kind: str, key: tuple) -> str:
+    """A problem's name in the table: its GEMM kind (fp8 | 16) and its plan key."""
+    return f"{kind}:{key!r}"
+
+
+def try_order(n: int, preferred) -> list:
+    """The candidates to try on first use: the table's choice first, then the heuristic's order."""
+    if preferred is None or not 0 <= int(preferred) < n:
+        return list(range(n))
+    return [int(preferred)] + [i for i in range(n) if i != int(preferred)]
 
 _P, _I, _U64, _I64, _SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
 
@@ -91,6 +120,7 @@ def _load():
         for fn, args in sig.items():
             f = getattr(lib, fn)
             f.argtypes, f.restype = args, _I
+        lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], _SZ
         return lib
     raise AndreaError("cupy engine: libcublasLt (cuBLASLt, part of the CUDA toolkit's cuBLAS; the bf16, fp16 and "
                       "fp8 GEMMs use it) could not be loaded; install the CUDA 12/13 cuBLAS libraries or use "
@@ -118,6 +148,11 @@ class Lt:
         self.h = h
         self.plans: dict[tuple, tuple] = {}
         self.plans16: dict[tuple, list] = {}
+        from andrea.cuda.kernels import cp
+        props = cp().cuda.runtime.getDeviceProperties(cp().cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.table_key = f"{name} | cuBLASLt {int(self.lib.cublasLtGetVersion())}"
+        self.prefer = load_choices().get(self.table_key, {}) if USE_CHOICES else {}
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = {0.0: np.zeros(1, dtype=np.float32), 1.0: np.ones(1, dtype=np.float32)}
 
@@ -197,13 +232,15 @@ class Lt:
         plan = self._candidates(desc, a_l, b_l, d_l, aligns,
                                 f"FP8 D {M}x{N} (type {d_type}) K={K} beta={beta} epilogue {epilogue}",
                                 "; M, N, K must be multiples of 16", c_l=c_l)
+        plan.append(problem_id("fp8", key))
         self.plans[key] = plan
         return plan
 
     def _candidates(self, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "", c_l=None) -> list:
         """The plan of a problem whose descriptor and layouts are made: [desc, a_l, b_l, d_l, the
         heuristic's result buffer, the addresses of up to N_ALGOS candidate algorithms, None, C's
-        layout (``c_l``, default D's)]; entry 6 becomes the index of the candidate that ran (``_run``)."""
+        layout (``c_l``, default D's)]; entry 6 becomes the index of the candidate that ran (``_run``);
+        the caller appends the problem's table name (``problem_id``)."""
         c_l = d_l if c_l is None else c_l
         L = self.lib
         pref = _P()
@@ -223,12 +260,13 @@ class Lt:
     def _run(self, plan: list, a_ptr: int, b_ptr: int, d_ptr: int, beta: float, stream: int, what,
              c_ptr: int | None = None) -> None:
         """cublasLtMatmul of a plan (D = alpha op(A) op(B) + beta C, C = D in place unless ``c_ptr``;
-        cuBLASLt's column-major A and B): its kept candidate, or on first use each in turn until one
-        runs (kept from then on). ``what()`` names the problem in the refusal, built only then."""
-        desc, a_l, b_l, d_l, _, algos, chosen, c_l = plan
+        cuBLASLt's column-major A and B): its kept candidate, or on first use each in turn (the table's
+        choice first, ``try_order``) until one runs (kept from then on). ``what()`` names the problem
+        in the refusal, built only then."""
+        desc, a_l, b_l, d_l, _, algos, chosen, c_l, pid = plan
         c_ptr = d_ptr if c_ptr is None else c_ptr
         statuses = []
-        for i in ([chosen] if chosen is not None else range(len(algos))):
+        for i in ([chosen] if chosen is not None else try_order(len(algos), self.prefer.get(pid))):
             rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
                                          self._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l,
                                          algos[i], self.ws.data.ptr, self.ws_bytes, stream)
@@ -309,6 +347,7 @@ class Lt:
         d_l = self._layout(c_type, N, M, ldc)
         plan = self._candidates(desc, a_l, b_l, d_l, aligns, f"C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/"
                                 f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns}, epilogue {epilogue})")
+        plan.append(problem_id("16", key))
         self.plans16[key] = plan
         return plan
 
