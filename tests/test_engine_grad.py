@@ -251,3 +251,33 @@ def test_two_threads_stepping_two_engines_at_once_get_their_own_results():
     for s in (0, 1):
         assert both[s][0] == pytest.approx(alone[s][0], rel=1e-12)
         np.testing.assert_allclose(both[s][1], alone[s][1], rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 4096, 1 << 40])
+def test_mlp_elementwise_chunks_give_the_bytes_of_one_pass(monkeypatch, chunk_bytes):
+    """ops.ELEM_CHUNK_BYTES only cuts the MLP's GELU passes into row chunks (a row each, a few rows, one
+    chunk per slice): mlp_forward's h_pre, h_act and out, gelu_forward, and mlp_backward's dx, dw_fc and
+    dw_proj are the same bits whatever the chunk (outputs prefilled with NaN, weight gradients with 0.5)."""
+    rng = np.random.default_rng(4)
+    N, C = 96, 16
+    F = 4 * C
+    x, w_fc, w_proj = (rng.standard_normal(s).astype(np.float32) for s in ((N, C), (C, F), (F, C)))
+    x[0, :4] = 0.0                                          # u == 0: the backward's s = 1/2 branch
+    dout = rng.standard_normal((N, C)).astype(np.float32)
+
+    def run():
+        h_pre, h_act, out = (np.full((N, F), np.nan, np.float32), np.full((N, F), np.nan, np.float32),
+                             np.full((N, C), np.nan, np.float32))
+        ops.mlp_forward(out, h_pre, h_act, x, w_fc, w_proj)
+        g = np.full((N, F), np.nan, np.float32)
+        ops.gelu_forward(g, h_pre)
+        dx, dw_fc, dw_proj = (np.full((N, C), np.nan, np.float32), np.full((C, F), 0.5, np.float32),
+                              np.full((F, C), 0.5, np.float32))
+        work = np.full(4 * N * F + F * C + N * F, np.nan, np.float32)
+        ops.mlp_backward(dx, dw_fc, dw_proj, dout, x, h_pre, h_act, w_fc, w_proj, work)
+        return [a.tobytes() for a in (h_pre, h_act, out, g, dx, dw_fc, dw_proj)]
+
+    ref = run()
+    monkeypatch.setattr(ops, "ELEM_CHUNK_BYTES", chunk_bytes)
+    assert run() == ref
+    assert ref[3] == ref[1]                                 # gelu_forward is the forward's h_act

@@ -387,10 +387,25 @@ def _gelu(out: np.ndarray, x: np.ndarray) -> None:
     np.divide(x, out, out=out)
 
 
+# The elementwise passes of the MLP (GELU and its derivative: 5 and 14 passes) run over row chunks of
+# about this many bytes per array, so the few arrays a chunk touches stay in the core's L2 between
+# passes instead of streaming from memory every pass. Elementwise: the same values as one pass over
+# the whole slice (the GEMMs around them still run on whole slices). 2 cores, N = 1024 rows of 4C =
+# 512: 1.97 -> 1.34 ms for the derivative's passes of one slice.
+ELEM_CHUNK_BYTES = 256 << 10
+
+
+def _chunked(fn, r0: int, r1: int, row_bytes: int) -> None:
+    """fn(a, b) over [r0, r1) in row chunks of about ELEM_CHUNK_BYTES."""
+    step = max(1, ELEM_CHUNK_BYTES // max(1, row_bytes))
+    for a in range(r0, r1, step):
+        fn(a, min(r1, a + step))
+
+
 def gelu_forward(out: np.ndarray, x: np.ndarray) -> None:
     """out (N, 4C) = gelu(x), the activation of ``mlp_forward`` alone (a backend that does not
     keep h_act per layer re-runs it in the backward)."""
-    split_batch(lambda r0, r1: _gelu(out[r0:r1], x[r0:r1]), x.shape[0])
+    split_batch(lambda r0, r1: _chunked(lambda a, b: _gelu(out[a:b], x[a:b]), r0, r1, x[0].nbytes), x.shape[0])
 
 
 def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.ndarray,
@@ -404,7 +419,7 @@ def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.nda
     def part(r0: int, r1: int) -> None:                # rows are independent
         hp, ha = h_pre[r0:r1], h_act[r0:r1]
         np.matmul(x[r0:r1], w_fc, out=hp)
-        _gelu(ha, hp)
+        _chunked(lambda a, b: _gelu(h_act[a:b], h_pre[a:b]), r0, r1, h_pre[0].nbytes)
         np.matmul(ha, w_proj, out=out[r0:r1])
 
     split_batch(part, x.shape[0])
@@ -426,9 +441,8 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
     SMALL = SMALL.view(np.bool_)[:N * F].reshape(N, F)
     tiny = np.finfo(x.dtype).tiny
 
-    def rows(r0: int, r1: int) -> None:               # dh = dL/dh_pre and dx, row by row
+    def gelu_grad(r0: int, r1: int) -> None:          # dh *= gelu'(h_pre) on rows [r0, r1)
         dh, s, r, hp, small = DH[r0:r1], S[r0:r1], R[r0:r1], h_pre[r0:r1], SMALL[r0:r1]
-        np.matmul(dout[r0:r1], w_proj.T, out=dh)       # dL/dh_act
         with np.errstate(invalid="ignore", divide="ignore"):
             np.divide(h_act[r0:r1], hp, out=s)         # s = sigmoid(2v) (nan where u == 0)
         np.abs(hp, out=r)
@@ -444,7 +458,11 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
         np.subtract(1.0, s, out=s)                     # s again (to within 2^-24 absolute)
         r *= s                                         # gelu'(u)
         dh *= r                                        # dh = dL/dh_pre
-        np.matmul(dh, w_fc.T, out=dx[r0:r1])
+
+    def rows(r0: int, r1: int) -> None:               # dh = dL/dh_pre and dx, row by row
+        np.matmul(dout[r0:r1], w_proj.T, out=DH[r0:r1])   # dL/dh_act
+        _chunked(gelu_grad, r0, r1, DH[0].nbytes)
+        np.matmul(DH[r0:r1], w_fc.T, out=dx[r0:r1])
 
     split_batch(rows, N)
     (_, TW) = _carve(work, (N, F), (F, C))             # weight-grad tmp: over s and r, not dh
