@@ -281,3 +281,27 @@ def test_mlp_elementwise_chunks_give_the_bytes_of_one_pass(monkeypatch, chunk_by
     monkeypatch.setattr(ops, "ELEM_CHUNK_BYTES", chunk_bytes)
     assert run() == ref
     assert ref[3] == ref[1]                                 # gelu_forward is the forward's h_act
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 40])
+def test_attention_softmax_chunks_give_the_bytes_of_one_pass(monkeypatch, chunk_bytes):
+    """ops.ELEM_CHUNK_BYTES also cuts attention's softmax passes (forward: mask, max, exp, key sums,
+    scale; backward: the row dot and ds) into batch-row chunks: att, the output and dqkv are the same
+    bits whatever the chunk (outputs prefilled with NaN)."""
+    rng = np.random.default_rng(6)
+    Bn, T, H, C = 4, 64, 2, 16
+    qkv = rng.standard_normal((Bn, T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((Bn, T, C)).astype(np.float32)
+    mask = np.triu(np.full((T, T), -np.inf, np.float32), 1)
+
+    def run():
+        out, att = np.full((Bn, T, C), np.nan, np.float32), np.full(ops.att_shape(Bn, H, T), np.nan, np.float32)
+        work = np.full(8 * Bn * T * C + 2 * Bn * T * H * T + 4 * Bn * H * T + T * H * T, np.nan, np.float32)
+        ops.attn_forward(out, att, qkv, mask, H, work)
+        dqkv = np.full((Bn, T, 3 * C), np.nan, np.float32)
+        ops.attn_backward(dqkv, dout, qkv, att.copy(), out, H, work)
+        return [a.tobytes() for a in (out, att, dqkv)]
+
+    ref = run()
+    monkeypatch.setattr(ops, "ELEM_CHUNK_BYTES", chunk_bytes)
+    assert run() == ref

@@ -291,13 +291,17 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
         for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
             np.matmul(kh[:, :, :i1], qh[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
             s4[:, :, i1:, i0:i1] = -np.inf
-        a3 += MT
-        np.max(a3, axis=1, keepdims=True, out=st)      # (n, 1, H*T): per query, over keys
-        a3 -= st
-        np.exp(a3, out=a3)
-        np.matmul(ones, a3, out=st[:, 0])              # key sums as one gemv per batch row
-        np.reciprocal(st, out=st)                      # one divide per query, a multiply per entry
-        a3 *= st
+        def softmax(c0: int, c1: int) -> None:         # batch rows [c0, c1) of the slice, in L2
+            a, t = a3[c0:c1], st[c0:c1]
+            a += MT
+            np.max(a, axis=1, keepdims=True, out=t)    # (n, 1, H*T): per query, over keys
+            a -= t
+            np.exp(a, out=a)
+            np.matmul(ones, a, out=t[:, 0])            # key sums as one gemv per batch row
+            np.reciprocal(t, out=t)                    # one divide per query, a multiply per entry
+            a *= t
+
+        _chunked(softmax, 0, n, a3[0].nbytes)
         p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
         for i0, i1 in blocks:                          # y = P v per (b, h), keys [0, i1)
             np.matmul(p4[:, :, i0:i1, :i1], vh[:, :, :i1], out=y[:, :, i0:i1])
@@ -338,9 +342,13 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         for j0, j1 in blocks:                          # vh = dv = P^T dy, queries [j0, T)
             np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=vh[:, :, j0:j1])
         # softmax backward: ds = P * (datt - sum_keys(datt * P)) is dL/d(scaled scores)
-        np.einsum("bjk,bjk->bk", d3, p3, out=rowdot[:, 0])
-        d3 -= rowdot
-        d3 *= p3                                       # d4 = ds^T
+        def softmax_bwd(c0: int, c1: int) -> None:     # batch rows [c0, c1) of the slice, in L2
+            d, p = d3[c0:c1], p3[c0:c1]
+            np.einsum("bjk,bjk->bk", d, p, out=rowdot[c0:c1, 0])
+            d -= rowdot[c0:c1]
+            d *= p                                     # d4 = ds^T
+
+        _chunked(softmax_bwd, 0, n, d3[0].nbytes)
         for i0, i1 in blocks:                          # dy = dq = ds k * scale, keys [0, i1)
             np.matmul(dqk[:, :, i0:i1, :i1], kh[:, :, :i1], out=dy[:, :, i0:i1])
         dy *= scale
@@ -387,11 +395,13 @@ def _gelu(out: np.ndarray, x: np.ndarray) -> None:
     np.divide(x, out, out=out)
 
 
-# The elementwise passes of the MLP (GELU and its derivative: 5 and 14 passes) run over row chunks of
-# about this many bytes per array, so the few arrays a chunk touches stay in the core's L2 between
-# passes instead of streaming from memory every pass. Elementwise: the same values as one pass over
-# the whole slice (the GEMMs around them still run on whole slices). 2 cores, N = 1024 rows of 4C =
-# 512: 1.97 -> 1.34 ms for the derivative's passes of one slice.
+# The elementwise passes of the MLP (GELU and its derivative: 5 and 14 passes) and of attention's
+# softmax (forward and backward, in batch rows) run over row chunks of about this many bytes per
+# array, so the few arrays a chunk touches stay in the core's L2 between passes instead of streaming
+# from memory every pass. The same values as one pass over the whole slice: elementwise, per-row
+# reductions, and per-batch-row gemvs that NumPy calls one matrix at a time anyway (the GEMMs around
+# them still run on whole slices; tests/test_engine_grad.py checks the bits). This machine, N = 1024
+# rows of 4C = 512: 1.97 -> 1.34 ms for the GELU derivative's passes of one slice.
 ELEM_CHUNK_BYTES = 256 << 10
 
 
