@@ -305,3 +305,23 @@ def test_attention_softmax_chunks_give_the_bytes_of_one_pass(monkeypatch, chunk_
     ref = run()
     monkeypatch.setattr(ops, "ELEM_CHUNK_BYTES", chunk_bytes)
     assert run() == ref
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 40])
+def test_loss_softmax_chunks_give_the_bytes_of_one_pass(monkeypatch, chunk_bytes):
+    """ops.ELEM_CHUNK_BYTES cuts loss_forward's max / shift / exp passes into row chunks (the row sums
+    stay one gemv per slice): logits, probs and losses are the same bits whatever the chunk."""
+    rng = np.random.default_rng(8)
+    N, C, V = 64, 16, 97
+    x, wte = rng.standard_normal((N, C)).astype(np.float32), rng.standard_normal((V, C)).astype(np.float32)
+    targets = rng.integers(0, V, N).astype(np.int32)
+
+    def run():
+        logits, probs, losses = (np.full((N, V), np.nan, np.float32), np.full((N, V), np.nan, np.float32),
+                                 np.full(N, np.nan, np.float32))
+        ops.loss_forward(losses, logits, probs, x, wte, targets, np.full(4 * N, np.nan, np.float32))
+        return [a.tobytes() for a in (logits, probs, losses)]
+
+    ref = run()
+    monkeypatch.setattr(ops, "ELEM_CHUNK_BYTES", chunk_bytes)
+    assert run() == ref
