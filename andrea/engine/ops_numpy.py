@@ -291,17 +291,13 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
         for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
             np.matmul(kh[:, :, :i1], qh[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
             s4[:, :, i1:, i0:i1] = -np.inf
-        def softmax(c0: int, c1: int) -> None:         # batch rows [c0, c1) of the slice, in L2
-            a, t = a3[c0:c1], st[c0:c1]
-            a += MT
-            np.max(a, axis=1, keepdims=True, out=t)    # (n, 1, H*T): per query, over keys
-            a -= t
-            np.exp(a, out=a)
-            np.matmul(ones, a, out=t[:, 0])            # key sums as one gemv per batch row
-            np.reciprocal(t, out=t)                    # one divide per query, a multiply per entry
-            a *= t
-
-        _chunked(softmax, 0, n, a3[0].nbytes)
+        a3 += MT
+        np.max(a3, axis=1, keepdims=True, out=st)      # (n, 1, H*T): per query, over keys
+        a3 -= st
+        np.exp(a3, out=a3)
+        np.matmul(ones, a3, out=st[:, 0])              # key sums as one gemv per batch row
+        np.reciprocal(st, out=st)                      # one divide per query, a multiply per entry
+        a3 *= st
         p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
         for i0, i1 in blocks:                          # y = P v per (b, h), keys [0, i1)
             np.matmul(p4[:, :, i0:i1, :i1], vh[:, :, :i1], out=y[:, :, i0:i1])
@@ -342,13 +338,9 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         for j0, j1 in blocks:                          # vh = dv = P^T dy, queries [j0, T)
             np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=vh[:, :, j0:j1])
         # softmax backward: ds = P * (datt - sum_keys(datt * P)) is dL/d(scaled scores)
-        def softmax_bwd(c0: int, c1: int) -> None:     # batch rows [c0, c1) of the slice, in L2
-            d, p = d3[c0:c1], p3[c0:c1]
-            np.einsum("bjk,bjk->bk", d, p, out=rowdot[c0:c1, 0])
-            d -= rowdot[c0:c1]
-            d *= p                                     # d4 = ds^T
-
-        _chunked(softmax_bwd, 0, n, d3[0].nbytes)
+        np.einsum("bjk,bjk->bk", d3, p3, out=rowdot[:, 0])
+        d3 -= rowdot
+        d3 *= p3                                       # d4 = ds^T
         for i0, i1 in blocks:                          # dy = dq = ds k * scale, keys [0, i1)
             np.matmul(dqk[:, :, i0:i1, :i1], kh[:, :, :i1], out=dy[:, :, i0:i1])
         dy *= scale
@@ -395,27 +387,10 @@ def _gelu(out: np.ndarray, x: np.ndarray) -> None:
     np.divide(x, out, out=out)
 
 
-# The elementwise passes of the MLP (GELU and its derivative: 5 and 14 passes), of attention's
-# softmax (forward and backward, in batch rows) and the loss's max / shift / exp run over row chunks of about this many bytes per
-# array, so the few arrays a chunk touches stay in the core's L2 between passes instead of streaming
-# from memory every pass. The same values as one pass over the whole slice: elementwise, per-row
-# reductions, and per-batch-row gemvs that NumPy calls one matrix at a time anyway (the GEMMs around
-# them still run on whole slices; tests/test_engine_grad.py checks the bits). This machine, N = 1024
-# rows of 4C = 512: 1.97 -> 1.34 ms for the GELU derivative's passes of one slice.
-ELEM_CHUNK_BYTES = 256 << 10
-
-
-def _chunked(fn, r0: int, r1: int, row_bytes: int) -> None:
-    """fn(a, b) over [r0, r1) in row chunks of about ELEM_CHUNK_BYTES."""
-    step = max(1, ELEM_CHUNK_BYTES // max(1, row_bytes))
-    for a in range(r0, r1, step):
-        fn(a, min(r1, a + step))
-
-
 def gelu_forward(out: np.ndarray, x: np.ndarray) -> None:
     """out (N, 4C) = gelu(x), the activation of ``mlp_forward`` alone (a backend that does not
     keep h_act per layer re-runs it in the backward)."""
-    split_batch(lambda r0, r1: _chunked(lambda a, b: _gelu(out[a:b], x[a:b]), r0, r1, x[0].nbytes), x.shape[0])
+    split_batch(lambda r0, r1: _gelu(out[r0:r1], x[r0:r1]), x.shape[0])
 
 
 def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.ndarray,
@@ -429,7 +404,7 @@ def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.nda
     def part(r0: int, r1: int) -> None:                # rows are independent
         hp, ha = h_pre[r0:r1], h_act[r0:r1]
         np.matmul(x[r0:r1], w_fc, out=hp)
-        _chunked(lambda a, b: _gelu(h_act[a:b], h_pre[a:b]), r0, r1, h_pre[0].nbytes)
+        _gelu(ha, hp)
         np.matmul(ha, w_proj, out=out[r0:r1])
 
     split_batch(part, x.shape[0])
@@ -451,8 +426,9 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
     SMALL = SMALL.view(np.bool_)[:N * F].reshape(N, F)
     tiny = np.finfo(x.dtype).tiny
 
-    def gelu_grad(r0: int, r1: int) -> None:          # dh *= gelu'(h_pre) on rows [r0, r1)
+    def rows(r0: int, r1: int) -> None:               # dh = dL/dh_pre and dx, row by row
         dh, s, r, hp, small = DH[r0:r1], S[r0:r1], R[r0:r1], h_pre[r0:r1], SMALL[r0:r1]
+        np.matmul(dout[r0:r1], w_proj.T, out=dh)       # dL/dh_act
         with np.errstate(invalid="ignore", divide="ignore"):
             np.divide(h_act[r0:r1], hp, out=s)         # s = sigmoid(2v) (nan where u == 0)
         np.abs(hp, out=r)
@@ -468,11 +444,7 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
         np.subtract(1.0, s, out=s)                     # s again (to within 2^-24 absolute)
         r *= s                                         # gelu'(u)
         dh *= r                                        # dh = dL/dh_pre
-
-    def rows(r0: int, r1: int) -> None:               # dh = dL/dh_pre and dx, row by row
-        np.matmul(dout[r0:r1], w_proj.T, out=DH[r0:r1])   # dL/dh_act
-        _chunked(gelu_grad, r0, r1, DH[0].nbytes)
-        np.matmul(DH[r0:r1], w_fc.T, out=dx[r0:r1])
+        np.matmul(dh, w_fc.T, out=dx[r0:r1])
 
     split_batch(rows, N)
     (_, TW) = _carve(work, (N, F), (F, C))             # weight-grad tmp: over s and r, not dh
@@ -526,16 +498,12 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
     (ROWSUM,) = _carve(work, (N,))
     ones = _ones(V, logits.dtype)
 
-    def shifted_exp(r0: int, r1: int) -> None:        # probs = exp(logits - row max), losses = row max
-        lg, pr, ls = logits[r0:r1], probs[r0:r1], losses[r0:r1]
-        np.max(lg, axis=1, out=ls)                     # losses holds the row max for now
-        np.subtract(lg, ls[:, None], out=pr)
-        np.exp(pr, out=pr)
-
     def part(r0: int, r1: int) -> None:                # rows are independent
         lg, pr, ls, rowsum = logits[r0:r1], probs[r0:r1], losses[r0:r1], ROWSUM[r0:r1]
         np.matmul(x[r0:r1], wte.T, out=lg)
-        _chunked(shifted_exp, r0, r1, lg[0].nbytes)    # in L2-sized row chunks (ELEM_CHUNK_BYTES)
+        np.max(lg, axis=1, out=ls)                     # losses holds the row max for now
+        np.subtract(lg, ls[:, None], out=pr)
+        np.exp(pr, out=pr)
         np.matmul(pr, ones, out=rowsum)                # row sums as one gemv (0.68 -> 0.22 ms at tiny)
         np.reciprocal(rowsum, out=rowsum)              # one divide per row, a multiply per entry
         pr *= rowsum[:, None]
