@@ -201,6 +201,21 @@ __device__ __forceinline__ void t4x4(unsigned a0, unsigned a1, unsigned a2, unsi
     b3 = __byte_perm(t1, t3, 0x7632);
 }
 
+// A lane's 16 rows x 8 bytes (q[i]: row r0 + i, columns c0 .. c0 + 7) transposed in registers and
+// stored as 8 rows of out_t (C, R), 16 bytes each: column c0 + j's rows r0 .. r0 + 15.
+__device__ __forceinline__ void store_t16x8(const uint2 (&q)[16], unsigned char* __restrict__ out_t, int R, int r0,
+                                            int c0) {
+    unsigned w[8][4];                                        // column j's 16 rows, 4 bytes a word
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+        t4x4(q[4 * g].x, q[4 * g + 1].x, q[4 * g + 2].x, q[4 * g + 3].x, w[0][g], w[1][g], w[2][g], w[3][g]);
+        t4x4(q[4 * g].y, q[4 * g + 1].y, q[4 * g + 2].y, q[4 * g + 3].y, w[4][g], w[5][g], w[6][g], w[7][g]);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
+}
+
 __device__ __forceinline__ void cast_t_warps(const unsigned short* __restrict__ x, int R, int C,
                                              const float* __restrict__ part, int P, const float* __restrict__ sc, float* __restrict__ rec,
                                              unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
@@ -226,15 +241,7 @@ __device__ __forceinline__ void cast_t_warps(const unsigned short* __restrict__ 
                 if (out) *reinterpret_cast<uint2*>(out + (size_t)(r0 + h + i) * C + c0) = q[h + i];
             }
         }
-        unsigned w[8][4];                                    // column j's 16 rows, 4 bytes a word
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            t4x4(q[4 * g].x, q[4 * g + 1].x, q[4 * g + 2].x, q[4 * g + 3].x, w[0][g], w[1][g], w[2][g], w[3][g]);
-            t4x4(q[4 * g].y, q[4 * g + 1].y, q[4 * g + 2].y, q[4 * g + 3].y, w[4][g], w[5][g], w[6][g], w[7][g]);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
+        store_t16x8(q, out_t, R, r0, c0);
     }
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
@@ -265,15 +272,7 @@ extern "C" __global__ void k_fp8_t_u8(const unsigned char* __restrict__ in, int 
         uint2 q[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[i] = *reinterpret_cast<const uint2*>(in + (size_t)(r0 + i) * C + c0);
-        unsigned w[8][4];
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            t4x4(q[4 * g].x, q[4 * g + 1].x, q[4 * g + 2].x, q[4 * g + 3].x, w[0][g], w[1][g], w[2][g], w[3][g]);
-            t4x4(q[4 * g].y, q[4 * g + 1].y, q[4 * g + 2].y, q[4 * g + 3].y, w[4][g], w[5][g], w[6][g], w[7][g]);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
+        store_t16x8(q, out_t, R, r0, c0);
     }
 }
 
