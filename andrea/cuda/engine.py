@@ -412,8 +412,8 @@ class GpuEngine:
         if precision == "fp8":
             head = {self.WL["wte"].data.ptr, self.G["wte"].data.ptr, a["wte_pad"].data.ptr}   # bf16 GEMMs
             f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], head, self.blas, scaling=fp8_scaling,
-                         n_sites=SITES_PER_LAYER * mc.n_layer, history=int(fp8_amax_history))
-            f8.ln_ptrs = {a["ln1"].data.ptr, a["ln2"].data.ptr}      # their outputs feed E4M3 GEMMs (LN_E4M3)
+                         n_sites=SITES_PER_LAYER * mc.n_layer, history=int(fp8_amax_history),
+                         ln_ptrs=(a["ln1"].data.ptr, a["ln2"].data.ptr))
         self.f8 = f8
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)

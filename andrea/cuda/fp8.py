@@ -245,9 +245,10 @@ class Fp8Gemm:
     """``mm`` with Blas.mm's contract over E4M3 operands; see the module docstring."""
 
     def __init__(self, a: dict, WL: dict, plan: dict, bf16_ptrs: set, blas, lt=None, scaling: str = "current",
-                 n_sites: int = 0, history: int = 16):
+                 n_sites: int = 0, history: int = 16, ln_ptrs=()):
         """``a``: the arena's views (``fp8_buffers``; one without ``f8_wdesc`` casts the weights one
-        by one, one without ``f8_saved`` casts every transpose where the backward needs it)."""
+        by one, one without ``f8_saved`` casts every transpose where the backward needs it);
+        ``ln_ptrs``: the LayerNorm output buffers whose next GEMM is an E4M3 one (LN_E4M3)."""
         if scaling not in SCALINGS:
             raise AndreaError(f"train.fp8_scaling: {scaling!r} (expected current | delayed)")
         self.a, self.blas, self.bf16_ptrs = a, blas, bf16_ptrs
@@ -279,7 +280,7 @@ class Fp8Gemm:
         self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
         self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
         self._ready: dict = {}                     # FC_E4M3: activation (ptr, shape) -> (its E4M3 copy, slot)
-        self.ln_ptrs: set = set()                  # LN_E4M3: the LayerNorm outputs that go to E4M3 GEMMs (engine)
+        self.ln_ptrs = set(ln_ptrs)                # LN_E4M3: the LayerNorm outputs that go to E4M3 GEMMs
 
     @property
     def calibrating(self) -> bool:
