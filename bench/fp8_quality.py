@@ -29,6 +29,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine_gpu import patched  # noqa: E402
 
 from andrea.engine.engine import Hyper  # noqa: E402
 from andrea.engine.model import ModelConfig  # noqa: E402
@@ -47,16 +50,11 @@ def train(prec: str, mc: ModelConfig, B: int, data: np.ndarray, val: dict, byte_
     import andrea.cuda.fp8 as k8
 
     base, *flips = prec.split("+")
-    saved = {sw: getattr(k8, sw) for sw in flips}
     for sw in flips:
-        if not isinstance(saved[sw], bool):
+        if not isinstance(getattr(k8, sw, None), bool):
             raise SystemExit(f"fp8_quality: --precisions {prec}: {sw} is not a boolean switch of andrea/cuda/fp8.py")
-        setattr(k8, sw, not saved[sw])
-    try:
+    with patched(k8, **{sw: not getattr(k8, sw) for sw in flips}):
         return _train(prec, base, mc, B, data, val, byte_len, eot, args)
-    finally:
-        for sw, v in saved.items():
-            setattr(k8, sw, v)
 
 
 def _train(prec: str, base: str, mc: ModelConfig, B: int, data: np.ndarray, val: dict, byte_len, eot: int,

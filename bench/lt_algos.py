@@ -27,6 +27,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import engine_gpu as eg  # noqa: E402
 
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
@@ -40,15 +43,6 @@ def choose(times: list) -> int:
     best_t, best_i = min(ok)
     first = times[0]
     return best_i if first is None or best_t <= first * (1 - MARGIN) else 0
-
-
-def _engine_gpu():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("engine_gpu", ROOT / "bench" / "engine_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def record(eng) -> dict:
@@ -121,7 +115,6 @@ def main(argv=None) -> int:
     from andrea.engine.engine import Hyper
     from andrea.engine.model import ModelConfig
 
-    eg = _engine_gpu()
     allres = {}
     for v, B in eg.parse_variants(args.variants, 8):
         s = eg.variant_shapes(v)
