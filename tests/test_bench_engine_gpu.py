@@ -8,21 +8,16 @@ The timed functions are replaced by stand-ins; nothing here measures speed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_helpers import load_script
 
 
 @pytest.fixture()
 def eg():
-    spec = importlib.util.spec_from_file_location("engine_gpu", ROOT / "bench" / "engine_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/engine_gpu.py")
 
 
 def fake_ours(ms: float) -> dict:

@@ -6,19 +6,13 @@ boolean for its run only, and a name that is not such a switch is refused in one
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_helpers import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("fp8_quality", ROOT / "bench" / "fp8_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/fp8_quality.py")
 
 
 def test_a_switch_suffix_flips_it_for_that_run_only(monkeypatch):

@@ -6,22 +6,18 @@ candidate; the engine's own choice is among them and the fastest is no slower th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from andrea.cuda.loader import cupy_or_none
+from script_helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy_or_none() is None, reason="needs CuPy and a CUDA device")]
 
 
 def test_every_problem_of_a_step_is_timed_under_each_candidate(tmp_path):
-    spec = importlib.util.spec_from_file_location("lt_algos", ROOT / "bench" / "lt_algos.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/lt_algos.py")
     out = tmp_path / "lt.json"
     assert mod.main(["--variants", "andrea-12m:8", "--precision", "bf16", "--reps", "2", "--json", str(out)]) == 0
     got = json.loads(out.read_text())["andrea-12m:B8:bf16"]

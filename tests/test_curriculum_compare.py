@@ -7,22 +7,17 @@ Pure functions on hand-made held-out curves and per-source figures (no training)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def cc():
-    spec = importlib.util.spec_from_file_location("curriculum_compare", ROOT / "bench" / "curriculum_compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/curriculum_compare.py")
 
 
 def test_steps_to_reach_interpolates_between_heldout_points(cc):

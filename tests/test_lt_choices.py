@@ -8,9 +8,7 @@ beats the first candidate by its margin.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,8 +16,7 @@ import pytest
 
 from andrea.cuda import cublaslt as lt_mod
 from andrea.errors import AndreaError
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_helpers import load_script
 
 
 def _lt(prefer: dict, refuse=()):
@@ -79,9 +76,7 @@ def test_try_order_problem_id_and_the_table_file(tmp_path):
 
 
 def test_lt_algos_writes_a_choice_only_past_its_margin():
-    spec = importlib.util.spec_from_file_location("lt_algos", ROOT / "bench" / "lt_algos.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/lt_algos.py")
     assert mod.choose([1.0, 0.99, 1.2]) == 0                      # 1% faster: noise, keep the first
     assert mod.choose([1.0, 0.97, 0.95]) == 2
     assert mod.choose([None, 0.5, 0.4]) == 2                      # the first refused

@@ -11,7 +11,6 @@ of an older version (resume and --on-mismatch restart must not get stuck).
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import signal
 import struct
@@ -25,6 +24,7 @@ from rich.console import Console
 from andrea.engine import checkpoint as ck
 from andrea.errors import AndreaError
 from andrea.train import Trainer
+from script_helpers import load_script
 from train_helpers import ROOT, andrea_cmd, child_env, make_data, micro_cfg, micro_overrides, run_cli, run_killed
 
 FILES = {"model.bin", "model.state.json", "model.loss.json", "model.samples.json",
@@ -37,10 +37,7 @@ def data(tmp_path_factory):
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "bench" / "kill_resume.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/kill_resume.py")
 
 
 def _trainer(cfg, data, out, **kw):

@@ -1,15 +1,13 @@
 """workflow/cluster/check_run.py: the checks of a DAG run through SLURM, on made-up logs and trees."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("check_run", ROOT / "workflow" / "cluster" / "check_run.py")
-check_run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check_run)
+from script_helpers import load_script
+
+check_run = load_script("workflow/cluster/check_run.py")
 
 LOG = """\
 rule train:
