@@ -216,6 +216,21 @@ __device__ __forceinline__ void store_t16x8(const uint2 (&q)[16], unsigned char*
         *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0) = make_uint4(w[j][0], w[j][1], w[j][2], w[j][3]);
 }
 
+// Every warp of the grid walks 64 x 64 tiles of an (R, C) matrix, R and C multiples of 64: lane (c8 =
+// lane % 8, rg = lane / 8) has rows 16 rg .. 16 rg + 15 of the tile's 8-column chunk c8; load(r0, c0, q)
+// puts those 16 rows x 8 bytes into q, and their transpose goes to out_t (C, R).
+template <class Load>
+__device__ __forceinline__ void warp_tiles_t(int R, int C, unsigned char* __restrict__ out_t, Load load) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, c8 = lane & 7, rg = lane >> 3;
+    const int tc = C / 64, n_tiles = tc * (R / 64);
+    for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < n_tiles; t += gridDim.x * nw) {
+        const int r0 = (t / tc) * 64 + rg * 16, c0 = (t % tc) * 64 + c8 * 8;
+        uint2 q[16];
+        load(r0, c0, q);
+        store_t16x8(q, out_t, R, r0, c0);
+    }
+}
+
 __device__ __forceinline__ void cast_t_warps(const unsigned short* __restrict__ x, int R, int C,
                                              const float* __restrict__ part, int P, const float* __restrict__ sc, float* __restrict__ rec,
                                              unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
@@ -224,11 +239,7 @@ __device__ __forceinline__ void cast_t_warps(const unsigned short* __restrict__ 
     float m_cur = 0.0f, m = 0.0f;
     const float s = fp8_scale(part, P, sc, buf, &m_cur);
     const bool delayed = part == nullptr;
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, c8 = lane & 7, rg = lane >> 3;
-    const int tc = C / 64, n_tiles = tc * (R / 64);
-    for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < n_tiles; t += gridDim.x * nw) {
-        const int r0 = (t / tc) * 64 + rg * 16, c0 = (t % tc) * 64 + c8 * 8;
-        uint2 q[16];
+    warp_tiles_t(R, C, out_t, [&](int r0, int c0, uint2 (&q)[16]) {
 #pragma unroll
         for (int h = 0; h < 16; h += 8) {                    // 8 rows' loads in flight before any use
             uint4 v[8];
@@ -241,8 +252,7 @@ __device__ __forceinline__ void cast_t_warps(const unsigned short* __restrict__ 
                 if (out) *reinterpret_cast<uint2*>(out + (size_t)(r0 + h + i) * C + c0) = q[h + i];
             }
         }
-        store_t16x8(q, out_t, R, r0, c0);
-    }
+    });
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
 extern "C" __global__ void k_fp8_cast_t_w_bf16(const unsigned short* __restrict__ x, int R, int C,
@@ -265,15 +275,10 @@ extern "C" __global__ void k_fp8_t_u8(const unsigned char* __restrict__ in, int 
         atomicMax(reinterpret_cast<int*>(rec), __float_as_int(a <= 3.402823466e38f ? a : 0.0f));   // NaN, inf: 0
     }
     if (out_t == nullptr) return;
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5, c8 = lane & 7, rg = lane >> 3;
-    const int tc = C / 64, n_tiles = tc * (R / 64);
-    for (int t = blockIdx.x * nw + (threadIdx.x >> 5); t < n_tiles; t += gridDim.x * nw) {
-        const int r0 = (t / tc) * 64 + rg * 16, c0 = (t % tc) * 64 + c8 * 8;
-        uint2 q[16];
+    warp_tiles_t(R, C, out_t, [&](int r0, int c0, uint2 (&q)[16]) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[i] = *reinterpret_cast<const uint2*>(in + (size_t)(r0 + i) * C + c0);
-        store_t16x8(q, out_t, R, r0, c0);
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
