@@ -6,7 +6,8 @@ For the issue's shapes (T = 1024; 12M B=8 D=32, 120M B=32 D=64, 480M B=8 D=64), 
 (CUDA events, mean of --reps calls after one untimed call) and causal TFLOP/s (forward 2 B T^2 C,
 backward 2.5x that) of:
 - ours: the mma.sync kernels and, on a compute capability 9.0 device, the wgmma kernels at their
-  default rows per block, then every rows choice of the wgmma kernels (andrea.cuda.kernels.ATTN_WG_ROWS);
+  default rows per block, then every rows choice of the wgmma kernels (andrea.cuda.kernels.ATTN_WG_ROWS),
+  and the wgmma backward whose dQ kernel reads the dS tiles the dK/dV kernel stored ("wgds");
 - torch's F.scaled_dot_product_attention(is_causal=True) forced to its FLASH_ATTENTION
   (FlashAttention-2) and CUDNN_ATTENTION backends, when torch is installed; backward time = forward
   + backward minus the forward.
@@ -45,14 +46,17 @@ def ours(B: int, C: int, H: int, reps: int) -> dict:
     fwd = lambda **k: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, **k)  # noqa: E731
     bwd = lambda **k: K.k_attn_bwd("bf16", dqkv, dy, y, lse, dvec, qkv, B, T, C, H, False, **k)  # noqa: E731
     r = {}
+    ds = cp.empty(K.attn_ds_bytes(T, B * H), cp.uint8)            # the "wgds" backward's dS tiles
     for im in ("mma", "wg") if K.hopper() else ("mma",):
         r[f"{im} fwd"] = cupy_ms(lambda: fwd(impl=im), reps)
         r[f"{im} bwd"] = cupy_ms(lambda: bwd(impl=im), reps)
     if K.hopper():
+        r["wgds bwd"] = cupy_ms(lambda: bwd(impl="wgds", ds=ds), reps)
         for rq in (64, 128):
             r[f"wg fwd r{rq}"] = cupy_ms(lambda: fwd(rows=rq, impl="wg"), reps)
             for rk in (64, 128):
                 r[f"wg bwd dq r{rq} dkv r{rk}"] = cupy_ms(lambda: bwd(rows=(rq, rk), impl="wg"), reps)
+                r[f"wgds bwd dq r{rq} dkv r{rk}"] = cupy_ms(lambda: bwd(rows=(rq, rk), impl="wgds", ds=ds), reps)
     return r
 
 

@@ -381,7 +381,7 @@ def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
             ms = timed(lambda: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, rows=r, impl=im))
             out[f"{im} fwd r{r}"] = (ms, fwd_fl / ms / 1e9)
     K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)
-    for im in impls:
+    for im in impls + (("wgds",) if K.hopper() else ()):
         for rq in (64, 128):
             for rk in (64, 128):
                 ms = timed(lambda: K.k_attn_bwd("bf16", dqkv, dy, y, lse, dvec, qkv, B, T, C, H, False, rows=(rq, rk),
@@ -580,7 +580,8 @@ def main(argv=None) -> int:
                     help="also time one layer's attention kernels for every rows-per-block choice")
     ap.add_argument("--attn", default=None, metavar="FWD,BWD",
                     help="on a compute capability 9.0 device, the attention kernels of the forward and the "
-                         "backward (mma or wg each, e.g. mma,wg) instead of kernels.ATTN_HOPPER")
+                         "backward (mma or wg each, and wgds for the backward: dQ from stored dS; e.g. wg,wgds) "
+                         "instead of kernels.ATTN_HOPPER")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print per kernel class where our step (and the first compile anchor's) spends its time")
     args = ap.parse_args(argv)
@@ -589,8 +590,8 @@ def main(argv=None) -> int:
         from andrea.cuda import kernels as K
 
         fwd, bwd = args.attn.split(",")
-        if not {fwd, bwd} <= {"mma", "wg"}:
-            ap.error(f"--attn {args.attn}: expected FWD,BWD with each mma or wg")
+        if fwd not in ("mma", "wg") or bwd not in ("mma", "wg", "wgds"):
+            ap.error(f"--attn {args.attn}: expected FWD,BWD: FWD mma or wg, BWD mma, wg or wgds")
         K.ATTN_HOPPER.update(fwd=fwd, bwd=bwd)
     if args.anchors:
         import torch._inductor.config as icfg

@@ -34,13 +34,13 @@ MC = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=2, context=128)   
 
 
 def attn_kernels(monkeypatch, which):
-    """Run the engine with these tensor-core attention kernels ({"fwd": .., "bwd": ..}: "mma" | "wg")
+    """Run the engine with these tensor-core attention kernels ({"fwd": .., "bwd": ..}: "mma" | "wg" | "wgds")
     on a compute capability 9.0 device; None keeps kernels.ATTN_HOPPER. Skips where wgmma is absent."""
     if which is None:
         return
     from andrea.cuda import kernels as K
 
-    if "wg" in which.values() and not K.hopper():
+    if {"wg", "wgds"} & set(which.values()) and not K.hopper():
         pytest.skip("the wgmma attention kernels need a compute capability 9.0 device")
     monkeypatch.setattr(K, "ATTN_HOPPER", dict(which))
 
@@ -49,6 +49,7 @@ def attn_kernels(monkeypatch, which):
 # mma.sync forward feeding the wgmma backward and mma.sync in both passes
 MMA_WG = {"fwd": "mma", "bwd": "wg"}
 ALL_MMA = {"fwd": "mma", "bwd": "mma"}
+WG_WG = {"fwd": "wg", "bwd": "wg"}       # the wgmma backward that recomputes S and dP for dQ (before "wgds")
 B = 2
 HP = Hyper(grad_clip=1.0)
 
@@ -103,7 +104,7 @@ def test_op_mirror_runs_the_generic_engine_like_numpy():
     ("fp32", 2e-3, True, None, None), ("bf16", 6e-2, True, None, None),
     ("bf16", 6e-2, True, frozenset({"gelu"}), None), ("bf16", 6e-2, False, None, None),
     ("fp16", 6e-2, True, None, None), ("bf16", 6e-2, True, None, MMA_WG), ("fp16", 6e-2, True, None, MMA_WG),
-    ("bf16", 6e-2, True, None, ALL_MMA)])
+    ("bf16", 6e-2, True, None, ALL_MMA), ("bf16", 6e-2, True, None, WG_WG), ("fp16", 6e-2, True, None, WG_WG)])
 def test_gpu_engine_loss_and_every_gradient_match_numpy(prec, rel, fuse, recompute, attn, monkeypatch):
     import andrea.cuda.engine as ce
     from andrea.cuda.backend import make_backend
@@ -162,7 +163,8 @@ def _run(prec, steps, start=None, graph=True, accum=1):
     return (t0 + steps, *eng.state_host())
 
 
-@pytest.mark.parametrize("prec,attn", [("fp32", None), ("bf16", None), ("bf16", MMA_WG), ("bf16", ALL_MMA)])
+@pytest.mark.parametrize("prec,attn", [("fp32", None), ("bf16", None), ("bf16", MMA_WG), ("bf16", ALL_MMA),
+                                       ("bf16", WG_WG)])
 def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec, attn, monkeypatch):
     attn_kernels(monkeypatch, attn)
     a = _run(prec, 6)

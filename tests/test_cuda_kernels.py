@@ -239,12 +239,13 @@ def test_attention_pair_causal_uneven_T(be, prec, D):
 def _need_wg(impl):
     from andrea.cuda.kernels import hopper
 
-    if impl == "wg" and not hopper():
+    if impl in ("wg", "wgds") and not hopper():
         pytest.skip("the wgmma attention kernels need a compute capability 9.0 device")
 
 
 TENSOR_IMPLS = [("mma", (64, (64, 64))), ("mma", (128, (128, 128))), ("mma", (128, (64, 128))),
-                ("wg", (64, (64, 64))), ("wg", (128, (128, 128))), ("wg", (64, (128, 64)))]
+                ("wg", (64, (64, 64))), ("wg", (128, (128, 128))), ("wg", (64, (128, 64))),
+                ("wgds", (128, (64, 64))), ("wgds", (128, (128, 128))), ("wgds", (128, (128, 64)))]
 
 
 @pytest.mark.parametrize("impl,rows", TENSOR_IMPLS)
@@ -267,9 +268,12 @@ def test_attention_wgmma_matches_mma_and_repeats(be, prec, D):
     a, ya, la = _attn_case(be, prec, B, T, H, D, seed=5, impl="wg")
     b, yb, lb = _attn_case(be, prec, B, T, H, D, seed=5, impl="mma")
     a2, _, _ = _attn_case(be, prec, B, T, H, D, seed=5, impl="wg")
+    c, _, _ = _attn_case(be, prec, B, T, H, D, seed=5, impl="wgds")
+    c2, _, _ = _attn_case(be, prec, B, T, H, D, seed=5, impl="wgds")
     assert cp.asnumpy(a).tobytes() == cp.asnumpy(a2).tobytes()
+    assert cp.asnumpy(c).tobytes() == cp.asnumpy(c2).tobytes()
     ulp = 2.0 ** -8 if prec == "bf16" else 2.0 ** -11
-    for got, ref, what in ((ya, yb, "y"), (a, b, "dqkv")):
+    for got, ref, what in ((ya, yb, "y"), (a, b, "dqkv"), (c, b, "dqkv (dQ from stored dS)")):
         g, r = from_dev(got, prec), from_dev(ref, prec)
         scale = float(np.abs(r).max())
         err = float(np.max(np.abs(g - r) - (4 * ulp * np.abs(r) + 1e-3 * scale)))
@@ -278,7 +282,7 @@ def test_attention_wgmma_matches_mma_and_repeats(be, prec, D):
     assert np.max(np.abs(lsa - lsb)) <= 1e-4 * np.abs(lsb).max(), "wgmma vs mma.sync lse2"
 
 
-@pytest.mark.parametrize("impl", ["mma", "wg"])
+@pytest.mark.parametrize("impl", ["mma", "wg", "wgds"])
 def test_attention_mma_writes_dvec_and_accumulates(be, impl):
     _need_wg(impl)
     B, T, H, D = 2, 320, 2, 64
@@ -300,6 +304,33 @@ def test_attention_mma_writes_dvec_and_accumulates(be, impl):
     be.k_attn_bwd("bf16", d2, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True, impl=impl)
     want = base64 + from_dev(d1, "bf16")
     close(from_dev(d2, "bf16"), want, "bf16", scale=float(np.abs(want).max()), what="bf16 accumulate")
+
+
+def test_attention_ds_backward_in_head_groups_keeps_the_bytes(be):
+    # "wgds" with a dS scratch that holds 2 of 6 heads runs three launches of each kernel: the same
+    # bytes as one launch over all heads; a scratch below one head is refused in one line
+    from andrea.cuda import kernels as K
+
+    _need_wg("wgds")
+    B, T, H, D = 2, 200, 3, 64
+    C, N = H * D, B * T
+    rng = np.random.default_rng(21)
+    qkv, _ = to_dev(rng.normal(0, 1, (N, 3 * C)), "bf16")
+    dout, _ = to_dev(rng.normal(0, 1, (N, C)), "bf16")
+    y = empty((N, C), "bf16")
+    lse = cp.full(B * H * T, np.nan, np.float32)
+    be.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, impl="wg")
+    got = []
+    for heads in (B * H, 2):
+        ds = cp.full(K.attn_ds_bytes(T, heads) + 100, 0xFF, np.uint8)
+        d = empty((N, 3 * C), "bf16")
+        be.k_attn_bwd("bf16", d, dout, y, lse, cp.full(B * H * T, np.nan, np.float32), qkv, B, T, C, H,
+                      accumulate=False, impl="wgds", ds=ds)
+        got.append(cp.asnumpy(d).tobytes())
+    assert got[0] == got[1]
+    with pytest.raises(AndreaError, match="dS scratch holds 100 bytes"):
+        be.k_attn_bwd("bf16", d, dout, y, lse, cp.zeros(B * H * T, np.float32), qkv, B, T, C, H,
+                      accumulate=False, impl="wgds", ds=cp.zeros(100, np.uint8))
 
 
 def test_attention_backward_is_deterministic_and_accumulates(be):

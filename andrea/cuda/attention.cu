@@ -801,6 +801,37 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
         attn_dvec<T>(y, dy, ldy, dvec, B, Tn, H, D);                                                         \
     }
 
+// D_i for 16-bit storage: one thread per (row, head), heads fastest, 16-byte loads (D % 8 == 0): the
+// first pass of the dQ-from-dS backward ("wgds"), whose dK/dV kernel reads D_i of every query tile.
+template <typename T>
+__device__ void attn_dvec16(const T* __restrict__ y, const T* __restrict__ dy, int ldy, float* __restrict__ dvec,
+                            int B, int Tn, int H, int D) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // over B*T*H
+    if (i >= (long long)B * H * Tn) return;
+    const int h = (int)(i % H);
+    const long long n = i / H;
+    const int b = (int)(n / Tn), t = (int)(n % Tn);
+    const uint4* a = reinterpret_cast<const uint4*>(dy + n * ldy + (long long)h * D);
+    const uint4* c = reinterpret_cast<const uint4*>(y + n * ldy + (long long)h * D);
+    float s = 0.0f;
+    for (int j = 0; j < D / 8; ++j) {
+        const uint4 u = a[j], w = c[j];
+        const T* pu = reinterpret_cast<const T*>(&u);
+        const T* pw = reinterpret_cast<const T*>(&w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s += to_f(pu[e]) * to_f(pw[e]);
+    }
+    dvec[((long long)b * H + h) * Tn + t] = s;
+}
+extern "C" __global__ void k_attn_dvec16_bf16(const bf16_t* y, const bf16_t* dy, int ldy, float* dvec, int B, int Tn,
+                                              int H, int D) {
+    attn_dvec16<bf16_t>(y, dy, ldy, dvec, B, Tn, H, D);
+}
+extern "C" __global__ void k_attn_dvec16_f16(const f16_t* y, const f16_t* dy, int ldy, float* dvec, int B, int Tn,
+                                             int H, int D) {
+    attn_dvec16<f16_t>(y, dy, ldy, dvec, B, Tn, H, D);
+}
+
 ATTN_SIMT_ALL(f32, float)
 ATTN_SIMT_ALL(bf16, bf16_t)
 ATTN_SIMT_ALL(f16, f16_t)
@@ -1153,12 +1184,86 @@ __device__ void attn_bwd_dq_wg(const u16* __restrict__ q, const u16* __restrict_
     store_rows<BF, ND>(dq, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, accumulate);
 }
 
-// dK, dV per 64 key rows; query tiles (with dy, lse2, dvec) from the diagonal down.
+// The stored dS^T tiles (attn_bwd_dkv_wg<..., DS = true>, read by attn_bwd_dqs_wg): per head of the
+// launch, the causal tile pairs (query tile i, key tile j <= i) at i (i + 1) / 2 + j, each 64 x 64
+// 16-bit values as 8x8 core matrices with key rows: element (key r, query c) at
+// ((r / 8) 8 + c / 8) 64 + (r % 8) 8 + c % 8. A warp stores whole 128-byte core matrices.
+__device__ __forceinline__ void ds_store_t(u16* dst, const unsigned (*sa)[4], int warp, int g, int t4) {
+    unsigned* d32 = reinterpret_cast<unsigned*>(dst);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {  // sa[kk][e]: key rows 16 warp + g (+8: e odd), queries 16 kk + 2 t4 (+8: e >= 2)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = warp * 16 + g + ((e & 1) ? 8 : 0), c = kk * 16 + ((e & 2) ? 8 : 0) + 2 * t4;
+            d32[(((r >> 3) * 8 + (c >> 3)) * 64 + (r & 7) * 8 + (c & 7)) >> 1] = sa[kk][e];
+        }
+    }
+}
+
+// dQ per 64 query rows from the stored dS^T tiles: dQ = scale sum_j dS_ij K_j over key tiles j from 0
+// to the diagonal, one product per tile (the dS^T tiles and K tiles double-buffered in shared memory,
+// dS's A fragments by ldmatrix.trans of the key-row core matrices).
 template <bool BF, int D, int WG>
+__device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __restrict__ ds, u16* __restrict__ dq,
+                                int Tn, int H, float scale, int accumulate, int bh0) {
+    constexpr int ND = D / 8;
+    __shared__ __align__(128) u16 Ks2[2][64 * D];
+    __shared__ __align__(128) u16 Ds2[2][WG][64 * 64];
+    const int tid = threadIdx.x, wgi = __shfl_sync(0xffffffffu, tid >> 7, 0), warp = (tid >> 5) & 3,
+              lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int qt = gridDim.x - 1 - blockIdx.x, bh = bh0 + blockIdx.y, b = bh / H, h = bh % H;
+    const long long rb = (long long)b * Tn;
+    const int r0 = qt * 64 * WG + wgi * 64, ra = r0 + warp * 16 + g, rc = ra + 8;
+    const int ntiles = (Tn + 63) / 64, nkt = (min(Tn, qt * 64 * WG + 64 * WG) - 1) / 64 + 1;
+    const u16* dsh = ds + (long long)blockIdx.y * (ntiles * (ntiles + 1) / 2) * 4096;
+    const u16* kh = k + h * D;
+    auto issue = [&](int t) {  // K tile t, and each warpgroup's dS^T tile (its query tile, t) below the diagonal
+        async_tile_cm<D>(kh, rb, t * 64, Tn, ld, Ks2[t & 1]);
+        for (int idx = tid; idx < WG * 512; idx += blockDim.x) {
+            const int w = idx >> 9, c = idx & 511, qw = qt * WG + w;
+            if (qw < ntiles && t <= qw) {
+                const unsigned sa = (unsigned)__cvta_generic_to_shared(&Ds2[t & 1][w][c * 8]);
+                const u16* gp = dsh + ((long long)(qw * (qw + 1) / 2 + t)) * 4096 + c * 8;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gp));
+            }
+        }
+        cp_async_commit();
+    };
+    issue(0);
+    float acc[ND * 4];
+#pragma unroll
+    for (int i = 0; i < ND * 4; ++i) acc[i] = 0.0f;
+    // ldmatrix.trans: lanes 8m .. 8m+7 address the rows of core matrix m = (key group 2 kk + m / 2,
+    // query group 2 warp + m % 2), which gives the A fragment of rows 16 warp + g (+8), keys 16 kk + 2 t4 (+8)
+    const int m = lane >> 3, lrow = lane & 7;
+    const int moff = (((m >> 1) * 8 + 2 * warp + (m & 1)) * 64 + lrow * 8);
+    for (int kt = 0; kt < nkt; ++kt) {
+        wg_next(issue, kt, nkt);
+        if (kt * 64 <= r0 + 63 && r0 < Tn) {
+            const u16* Dt = Ds2[kt & 1][wgi];
+            unsigned sa[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) ldsm_x4_t(sa[kk], Dt + kk * 2 * 8 * 64 + moff);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(acc, sa[kk], desc_x<D>(Ks2[kt & 1], kk), 1);
+            wg_commit_wait();
+            wg_regs<ND * 4>(acc);
+        }
+        __syncthreads();
+    }
+    store_rows<BF, ND>(dq, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, accumulate);
+}
+
+// dK, dV per 64 key rows; query tiles (with dy, lse2, dvec) from the diagonal down.
+// DS: also store each tile's dS^T (16-bit, as the dK product rounds it) into ds, for the dQ kernel
+// attn_bwd_dqs_wg; bh0: the first head of this launch (ds holds the launch's heads only).
+template <bool BF, int D, int WG, bool DS = false>
 __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                 int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
                                 const float* __restrict__ dvec, u16* __restrict__ dk, u16* __restrict__ dv, int Tn,
-                                int H, float sl2, float scale, int accumulate) {
+                                int H, float sl2, float scale, int accumulate, u16* __restrict__ ds = nullptr,
+                                int bh0 = 0) {
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(128) u16 Qs2[2][64 * D];
     __shared__ __align__(128) u16 Os2[2][64 * D];
@@ -1166,7 +1271,7 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
     __shared__ float Es2[2][64];
     const int tid = threadIdx.x, wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
               t4 = lane & 3;
-    const int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+    const int kt = blockIdx.x, bh = bh0 + blockIdx.y, b = bh / H, h = bh % H;
     const long long rb = (long long)b * Tn;
     const int k0 = kt * 64 * WG + wgi * 64, ka0 = k0 + warp * 16 + g, ka1 = ka0 + 8;  // k0: this warpgroup's keys
     const u16 *qh = q + h * D, *oh = dy + h * D;
@@ -1236,6 +1341,10 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
         for (int i = 0; i < 32; ++i) dp[i] = s[i] * (dp[i] - Es[(i >> 2) * 8 + 2 * t4 + (i & 1)]);  // dS^T
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&dp[8 * kk], &dp[8 * kk + 4], sa[kk]);
+        if constexpr (DS) {  // the tile (query tile qt, key tile k0 / 64) for the dQ kernel
+            u16* dst = ds + ((long long)blockIdx.y * (ntiles * (ntiles + 1) / 2) + qt * (qt + 1) / 2 + k0 / 64) * 4096;
+            ds_store_t(dst, sa, warp, g, t4);
+        }
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dka, sa[kk], desc_x<D>(Qs, kk), 1);  // dK += dS^T Q
@@ -1249,5 +1358,24 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
 }
 
 ATTN_TC_ALL(wg, 128, 256)  // 128 threads per warpgroup
+
+// The dQ-from-dS pair (impl "wgds"): k_attn_bwd_dkvs_wg_* (the dK/dV kernel, also storing dS^T) then
+// k_attn_bwd_dqs_wg_*, for the heads bh0 .. bh0 + gridDim.y - 1 (ds: their tiles).
+#define ATTN_WGDS_INST(SUF, BF, D, P, BM, NT)                                                                \
+    extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkvs_wg_##SUF##_d##D##_r##BM(                \
+        const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
+        const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate, u16* ds, \
+        int bh0) {                                                                                           \
+        attn_bwd_dkv_wg<BF, D, P, true>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale,          \
+                                        accumulate, ds, bh0);                                                \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dqs_wg_##SUF##_d##D##_r##BM(                 \
+        const u16* k, int ld, const u16* ds, u16* dq, int Tn, int H, float scale, int accumulate, int bh0) {  \
+        attn_bwd_dqs_wg<BF, D, P>(k, ld, ds, dq, Tn, H, scale, accumulate, bh0);                             \
+    }
+ATTN_WGDS_INST(bf16, true, 32, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 32, 2, 128, 256)
+ATTN_WGDS_INST(bf16, true, 64, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 64, 2, 128, 256)
+ATTN_WGDS_INST(f16, false, 32, 1, 64, 128) ATTN_WGDS_INST(f16, false, 32, 2, 128, 256)
+ATTN_WGDS_INST(f16, false, 64, 1, 64, 128) ATTN_WGDS_INST(f16, false, 64, 2, 128, 256)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

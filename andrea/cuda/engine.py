@@ -185,8 +185,12 @@ class FastOps:
         k_attn_fwd(self.p, out, att, qkv, B, T, C, n_head)
 
     def attn_backward(self, dqkv, dout, qkv, att, y, n_head, work):
+        """The "wgds" backward keeps its dS tiles in the logits' bytes: the head's backward is done
+        with them before the blocks' backward starts, and the next forward rewrites them."""
         B, T, C = dout.shape
-        k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False)
+        lg = self.a["logits"]
+        ds = cp().ndarray((lg.nbytes,), dtype=cp().uint8, memptr=lg.data)
+        k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds)
 
     def attn_out_forward(self, out, y, w_o):
         self._mm(out, y, w_o, tag="attn-out fwd")
@@ -692,7 +696,8 @@ class GpuEngine:
         return None if out is None else float(out[0])
 
     def logits_host(self) -> np.ndarray:
-        """The last forward's logits (N, V) as float32 on the host."""
+        """The last forward's logits (N, V) as float32 on the host (after a forward: a backward turns
+        the buffer into dlogits, then into attention's dS tiles)."""
         bits = self.cp.asnumpy(self.a["logits"][:, :self.mc.vocab_size])
         if self.prec == "fp32":
             return bits

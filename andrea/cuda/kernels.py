@@ -284,12 +284,15 @@ def k_scale(g, n, s):
 # against 0.184 / 0.965 / 0.512. The whole step, same call (`bench/engine_gpu.py --attn F,B`), wg,wg
 # against mma,wg: 4.13 vs 4.26 ms (12M B=8), 25.94 vs 26.35 (B=64), 52.49 vs 53.37 (120M B=32),
 # 53.62 vs 54.19 (480M B=8); the engine gpu tests pass with either pair (213 passed).
-ATTN_HOPPER = {"fwd": "wg", "bwd": "wg"}
+# Session 12: the backward "wgds" (the dK/dV kernel stores dS, the dQ kernel does one product a tile
+# instead of recomputing S and dP: 5 tile products instead of 7), one layer 0.771 vs 0.894 ms
+# (120M B=32) and 0.406 vs 0.466 (480M B=8); docs/bench/attn_ds_h200.md.
+ATTN_HOPPER = {"fwd": "wg", "bwd": "wgds"}
 
 
 def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
     """The attention kernels of pass ``which`` (fwd | bwd) for this storage type and head size:
-    tensor cores for bf16/fp16 at D = 32/64 ("wg" or "mma", ATTN_HOPPER's pick on a compute
+    tensor cores for bf16/fp16 at D = 32/64 ("wg"/"wgds" or "mma", ATTN_HOPPER's pick on a compute
     capability 9.0 device, else "mma"), else "simt"."""
     if prec in ("bf16", "fp16") and D in (32, 64) and ld % 8 == 0:
         return ATTN_HOPPER[which] if hopper() else "mma"
@@ -319,8 +322,12 @@ ATTN_WG_ROWS = {("fwd", 32): 128, ("fwd", 64): 128, ("dq", 32): 128, ("dq", 64):
 
 def _attn_launch(impl: str, which: str, prec: str, D: int, T: int, BH: int, rows=None):
     """(kernel name, grid, block) of attention kernel ``which`` (fwd | dq | dkv); ``rows`` overrides
-    ATTN_MMA_ROWS / ATTN_WG_ROWS. simt blocks have one thread per row (64, or 32 at D = 128)."""
+    ATTN_MMA_ROWS / ATTN_WG_ROWS. simt blocks have one thread per row (64, or 32 at D = 128).
+    "wgds" is the wgmma backward whose dK/dV kernel stores dS for a dQ kernel of one product a tile."""
     name = {"fwd": "fwd", "dq": "bwd_dq", "dkv": "bwd_dkv"}[which]
+    if impl == "wgds":
+        tile = rows or ATTN_WG_ROWS[(which, D)]
+        return f"k_attn_{name}s_wg_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (2 * tile,)
     if impl == "wg":
         tile = rows or ATTN_WG_ROWS[(which, D)]
         return f"k_attn_{name}_wg_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (2 * tile,)
@@ -332,11 +339,14 @@ def _attn_launch(impl: str, which: str, prec: str, D: int, T: int, BH: int, rows
 
 
 def _tensor_impl(prec: str, D: int, ld: int, impl: str | None, which: str) -> str:
-    """attn_impl, or ``impl`` ("mma" | "wg") where the caller picks one of the tensor-core kernels."""
+    """attn_impl, or ``impl`` ("mma" | "wg" | "wgds", the latter a backward: its forward is "wg")
+    where the caller picks one of the tensor-core kernels."""
     auto = attn_impl(prec, D, ld, which)
     if impl is None or auto == "simt":
         return auto
-    if impl == "wg" and not hopper():
+    if impl == "wgds" and which == "fwd":
+        impl = "wg"
+    if impl in ("wg", "wgds") and not hopper():
         raise AndreaError("cuda attention: the wgmma kernels need a compute capability 9.0 device (H100/H200)")
     return impl
 
@@ -350,10 +360,20 @@ def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H, rows=None, impl=None):
         grid, block, (ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C), i32(3 * C), y, i32(C), lse2, i32(T), i32(H), f32(sl2)))
 
 
-def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None, impl=None):
+def attn_ds_bytes(T: int, heads: int = 1) -> int:
+    """Bytes of the stored dS tiles of the "wgds" backward for ``heads`` (batch x head) pairs: the
+    causal 64 x 64 tile pairs of T rows, 16-bit."""
+    nt = (T + 63) // 64
+    return heads * nt * (nt + 1) // 2 * 64 * 64 * 2
+
+
+def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None, impl=None,
+               ds=None):
     """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch. The mma dQ kernel
-    computes dvec (sum_d dy y per row) itself, before the dK/dV kernel reads it; simt runs
-    k_attn_dvec first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS; ``impl`` as k_attn_fwd's."""
+    computes dvec (sum_d dy y per row) itself, before the dK/dV kernel reads it; simt and "wgds" run a
+    dvec kernel first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS; ``impl`` as k_attn_fwd's.
+    "wgds" (dQ from the dS tiles the dK/dV kernel stores) needs ``ds``, a scratch device array of any
+    dtype: the heads go in as many launches as ``attn_ds_bytes`` says fit (None: allocated here)."""
     D = C // H
     impl = _tensor_impl(prec, D, 3 * C, impl, "bwd")
     s = SUFFIX[prec]
@@ -362,6 +382,9 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
     scale = 1.0 / math.sqrt(D)
     q, k, v = ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C)
     acc = i32(1 if accumulate else 0)
+    if impl == "wgds":
+        _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds)
+        return
     name, grid, block = _attn_launch(impl, "dq", prec, D, T, B * H, dq_rows)
     if impl != "simt":
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, y, i32(C), lse2, dvec, ptr(dqkv), i32(T),
@@ -375,6 +398,29 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
     kernel("attention.cu", name)(
         grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C), ptr(dqkv, 2 * C), i32(T), i32(H),
                       f32(sl2), f32(scale), acc))
+
+
+def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds):
+    """The "wgds" backward: dvec, then per group of heads that fits ``ds`` the dK/dV kernel (storing
+    dS) and the dQ kernel (one product per tile, no recomputed S and dP)."""
+    D, BH = C // H, B * H
+    per = attn_ds_bytes(T)
+    if ds is None:
+        ds = cp().empty(attn_ds_bytes(T, BH), dtype=cp().uint8)
+    nbh = min(BH, ds.nbytes // per)
+    if nbh < 1:
+        raise AndreaError(f"cuda attention: the dS scratch holds {ds.nbytes} bytes, one head needs {per}")
+    kernel("attention.cu", f"k_attn_dvec16_{SUFFIX[prec]}")((blocks(BH * T),), (256,),
+                                                           (y, dy, i32(C), dvec, i32(B), i32(T), i32(H), i32(D)))
+    for bh0 in range(0, BH, nbh):
+        n = min(nbh, BH - bh0)
+        name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
+        kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
+                                                   ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
+                                                   ptr(ds), i32(bh0)))
+        name, grid, block = _attn_launch("wgds", "dq", prec, D, T, n, dq_rows)
+        kernel("attention.cu", name)(grid, block, (k, i32(3 * C), ptr(ds), ptr(dqkv), i32(T), i32(H), f32(scale),
+                                                   acc, i32(bh0)))
 
 
 def _row_ld(op: str, x, N: int, V: int) -> int:
