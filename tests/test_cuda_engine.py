@@ -49,7 +49,7 @@ def attn_kernels(monkeypatch, which):
 # mma.sync forward feeding the wgmma backward and mma.sync in both passes
 MMA_WG = {"fwd": "mma", "bwd": "wg"}
 ALL_MMA = {"fwd": "mma", "bwd": "mma"}
-WG_WG = {"fwd": "wg", "bwd": "wg"}       # the wgmma backward that recomputes S and dP for dQ (before "wgds")
+WG_DS = {"fwd": "wg", "bwd": "wgds"}     # dQ from the stored dS tiles (the default at D = 64; MC's D is 32)
 B = 2
 HP = Hyper(grad_clip=1.0)
 
@@ -104,7 +104,7 @@ def test_op_mirror_runs_the_generic_engine_like_numpy():
     ("fp32", 2e-3, True, None, None), ("bf16", 6e-2, True, None, None),
     ("bf16", 6e-2, True, frozenset({"gelu"}), None), ("bf16", 6e-2, False, None, None),
     ("fp16", 6e-2, True, None, None), ("bf16", 6e-2, True, None, MMA_WG), ("fp16", 6e-2, True, None, MMA_WG),
-    ("bf16", 6e-2, True, None, ALL_MMA), ("bf16", 6e-2, True, None, WG_WG), ("fp16", 6e-2, True, None, WG_WG)])
+    ("bf16", 6e-2, True, None, ALL_MMA), ("bf16", 6e-2, True, None, WG_DS), ("fp16", 6e-2, True, None, WG_DS)])
 def test_gpu_engine_loss_and_every_gradient_match_numpy(prec, rel, fuse, recompute, attn, monkeypatch):
     import andrea.cuda.engine as ce
     from andrea.cuda.backend import make_backend
@@ -164,7 +164,7 @@ def _run(prec, steps, start=None, graph=True, accum=1):
 
 
 @pytest.mark.parametrize("prec,attn", [("fp32", None), ("bf16", None), ("bf16", MMA_WG), ("bf16", ALL_MMA),
-                                       ("bf16", WG_WG)])
+                                       ("bf16", WG_DS)])
 def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec, attn, monkeypatch):
     attn_kernels(monkeypatch, attn)
     a = _run(prec, 6)
@@ -178,6 +178,25 @@ def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec, attn, monkeyp
     eager = _run(prec, 6, graph=False)        # the CUDA graph replays exactly the eager launches
     for x, y in zip(a[1:], eager[1:]):
         assert x.tobytes() == y.tobytes()
+
+
+def test_attention_backward_falls_back_where_the_logits_cannot_hold_ds(monkeypatch):
+    # "wgds" keeps dS in the logits' bytes: at T = 1024 one head needs 1.1 MB of tiles, a 97-token
+    # vocabulary's logits (B = 1) hold 256 KiB, so the engine runs "wg" there: the same bytes as "wg" forced
+    from andrea.cuda import kernels as K
+    from andrea.cuda.backend import make_backend
+
+    mc = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=1, context=1024)
+    attn_kernels(monkeypatch, WG_DS)
+    got = []
+    for which in (WG_DS, {"fwd": "wg", "bwd": "wg"}):
+        monkeypatch.setattr(K, "ATTN_HOPPER", dict(which))
+        eng = make_backend().make_engine(mc, 1, precision="bf16", cuda_graph=False)
+        assert eng.a["logits"].nbytes < K.attn_ds_bytes(mc.context)
+        eng.init_weights(0)
+        assert eng.train_step([batch(5, mc, 1)], 3e-3, 1, HP).ok
+        got.append(eng.state_host()[0].tobytes())
+    assert got[0] == got[1]
 
 
 def test_fp16_resume_with_extra_state_is_bit_exact():

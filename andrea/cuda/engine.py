@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from andrea import dist
-from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, attn_impl, cp,
+from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, attn_ds_bytes, attn_impl, cp,
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd_e4m3, k_loss_bwd, k_loss_fwd,
@@ -186,11 +186,15 @@ class FastOps:
 
     def attn_backward(self, dqkv, dout, qkv, att, y, n_head, work):
         """The "wgds" backward keeps its dS tiles in the logits' bytes: the head's backward is done
-        with them before the blocks' backward starts, and the next forward rewrites them."""
+        with them before the blocks' backward starts, and the next forward rewrites them. Logits
+        too small for one head's tiles (a tiny vocabulary at a long context) run "wg" instead."""
         B, T, C = dout.shape
-        lg = self.a["logits"]
+        lg, impl = self.a["logits"], None
         ds = cp().ndarray((lg.nbytes,), dtype=cp().uint8, memptr=lg.data)
-        k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds)
+        if lg.nbytes < attn_ds_bytes(T) and attn_impl(self.p, C // n_head, 3 * C, "bwd") == "wgds":
+            impl = "wg"
+        k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
+                   impl=impl)
 
     def attn_out_forward(self, out, y, w_o):
         self._mm(out, y, w_o, tag="attn-out fwd")

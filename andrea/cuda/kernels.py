@@ -286,8 +286,10 @@ def k_scale(g, n, s):
 # 53.62 vs 54.19 (480M B=8); the engine gpu tests pass with either pair (213 passed).
 # Session 12: the backward "wgds" (the dK/dV kernel stores dS, the dQ kernel does one product a tile
 # instead of recomputing S and dP: 5 tile products instead of 7), one layer 0.771 vs 0.894 ms
-# (120M B=32) and 0.406 vs 0.466 (480M B=8); docs/bench/attn_ds_h200.md.
-ATTN_HOPPER = {"fwd": "wg", "bwd": "wgds"}
+# (120M B=32) and 0.406 vs 0.466 (480M B=8), but 0.146 vs 0.141 at D = 32 (12M B=8: the dS bytes are
+# the same, the products saved half as long), so D = 32 keeps "wg"; docs/bench/attn_ds_h200.md.
+# A pass's pick is one name, or a dict by head size.
+ATTN_HOPPER = {"fwd": "wg", "bwd": {32: "wg", 64: "wgds"}}
 
 
 def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
@@ -295,7 +297,10 @@ def attn_impl(prec: str, D: int, ld: int, which: str = "fwd") -> str:
     tensor cores for bf16/fp16 at D = 32/64 ("wg"/"wgds" or "mma", ATTN_HOPPER's pick on a compute
     capability 9.0 device, else "mma"), else "simt"."""
     if prec in ("bf16", "fp16") and D in (32, 64) and ld % 8 == 0:
-        return ATTN_HOPPER[which] if hopper() else "mma"
+        if not hopper():
+            return "mma"
+        pick = ATTN_HOPPER[which]
+        return pick[D] if isinstance(pick, dict) else pick
     if D not in (8, 16, 32, 64, 128):
         raise AndreaError(f"cuda attention: head size D={D} is not supported (8, 16, 32, 64 or 128)")
     return "simt"
