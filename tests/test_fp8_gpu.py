@@ -478,6 +478,45 @@ def test_e4m3_layernorm_forward_is_the_bf16_forward_then_the_delayed_cast(C, res
         kk.k_layernorm_fwd_e4m3(y8[:60], m[:60], r[:60], gpu(x[:60]), gpu(g), gpu(b), 60, C, sc, rec)
 
 
+@pytest.mark.parametrize("heads_per_launch", [None, 1])
+def test_e4m3_attention_backward_is_the_bf16_backward_then_the_delayed_cast(heads_per_launch):
+    """fp8.ATTN_E4M3's kernels (kernels.k_attn_bwd(impl="wgds", e4m3=)) against the same backward in
+    bf16 followed by the NumPy twin of the delayed cast at one scale: the E4M3 bytes of dq, dk and dv
+    and the amax (atomicMax-ed over warps and both kernels, into a smaller start) bit-exact; T = 200
+    is ragged against the 64-row tiles, the scale 4x too large so the top values saturate, and the
+    heads go in one launch or one per launch. Tolerance: none."""
+    from andrea.cuda import kernels as kk
+
+    if not kk.hopper():
+        pytest.skip("the dS-storing attention backward needs a compute capability 9.0 device")
+    rng = np.random.default_rng(9)
+    Bq, T, H, D = 2, 200, 2, 64
+    C, N = H * D, Bq * T
+    qkv, dout = _bf16_gpu(rng, (N, 3 * C)), _bf16_gpu(rng, (N, C))
+    y, lse = cp.zeros((N, C), np.uint16), cp.zeros(Bq * H * T, np.float32)
+    kk.k_attn_fwd("bf16", y, lse, qkv, Bq, T, C, H, impl="wg")
+    ds = None if heads_per_launch is None else cp.empty(kk.attn_ds_bytes(T, heads_per_launch), np.uint8)
+    ref = cp.full((N, 3 * C), 0x7FC0, np.uint16)
+    kk.k_attn_bwd("bf16", ref, dout, y, lse, cp.zeros(Bq * H * T, np.float32), qkv, Bq, T, C, H, False,
+                  impl="wgds", ds=ds)
+    rf = f8.bf16_to_f32(cp.asnumpy(ref))
+    am = f8.amax(rf)
+    scale = np.float32(f8.scale_of(am)[0] * np.float32(4.0))
+    q_ref, am_ref, clipped = f8.quantize_delayed(rf, scale)
+    assert clipped and am_ref == am
+    d8 = cp.full((N, 3 * C), 0xAA, np.uint8)
+    rec = cp.asarray(np.array([np.float32(am) / 2], np.float32))
+    kk.k_attn_bwd("bf16", cp.full((N, 3 * C), 0x7FC0, np.uint16), dout, y, lse, cp.zeros(Bq * H * T, np.float32),
+                  qkv, Bq, T, C, H, False, impl="wgds", ds=ds, e4m3=(d8, gpu(np.array([scale], np.float32)), rec))
+    np.testing.assert_array_equal(cp.asnumpy(d8), q_ref.reshape(N, 3 * C))
+    assert float(rec[0]) == float(am_ref)
+    from andrea.errors import AndreaError
+
+    with pytest.raises(AndreaError, match="E4M3 dqkv needs"):
+        kk.k_attn_bwd("bf16", ref, dout, y, lse, cp.zeros(Bq * H * T, np.float32), qkv, Bq, T, C, H, False,
+                      impl="wg", e4m3=(d8, gpu(np.array([scale], np.float32)), rec))
+
+
 def _bf16_gpu(rng, shape, scale=1.0):
     return gpu(to_bf16((rng.standard_normal(shape) * scale).astype(np.float32)).reshape(shape))
 
@@ -578,6 +617,17 @@ def test_fp8_engine_gradients_and_ten_steps_track_numpy(scaling, gemms, monkeypa
           + (f", clipped casts {g8.fp8_clipped_total}" if scaling == "delayed" else ""))
 
 
+def _wgds(monkeypatch) -> bool:
+    """The attention backward that stores dS ("wgds", where fp8.ATTN_E4M3 applies) at MC's D = 32 too
+    (the default there is "wg"), on a compute capability 9.0 device; False elsewhere."""
+    from andrea.cuda import kernels as K
+
+    if not K.hopper():
+        return False
+    monkeypatch.setattr(K, "ATTN_HOPPER", {"fwd": "wg", "bwd": "wgds"})
+    return True
+
+
 def _run(steps, start=None, graph=True, accum=1, memo=True, scaling="current"):
     from andrea.cuda.backend import make_backend
 
@@ -595,14 +645,19 @@ def _run(steps, start=None, graph=True, accum=1, memo=True, scaling="current"):
     return (t0 + steps, *eng.state_host(), eng.extra_state())
 
 
-@pytest.mark.parametrize("scaling,gemms", [("current", ""), ("delayed", ""), ("current", "fwd,bwd"),
-                                           ("delayed", "fwd,bwd"), ("delayed", "fwd")])
-def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scaling, gemms, monkeypatch):
+@pytest.mark.parametrize("scaling,gemms,wgds", [("current", "", False), ("delayed", "", False),
+                                                ("current", "fwd,bwd", False), ("delayed", "fwd,bwd", False),
+                                                ("delayed", "fwd", False), ("delayed", "fwd", True)])
+def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scaling, gemms, wgds, monkeypatch):
     """Delayed with a 4-step history over 6 steps: the ring wraps, and the resume at step 3
     restores it (and the step count) from extra_state, as a checkpoint does. ``gemms``:
-    engine.FUSE_GELU_FP8 (the GELU epilogues on the fc forward and proj dgrad, or none)."""
+    engine.FUSE_GELU_FP8 (the GELU epilogues on the fc forward and proj dgrad, or none). ``wgds``: the
+    dS-storing attention backward, so delayed scaling's dqkv is written in E4M3 by it (fp8.ATTN_E4M3);
+    the run without the cast reuse (``fresh``: every operand cast from bf16) then checks its bytes."""
     import andrea.cuda.engine as ce
 
+    if wgds and not _wgds(monkeypatch):
+        pytest.skip("the dS-storing attention backward needs a compute capability 9.0 device")
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
     a = _run(6, scaling=scaling)
     b = _run(6, scaling=scaling)
@@ -638,10 +693,12 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     cast in the backward, k_gelu_bwd then the cast of dL/dh_pre, the weights one by one): w, m, v and
     the delayed history byte-identical after 6 steps; fp8.LN_E4M3 (delayed scaling's LayerNorms writing
     E4M3) is on in the first. fp8.FC_E4M3 is off in both (it rounds h_act once from fp32, not the same
-    bytes: test_e4m3_h_act_tracks_the_bf16_cast)."""
+    bytes: test_e4m3_h_act_tracks_the_bf16_cast). On a compute capability 9.0 device both run the
+    dS-storing attention backward, and fp8.ATTN_E4M3 (its dqkv written in E4M3) is on in the first only."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
 
+    _wgds(monkeypatch)
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
     monkeypatch.setattr(k8, "FC_E4M3", False)
     monkeypatch.setattr(k8, "CAST_T", kernel)
@@ -649,6 +706,7 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     monkeypatch.setattr(k8, "CAST_T", "smem")
     monkeypatch.setattr(k8, "SAVE_TRANSPOSES", False)
     monkeypatch.setattr(k8, "DGELU_CAST", False)
+    monkeypatch.setattr(k8, "ATTN_E4M3", False)
     monkeypatch.setattr(k8.Fp8Gemm, "cast_weights", k8.Fp8Gemm.cast_weights_each)
     off = _run(6, scaling=scaling)
     for x, y in zip(on[1:4], off[1:4]):

@@ -342,6 +342,34 @@ __device__ __forceinline__ void store_rows(u16* dst, long long rb, int ra, int r
     }
 }
 
+// store_rows' E4M3 form (fp8 under delayed scaling: the dqkv gradient written by its producer, accumulate
+// off): each output rounded to bf16 exactly as store_rows rounds it (0 + a scale), then E4M3 at *sc into
+// the byte matrix d8 (leading dimension ld), and the warp's max |bf16| over the finite outputs
+// atomicMax-ed into *rec: the bytes of store_rows followed by fp8.cu's cast at that scale.
+template <int ND>
+__device__ __forceinline__ void store_rows_e4m3(unsigned char* d8, long long rb, int ra, int rc, int Tn, int ld,
+                                                int col, const float* acc, float scale, const float* sc, float* rec) {
+    const float s = *sc;
+    float m = 0.0f;
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+        const int c = col + n * 8;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = half ? rc : ra;
+            if (r < Tn) {
+                const unsigned w = pack2<true>(0.0f + acc[4 * n + 2 * half] * scale,
+                                               0.0f + acc[4 * n + 2 * half + 1] * scale);
+                const unsigned lo = w & 0xffffu, hi = w >> 16;
+                m = fmaxf(m, fmaxf(bf16_absf(lo), bf16_absf(hi)));
+                *reinterpret_cast<unsigned short*>(d8 + (rb + r) * ld + c) = (unsigned short)fp8_pair(lo, hi, s);
+            }
+        }
+    }
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m));
+}
+
 // The forward's epilogue of rows ra / rc: y = o / l (16-bit, layout as store_rows) and lse2 = m + log2 l
 // (lse_bh: this head's lse2 row), l first summed over the 4 lanes that share a row.
 template <bool BF, int ND>
@@ -1205,7 +1233,8 @@ __device__ __forceinline__ void ds_store_t(u16* dst, const unsigned (*sa)[4], in
 // dS's A fragments by ldmatrix.trans of the key-row core matrices).
 template <bool BF, int D, int WG>
 __device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __restrict__ ds, u16* __restrict__ dq,
-                                int Tn, int H, float scale, int accumulate, int bh0) {
+                                int Tn, int H, float scale, int accumulate, int bh0,
+                                unsigned char* __restrict__ dq8, const float* __restrict__ sc, float* __restrict__ rec) {
     constexpr int ND = D / 8;
     __shared__ __align__(128) u16 Ks2[2][64 * D];
     __shared__ __align__(128) u16 Ds2[2][WG][64 * 64];
@@ -1252,6 +1281,10 @@ __device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __
         }
         __syncthreads();
     }
+    if (dq8 != nullptr) {
+        store_rows_e4m3<ND>(dq8, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, sc, rec);
+        return;
+    }
     store_rows<BF, ND>(dq, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, accumulate);
 }
 
@@ -1263,7 +1296,9 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
                                 int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
                                 const float* __restrict__ dvec, u16* __restrict__ dk, u16* __restrict__ dv, int Tn,
                                 int H, float sl2, float scale, int accumulate, u16* __restrict__ ds = nullptr,
-                                int bh0 = 0) {
+                                int bh0 = 0, unsigned char* __restrict__ dk8 = nullptr,
+                                unsigned char* __restrict__ dv8 = nullptr, const float* __restrict__ sc = nullptr,
+                                float* __restrict__ rec = nullptr) {
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(128) u16 Qs2[2][64 * D];
     __shared__ __align__(128) u16 Os2[2][64 * D];
@@ -1353,6 +1388,11 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
         wg_regs<ND * 4>(dka);
         __syncthreads();
     }
+    if (dk8 != nullptr) {  // fp8: dK, dV in E4M3 (bf16 storage only: the launcher's check)
+        store_rows_e4m3<ND>(dk8, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, sc, rec);
+        store_rows_e4m3<ND>(dv8, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, sc, rec);
+        return;
+    }
     store_rows<BF, ND>(dk, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, accumulate);
     store_rows<BF, ND>(dv, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, accumulate);
 }
@@ -1361,17 +1401,19 @@ ATTN_TC_ALL(wg, 128, 256)  // 128 threads per warpgroup
 
 // The dQ-from-dS pair (impl "wgds"): k_attn_bwd_dkvs_wg_* (the dK/dV kernel, also storing dS^T) then
 // k_attn_bwd_dqs_wg_*, for the heads bh0 .. bh0 + gridDim.y - 1 (ds: their tiles).
+// dk8/dv8/dq8 non-null (fp8, bf16 storage): the outputs in E4M3 at *sc there instead, amax into *rec.
 #define ATTN_WGDS_INST(SUF, BF, D, P, BM, NT)                                                                \
     extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkvs_wg_##SUF##_d##D##_r##BM(                \
         const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
         const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate, u16* ds, \
-        int bh0) {                                                                                           \
+        int bh0, unsigned char* dk8, unsigned char* dv8, const float* sc, float* rec) {                      \
         attn_bwd_dkv_wg<BF, D, P, true>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale,          \
-                                        accumulate, ds, bh0);                                                \
+                                        accumulate, ds, bh0, dk8, dv8, sc, rec);                             \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dqs_wg_##SUF##_d##D##_r##BM(                 \
-        const u16* k, int ld, const u16* ds, u16* dq, int Tn, int H, float scale, int accumulate, int bh0) {  \
-        attn_bwd_dqs_wg<BF, D, P>(k, ld, ds, dq, Tn, H, scale, accumulate, bh0);                             \
+        const u16* k, int ld, const u16* ds, u16* dq, int Tn, int H, float scale, int accumulate, int bh0,   \
+        unsigned char* dq8, const float* sc, float* rec) {                                                   \
+        attn_bwd_dqs_wg<BF, D, P>(k, ld, ds, dq, Tn, H, scale, accumulate, bh0, dq8, sc, rec);               \
     }
 ATTN_WGDS_INST(bf16, true, 32, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 32, 2, 128, 256)
 ATTN_WGDS_INST(bf16, true, 64, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 64, 2, 128, 256)

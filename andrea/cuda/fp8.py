@@ -90,6 +90,10 @@ LN_E4M3 = True
 # Engine's choice; the forward is fast either way). H200, session 11: 120M B=32 45.34 vs 45.83 ms, 480M B=8
 # 44.07 vs 45.01; held-out loss after 2000 steps (bench/fp8_quality.py) 0.9998x bf16 against 0.9983x split.
 FAST_ACCUM_BWD = True
+# The same conditions and the memo: the attention backward ("wgds", kernels.k_attn_bwd(e4m3=)) writes
+# dqkv in E4M3 at its site's scale with its amax (bf16 rounding then the cast's conversion: the same
+# bytes as False), a byte transpose makes the weight gradient's copy: dqkv is never stored in bf16.
+ATTN_E4M3 = True
 DSCALE_AT = 4                     # the float of a site's slot holding its scale again, 16-byte aligned for cuBLASLt
 # The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
 # warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
@@ -280,6 +284,8 @@ class Fp8Gemm:
         self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
         self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
         self._ready: dict = {}                     # FC_E4M3: activation (ptr, shape) -> (its E4M3 copy, slot)
+        self._claimed: set = set()                 # sites taken ahead of the call order (produce_grad)
+        self._produced: dict = {}                  # ATTN_E4M3: gradient (ptr, shape) -> its claimed site
         self.ln_ptrs = set(ln_ptrs)                # LN_E4M3: the LayerNorm outputs that go to E4M3 GEMMs
 
     @property
@@ -319,6 +325,7 @@ class Fp8Gemm:
         self.site, self._memo = 0, {}
         self.save_t = backward and self.saved is not None
         self._saved, self._saved_off, self._n_saved, self._shadow, self._dgelu, self._ready = {}, 0, 0, [], {}, {}
+        self._claimed, self._produced = set(), {}
 
     @property
     def defers_dgelu(self) -> bool:
@@ -366,9 +373,9 @@ class Fp8Gemm:
         if self.hist is not None and self.site != self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: a step cast {self.site} activation/gradient tensors, "
                               f"the plan has {self.n_sites} sites (SITES_PER_LAYER in andrea/cuda/fp8.py)")
-        if self._ready:
-            raise AndreaError(f"fp8: {len(self._ready)} activations written in E4M3 by their producer were not "
-                              f"taken by a GEMM (FC_E4M3 / LN_E4M3 in andrea/cuda/fp8.py)")
+        if self._ready or self._produced:
+            raise AndreaError(f"fp8: {len(self._ready) + len(self._produced)} tensors written in E4M3 by their "
+                              f"producer were not taken by a GEMM (FC_E4M3 / LN_E4M3 / ATTN_E4M3 in andrea/cuda/fp8.py)")
         left = sum(len(v) for v in self._saved.values())
         if left:
             raise AndreaError(f"fp8: {left} saved activation transposes were not used by the backward "
@@ -377,6 +384,8 @@ class Fp8Gemm:
     def _next_site(self) -> int:
         site = self.site
         self.site += 1
+        while self.site in self._claimed:          # taken ahead by produce_grad
+            self.site += 1
         if site >= self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
         return site
@@ -480,6 +489,30 @@ class Fp8Gemm:
             k_fp8_t_u8(nat, out_t, R, C, am, rec if folds else None)
         self._ready[key] = (nat, slot)
 
+    def attn_e4m3(self) -> bool:
+        """ATTN_E4M3 applies now: a history, the kept transposes, a backward and the memo (the bf16 dqkv
+        is never written, so nothing could cast it again)."""
+        return ATTN_E4M3 and self._written and self.save_t and self.memo_enabled
+
+    def produce_grad(self, G, write) -> None:
+        """G (R, C), the output gradient whose next GEMM is a weight gradient X^T G (with X^T kept, so
+        that GEMM first takes X's shadow site, then G's) and then dX = G W^T, is written in E4M3 by its
+        producer: ``write(nat, scale, rec)`` into f8_g at the site G's cast would take, with its amax;
+        k_fp8_t_u8 writes G^T into f8_gt, and both GEMMs take them as a cast's (the memo)."""
+        R, C = G.shape
+        site = self.site + 1
+        while site in self._claimed:
+            site += 1
+        if site >= self.n_sites:
+            raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
+        self._claimed.add(site)
+        key, slot = (G.data.ptr, G.shape), self.site_base + site
+        nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
+        write(nat, self.inv[SLOT * slot + 1:SLOT * slot + 2], self.a["f8_cur"][site:site + 1])
+        k_fp8_t_u8(nat, tr, R, C, self.a["f8_part"][:1], None)
+        self._memo[key] = (nat, tr, slot, site)
+        self._produced[key] = site
+
     def _gelu_e4m3(self, H, x8, x_inv, y8, y_inv, M: int, N: int, K: int, aux) -> None:
         """FC_E4M3's fc forward: h_act H (M, N) = gelu(x W) straight into E4M3 (``f8_g``, free in the
         forward; ``f8_a`` holds x) at its site's scale (the slot's DSCALE_AT float, 16-byte aligned for
@@ -496,6 +529,10 @@ class Fp8Gemm:
         other one kept for the next call (with the memo off, cast again at the same site)."""
         key = (G.data.ptr, G.shape)
         hit = prev.get(key)
+        claimed = self._produced.pop(key, None)
+        if claimed is not None and (hit is None or claimed != self.site - 1):
+            raise AndreaError(f"fp8: the gradient written in E4M3 by its producer took site {claimed}, but its GEMM "
+                              f"comes at site {self.site - 1} (ATTN_E4M3 in andrea/cuda/fp8.py: produce_grad's order)")
         if hit is None or not self.memo_enabled:
             R, C = G.shape
             nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)

@@ -373,12 +373,15 @@ def attn_ds_bytes(T: int, heads: int = 1) -> int:
 
 
 def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool, rows=None, impl=None,
-               ds=None):
+               ds=None, e4m3=None):
     """dqkv (B*T, 3C) (+)= d/dqkv; y is the forward output, dvec (B*H, T) scratch. The mma dQ kernel
     computes dvec (sum_d dy y per row) itself, before the dK/dV kernel reads it; simt and "wgds" run a
     dvec kernel first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS; ``impl`` as k_attn_fwd's.
     "wgds" (dQ from the dS tiles the dK/dV kernel stores) needs ``ds``, a scratch device array of any
-    dtype: the heads go in as many launches as ``attn_ds_bytes`` says fit (None: allocated here)."""
+    dtype: the heads go in as many launches as ``attn_ds_bytes`` says fit (None: allocated here).
+    ``e4m3`` (fp8, "wgds", bf16, accumulate off): (d8, sc, rec): dqkv is written as E4M3 bytes into d8
+    (B*T, 3C) at scale sc[0] instead, its amax atomicMax-ed into rec[0] (the bytes of the bf16 dqkv
+    followed by fp8.cu's cast at that scale)."""
     D = C // H
     impl = _tensor_impl(prec, D, 3 * C, impl, "bwd")
     s = SUFFIX[prec]
@@ -387,8 +390,12 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
     scale = 1.0 / math.sqrt(D)
     q, k, v = ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C)
     acc = i32(1 if accumulate else 0)
+    if e4m3 is not None and (impl != "wgds" or prec != "bf16" or accumulate):
+        raise AndreaError(f"cuda attention: an E4M3 dqkv needs the \"wgds\" backward in bf16 without accumulate "
+                          f"(got {impl}, {prec}, accumulate={accumulate})")
     if impl == "wgds":
-        _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds)
+        _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds,
+                     e4m3)
         return
     name, grid, block = _attn_launch(impl, "dq", prec, D, T, B * H, dq_rows)
     if impl != "simt":
@@ -405,10 +412,14 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
                       f32(sl2), f32(scale), acc))
 
 
-def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds):
+def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds,
+                 e4m3=None):
     """The "wgds" backward: dvec, then per group of heads that fits ``ds`` the dK/dV kernel (storing
-    dS) and the dQ kernel (one product per tile, no recomputed S and dP)."""
+    dS) and the dQ kernel (one product per tile, no recomputed S and dP); ``e4m3`` as k_attn_bwd's."""
     D, BH = C // H, B * H
+    null = np.uint64(0)
+    d8, sc, rec = (null, null, null) if e4m3 is None else (e4m3[0].data.ptr, ptr(e4m3[1]), ptr(e4m3[2]))
+    f8 = (null, null) if e4m3 is None else (np.uint64(d8 + C), np.uint64(d8 + 2 * C))
     per = attn_ds_bytes(T)
     if ds is None:
         ds = cp().empty(attn_ds_bytes(T, BH), dtype=cp().uint8)
@@ -422,10 +433,10 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
         name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
                                                    ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
-                                                   ptr(ds), i32(bh0)))
+                                                   ptr(ds), i32(bh0), *f8, sc, rec))
         name, grid, block = _attn_launch("wgds", "dq", prec, D, T, n, dq_rows)
         kernel("attention.cu", name)(grid, block, (k, i32(3 * C), ptr(ds), ptr(dqkv), i32(T), i32(H), f32(scale),
-                                                   acc, i32(bh0)))
+                                                   acc, i32(bh0), np.uint64(d8), sc, rec))
 
 
 def _row_ld(op: str, x, N: int, V: int) -> int:
