@@ -2,13 +2,15 @@
 //
 // Layout: q, k, v are row-major (B*T, ld) views with head h at columns [h*D, h*D+D) (ld = 3C for a
 // packed qkv buffer); y and dy are (B*T, ldy); lse2 and dvec are (B*H, T) fp32.
-// No T x T matrix is ever stored: the forward keeps a running max/sum per query row (online softmax)
-// and saves only lse2 = log2-sum-exp of the scaled scores per row; the backward recomputes the
-// probabilities tile by tile.
+// The forward keeps a running max/sum per query row (online softmax) and saves only lse2 =
+// log2-sum-exp of the scaled scores per row; the backward recomputes the probabilities tile by tile.
 //
 // Deterministic backward without atomics: dK/dV are computed per key tile by a block that walks the
 // query tiles in order (k_attn_bwd_dkv_*); dQ per query tile by a block that walks the key tiles
 // (k_attn_bwd_dq_*). Each output element has exactly one writer (S and dP are computed by both).
+// The Hopper pair k_attn_bwd_dkvs_wg_* / k_attn_bwd_dqs_wg_* ("wgds") computes S and dP once: the
+// dK/dV kernel also stores each 64 x 64 tile of dS (16-bit, the causal tiles only, in a scratch the
+// caller lends), and the dQ kernel sums dS K over them in key order; D_i comes from k_attn_dvec16_<t>.
 //
 // Three implementations with the same contract:
 //   *_simt_<t>_d<D>: one thread per row, fp32 FMA; any storage type; D in {8, 16, 32, 64, 128};
