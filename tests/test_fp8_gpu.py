@@ -517,6 +517,42 @@ def test_e4m3_attention_backward_is_the_bf16_backward_then_the_delayed_cast(head
                       impl="wg", e4m3=(d8, gpu(np.array([scale], np.float32)), rec))
 
 
+@pytest.mark.parametrize("C", [64, 768, 1536])
+def test_e4m3_layernorm_backward_is_the_bf16_backward_then_the_delayed_cast(C):
+    """fp8.LNB_E4M3's kernel (kernels.k_layernorm_bwd(e4m3=)) against k_layernorm_bwd with a bf16 dlow
+    followed by the NumPy twin of the delayed cast at one scale: the E4M3 bytes and the amax (into a
+    smaller start) bit-exact, dx, dg and db byte-identical; the scale 4x too large so the top values
+    saturate; C = 64, 768, 1536 take three (V, R) kernels. Tolerance: none."""
+    from andrea.cuda import kernels as kk
+
+    rng = np.random.default_rng(C + 1)
+    N = 96
+    x, g = (rng.standard_normal((N, C)) * 2).astype(np.float32), (rng.standard_normal(C) * 0.5 + 1).astype(np.float32)
+    mean, rstd = x.mean(1).astype(np.float32), (1 / np.sqrt(x.var(1) + 1e-5)).astype(np.float32)
+    dy, dx0 = to_bf16((rng.standard_normal((N, C))).astype(np.float32)), (rng.standard_normal((N, C)) * 0.3).astype(np.float32)
+    part = cp.zeros(((N + kk.LN_ROWS_PER_CHUNK - 1) // kk.LN_ROWS_PER_CHUNK) * 2 * C, np.float32)
+
+    def run(e4m3):
+        dx, dg, db = gpu(dx0), cp.zeros(C, np.float32), cp.zeros(C, np.float32)
+        low = None if e4m3 else cp.full((N, C), 0x7FC0, np.uint16)
+        kk.k_layernorm_bwd("bf16", dx, dg, db, gpu(dy), gpu(x), gpu(mean), gpu(rstd), gpu(g), part, N, C, dlow=low,
+                           e4m3=e4m3)
+        return dx, dg, db, low
+
+    dx, dg, db, low = run(None)
+    lf = f8.bf16_to_f32(cp.asnumpy(low))
+    am = f8.amax(lf)
+    scale = np.float32(f8.scale_of(am)[0] * np.float32(4.0))
+    q_ref, am_ref, clipped = f8.quantize_delayed(lf, scale)
+    assert clipped and am_ref == am
+    d8, rec = cp.full((N, C), 0xAA, np.uint8), cp.asarray(np.array([np.float32(am) / 2], np.float32))
+    dx8, dg8, db8, _ = run((d8, gpu(np.array([scale], np.float32)), rec))
+    np.testing.assert_array_equal(cp.asnumpy(d8), q_ref.reshape(N, C))
+    assert float(rec[0]) == float(am_ref)
+    for a, b in ((dx, dx8), (dg, dg8), (db, db8)):
+        assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes()
+
+
 def _bf16_gpu(rng, shape, scale=1.0):
     return gpu(to_bf16((rng.standard_normal(shape) * scale).astype(np.float32)).reshape(shape))
 
@@ -694,7 +730,8 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     the delayed history byte-identical after 6 steps; fp8.LN_E4M3 (delayed scaling's LayerNorms writing
     E4M3) is on in the first. fp8.FC_E4M3 is off in both (it rounds h_act once from fp32, not the same
     bytes: test_e4m3_h_act_tracks_the_bf16_cast). On a compute capability 9.0 device both run the
-    dS-storing attention backward, and fp8.ATTN_E4M3 (its dqkv written in E4M3) is on in the first only."""
+    dS-storing attention backward, and fp8.ATTN_E4M3 (its dqkv written in E4M3) is on in the first only,
+    as is fp8.LNB_E4M3 (the residual LayerNorm backwards' branch gradient written in E4M3)."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
 
@@ -707,6 +744,7 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     monkeypatch.setattr(k8, "SAVE_TRANSPOSES", False)
     monkeypatch.setattr(k8, "DGELU_CAST", False)
     monkeypatch.setattr(k8, "ATTN_E4M3", False)
+    monkeypatch.setattr(k8, "LNB_E4M3", False)
     monkeypatch.setattr(k8.Fp8Gemm, "cast_weights", k8.Fp8Gemm.cast_weights_each)
     off = _run(6, scaling=scaling)
     for x, y in zip(on[1:4], off[1:4]):

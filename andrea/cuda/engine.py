@@ -44,7 +44,7 @@ from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_h
                                  embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd_e4m3, k_loss_bwd, k_loss_fwd,
-                                 k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_e4m3_fits)
+                                 k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_bwd_vr, ln_e4m3_fits)
 from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
 from andrea.cuda import fp8 as fp8_mod
 from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, fp8_buffers, n_slots, require_fp8,
@@ -163,6 +163,11 @@ class FastOps:
         """One kernel: the LayerNorm backward also writes the branch gradient's 16-bit cast."""
         N, C = x.shape
         low = None if dbranch.data.ptr == dx.data.ptr else dbranch      # fp32: the branch grad IS dres
+        if low is not None and self.f8 is not None and self.f8.grad_e4m3(fp8_mod.LNB_E4M3) and ln_bwd_vr(C):
+            self.f8.produce_grad(dbranch, lambda d8, sc, rec: k_layernorm_bwd(
+                self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C, e4m3=(d8, sc, rec)),
+                after_shadow=False)
+            return
         k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C, dlow=low)
 
     def residual_layernorm_forward(self, xo, out, mean, rstd, a, b, g, beta):
@@ -193,10 +198,10 @@ class FastOps:
         ds = cp().ndarray((lg.nbytes,), dtype=cp().uint8, memptr=lg.data)
         if lg.nbytes < attn_ds_bytes(T) and impl == "wgds":
             impl = "wg"
-        if impl == "wgds" and self.f8 is not None and self.f8.attn_e4m3():      # fp8.ATTN_E4M3
+        if impl == "wgds" and self.f8 is not None and self.f8.grad_e4m3(fp8_mod.ATTN_E4M3):
             self.f8.produce_grad(dqkv.reshape(B * T, 3 * C), lambda d8, sc, rec: k_attn_bwd(
                 self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
-                impl=impl, e4m3=(d8, sc, rec)))
+                impl=impl, e4m3=(d8, sc, rec)), after_shadow=True)
             return
         k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
                    impl=impl)

@@ -94,6 +94,9 @@ FAST_ACCUM_BWD = True
 # dqkv in E4M3 at its site's scale with its amax (bf16 rounding then the cast's conversion: the same
 # bytes as False), a byte transpose makes the weight gradient's copy: dqkv is never stored in bf16.
 ATTN_E4M3 = True
+# The same for the branch gradient the residual LayerNorm backwards hand to the attention-out and MLP-proj
+# backwards (k_layernorm_bwd(e4m3=)): E4M3 at its site's scale instead of bf16 for a cast, same bytes.
+LNB_E4M3 = True
 DSCALE_AT = 4                     # the float of a site's slot holding its scale again, 16-byte aligned for cuBLASLt
 # The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
 # warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
@@ -489,23 +492,27 @@ class Fp8Gemm:
             k_fp8_t_u8(nat, out_t, R, C, am, rec if folds else None)
         self._ready[key] = (nat, slot)
 
-    def attn_e4m3(self) -> bool:
-        """ATTN_E4M3 applies now: a history, the kept transposes, a backward and the memo (the bf16 dqkv
-        is never written, so nothing could cast it again)."""
-        return ATTN_E4M3 and self._written and self.save_t and self.memo_enabled
+    def grad_e4m3(self, switch: bool) -> bool:
+        """A gradient's producer writes it in E4M3 now (``switch``: ATTN_E4M3 or LNB_E4M3): a history, the
+        kept transposes, a backward and the memo (the bf16 gradient is never written, so nothing could
+        cast it again)."""
+        return switch and self._written and self.save_t and self.memo_enabled
 
-    def produce_grad(self, G, write) -> None:
-        """G (R, C), the output gradient whose next GEMM is a weight gradient X^T G (with X^T kept, so
-        that GEMM first takes X's shadow site, then G's) and then dX = G W^T, is written in E4M3 by its
-        producer: ``write(nat, scale, rec)`` into f8_g at the site G's cast would take, with its amax;
-        k_fp8_t_u8 writes G^T into f8_gt, and both GEMMs take them as a cast's (the memo)."""
+    def produce_grad(self, G, write, after_shadow: bool) -> None:
+        """G (R, C), an output gradient whose next two GEMMs are dX = G W^T and the weight gradient
+        X^T G, is written in E4M3 by its producer: ``write(nat, scale, rec)`` into f8_g at the site G's
+        cast would take, with its amax; k_fp8_t_u8 writes G^T into f8_gt, and both GEMMs take them as a
+        cast's (the memo). ``after_shadow``: the weight gradient comes first (dqkv), and with X^T kept it
+        takes X's shadow site before G's, so G's site is the one after the next."""
         R, C = G.shape
-        site = self.site + 1
+        site = self.site + (1 if after_shadow else 0)
         while site in self._claimed:
             site += 1
         if site >= self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
         self._claimed.add(site)
+        while self.site in self._claimed:          # G's GEMM takes no site of its own: skip it
+            self.site += 1
         key, slot = (G.data.ptr, G.shape), self.site_base + site
         nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
         write(nat, self.inv[SLOT * slot + 1:SLOT * slot + 2], self.a["f8_cur"][site:site + 1])

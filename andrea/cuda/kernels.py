@@ -217,11 +217,25 @@ def k_layernorm_wsum(dg, db, part, n_chunks, C):
     kernel("layernorm.cu", "k_layernorm_bwd_wsum")((blocks(C, 32),), (32, 32), (part, dg, db, i32(n_chunks), i32(C)))
 
 
-def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C, dlow=None, vr=None):
+def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C, dlow=None, vr=None, e4m3=None):
     """dx (N, C) fp32 += ...; dg, db (C,) += ...; part holds >= ceil(N/32)*2*C floats of scratch.
     ``dlow`` (N, C) in storage type prec, if given, = the updated dx (the branch gradient's cast,
-    ``residual_add_backward``); ``vr`` overrides ln_bwd_vr (bench/layernorm_gpu.py's sweep)."""
+    ``residual_add_backward``); ``vr`` overrides ln_bwd_vr (bench/layernorm_gpu.py's sweep).
+    ``e4m3`` (fp8, bf16, the vectorized kernel): (d8, sc, rec) instead of dlow: the updated dx as E4M3
+    bytes (N, C) at scale sc[0], its max |bf16 value| atomicMax-ed into rec[0] (fp8.LNB_E4M3: the bytes
+    of the bf16 dlow followed by fp8.cu's cast at that scale)."""
     s = SUFFIX[prec]
+    if e4m3 is not None:
+        d8, sc, rec = e4m3
+        n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
+        V, R = (ln_bwd_vr(C) if prec == "bf16" and _ln_aligned(C, x, g, dy, dx, d8) else None) or (None, None)
+        if V is None or part.size < n_chunks * 2 * C:
+            raise AndreaError(f"cuda op layernorm_backward (E4M3): {N} x {C} rows need bf16, the vectorized kernel "
+                              f"(C % 4 == 0, C <= 2048, 16-byte aligned rows) and {n_chunks * 2 * C} floats of scratch")
+        kernel("layernorm.cu", f"k_layernorm_bwd4_e4m3_v{V}_r{R}")(
+            (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, d8, part, i32(N), i32(C), i32(LN_ROWS_PER_CHUNK), sc, rec))
+        k_layernorm_wsum(dg, db, part, n_chunks, C)
+        return
     n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
     if part.size < n_chunks * 2 * C:
         raise AndreaError(f"cuda op layernorm_backward: scratch has {part.size} floats, needs {n_chunks * 2 * C}")

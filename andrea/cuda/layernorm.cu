@@ -254,11 +254,14 @@ __device__ void residual_layernorm_fwd4(const float* __restrict__ a, const T* __
     fwd4_amax<T, V, Y>(m, rec);
 }
 
-template <typename T, int V, int R>
+// Y unsigned char (the _e4m3 kernels, fp8.LNB_E4M3): dlow is E4M3 at scale *sc (bf16 rounding first, as
+// put4 does) and the block's max |bf16 value| is atomicMax-ed into *rec.
+template <typename T, int V, int R, typename Y = T>
 __device__ void layernorm_bwd4(const float* __restrict__ x, const float* __restrict__ w,
                                const float* __restrict__ mean, const float* __restrict__ rstd,
-                               const T* __restrict__ dy, float* __restrict__ dx, T* __restrict__ dlow,
-                               float* __restrict__ part, int N, int C, int rows_per_chunk) {
+                               const T* __restrict__ dy, float* __restrict__ dx, Y* __restrict__ dlow,
+                               float* __restrict__ part, int N, int C, int rows_per_chunk,
+                               const float* __restrict__ sc = nullptr, float* __restrict__ rec = nullptr) {
     constexpr int NW = 8, G = NW / R;                   // blockDim.x == 256: 8 warps, G rows at a time
     __shared__ __align__(16) float red[G][V * 128 * R];
     __shared__ float rsum[2][2][NW];                    // [iteration parity][a, bs][warp]
@@ -272,6 +275,8 @@ __device__ void layernorm_bwd4(const float* __restrict__ x, const float* __restr
         pb[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     const int r0 = blockIdx.x * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    const float s8 = sizeof(Y) == 1 ? sc[0] : 1.0f;
+    float m8 = 0.0f;                                    // E4M3: the thread's max |bf16 value| of dlow
     int it = 0;
     for (int rb = r0; rb < r0 + rows_per_chunk; rb += G, ++it) {   // the same trip count in every warp
         const int r = rb + grp;
@@ -323,7 +328,7 @@ __device__ void layernorm_bwd4(const float* __restrict__ x, const float* __restr
                 o.z += rs * (d4.z * w4.z - mg - (x4.z - mu) * rs * mgx);
                 o.w += rs * (d4.w * w4.w - mg - (x4.w - mu) * rs * mgx);
                 store4(dx + ro + 4 * c4, o);
-                if (dlow != nullptr) store4(dlow + ro + 4 * c4, o);
+                if (dlow != nullptr) put4(dlow + ro + 4 * c4, o, s8, m8);
             }
         }
     }
@@ -344,6 +349,7 @@ __device__ void layernorm_bwd4(const float* __restrict__ x, const float* __restr
             part[((long long)blockIdx.x * 2 + which) * C + c] = t;
         }
     }
+    fwd4_amax<T, V, Y>(m8, rec);
 }
 
 #define LNF_INST(SUF, T, V)                                                                                  \
@@ -385,6 +391,17 @@ __device__ void layernorm_bwd4(const float* __restrict__ x, const float* __restr
         residual_layernorm_fwd4<bf16_t, V, unsigned char>(a, br, xo, w, b, y, mean, rstd, N, C, eps, sc, rec); \
     }
 LNF8_INST(1) LNF8_INST(2) LNF8_INST(3) LNF8_INST(6) LNF8_INST(12) LNF8_INST(16)
+// ... and the residual LayerNorm backwards' branch gradient (fp8.LNB_E4M3): dlow in E4M3 at *sc, amax into
+// *rec; the bytes of the bf16 kernel's dlow followed by k_fp8_cast_bf16.
+#define LNB8_INST(V, R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) k_layernorm_bwd4_e4m3_v##V##_r##R(                     \
+        const float* x, const float* w, const float* mean, const float* rstd, const bf16_t* dy, float* dx,   \
+        unsigned char* dlow, float* part, int N, int C, int rows_per_chunk, const float* sc, float* rec) {   \
+        layernorm_bwd4<bf16_t, V, R, unsigned char>(x, w, mean, rstd, dy, dx, dlow, part, N, C,              \
+                                                    rows_per_chunk, sc, rec);                                \
+    }
+LNB8_INST(1, 1) LNB8_INST(2, 1) LNB8_INST(3, 1) LNB8_INST(6, 1) LNB8_INST(2, 2) LNB8_INST(3, 2) LNB8_INST(6, 2)
+LNB8_INST(2, 4) LNB8_INST(3, 4) LNB8_INST(4, 4) LNB8_INST(2, 8) LNB8_INST(3, 8)
 
 LN4_ALL(f32, float)
 LN4_ALL(bf16, bf16_t)
