@@ -282,17 +282,24 @@ def test_attention_wgmma_matches_mma_and_repeats(be, prec, D):
     assert np.max(np.abs(lsa - lsb)) <= 1e-4 * np.abs(lsb).max(), "wgmma vs mma.sync lse2"
 
 
-@pytest.mark.parametrize("impl", ["mma", "wg", "wgds"])
-def test_attention_mma_writes_dvec_and_accumulates(be, impl):
-    _need_wg(impl)
-    B, T, H, D = 2, 320, 2, 64
+def _attn_inputs(be, rng, B, T, H, D, impl):
+    """bf16 qkv and dout (B*T rows) from ``rng``, and the forward's y and lse2 by ``impl``'s kernels:
+    (C, N, qkv, dout, dout as float64, y, lse2)."""
     C, N = H * D, B * T
-    rng = np.random.default_rng(11)
     qkv, _ = to_dev(rng.normal(0, 1, (N, 3 * C)), "bf16")
     dout, dout64 = to_dev(rng.normal(0, 1, (N, C)), "bf16")
     y = empty((N, C), "bf16")
     lse = cp.full(B * H * T, np.nan, np.float32)
     be.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, impl=impl)
+    return C, N, qkv, dout, dout64, y, lse
+
+
+@pytest.mark.parametrize("impl", ["mma", "wg", "wgds"])
+def test_attention_mma_writes_dvec_and_accumulates(be, impl):
+    _need_wg(impl)
+    B, T, H, D = 2, 320, 2, 64
+    rng = np.random.default_rng(11)
+    C, N, qkv, dout, dout64, y, lse = _attn_inputs(be, rng, B, T, H, D, impl)
     dvec = cp.full(B * H * T, np.nan, np.float32)
     d1 = cp.zeros((N, 3 * C), np.uint16)
     be.k_attn_bwd("bf16", d1, dout, y, lse, dvec, qkv, B, T, C, H, accumulate=True, impl=impl)
@@ -313,13 +320,7 @@ def test_attention_ds_backward_in_head_groups_keeps_the_bytes(be):
 
     _need_wg("wgds")
     B, T, H, D = 2, 200, 3, 64
-    C, N = H * D, B * T
-    rng = np.random.default_rng(21)
-    qkv, _ = to_dev(rng.normal(0, 1, (N, 3 * C)), "bf16")
-    dout, _ = to_dev(rng.normal(0, 1, (N, C)), "bf16")
-    y = empty((N, C), "bf16")
-    lse = cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, impl="wg")
+    C, N, qkv, dout, _, y, lse = _attn_inputs(be, np.random.default_rng(21), B, T, H, D, "wg")
     got = []
     for heads in (B * H, 2):
         ds = cp.full(K.attn_ds_bytes(T, heads) + 100, 0xFF, np.uint8)
