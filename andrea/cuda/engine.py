@@ -195,9 +195,9 @@ class FastOps:
         too small for one head's tiles (a tiny vocabulary at a long context) run "wg" instead."""
         B, T, C = dout.shape
         lg, impl = self.a["logits"], attn_impl(self.p, C // n_head, 3 * C, "bwd")
-        ds = cp().ndarray((lg.nbytes,), dtype=cp().uint8, memptr=lg.data)
-        if lg.nbytes < attn_ds_bytes(T) and impl == "wgds":
+        if impl == "wgds" and lg.nbytes < attn_ds_bytes(T):
             impl = "wg"
+        ds = cp().ndarray((lg.nbytes,), dtype=cp().uint8, memptr=lg.data) if impl == "wgds" else None
         if impl == "wgds" and self.f8 is not None and self.f8.grad_e4m3(fp8_mod.ATTN_E4M3):
             self.f8.produce_grad(dqkv.reshape(B * T, 3 * C), lambda d8, sc, rec: k_attn_bwd(
                 self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,

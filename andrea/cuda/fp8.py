@@ -287,8 +287,7 @@ class Fp8Gemm:
         self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
         self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
         self._ready: dict = {}                     # FC_E4M3: activation (ptr, shape) -> (its E4M3 copy, slot)
-        self._claimed: set = set()                 # sites taken ahead of the call order (produce_grad)
-        self._produced: dict = {}                  # ATTN_E4M3: gradient (ptr, shape) -> its claimed site
+        self._produced: dict = {}                  # ATTN/LNB_E4M3: gradient (ptr, shape) -> the site it took ahead
         self.ln_ptrs = set(ln_ptrs)                # LN_E4M3: the LayerNorm outputs that go to E4M3 GEMMs
 
     @property
@@ -328,7 +327,7 @@ class Fp8Gemm:
         self.site, self._memo = 0, {}
         self.save_t = backward and self.saved is not None
         self._saved, self._saved_off, self._n_saved, self._shadow, self._dgelu, self._ready = {}, 0, 0, [], {}, {}
-        self._claimed, self._produced = set(), {}
+        self._produced = {}
 
     @property
     def defers_dgelu(self) -> bool:
@@ -387,7 +386,7 @@ class Fp8Gemm:
     def _next_site(self) -> int:
         site = self.site
         self.site += 1
-        while self.site in self._claimed:          # taken ahead by produce_grad
+        while self.site in self._produced.values():    # taken ahead by produce_grad
             self.site += 1
         if site >= self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
@@ -505,20 +504,19 @@ class Fp8Gemm:
         cast's (the memo). ``after_shadow``: the weight gradient comes first (dqkv), and with X^T kept it
         takes X's shadow site before G's, so G's site is the one after the next."""
         R, C = G.shape
-        site = self.site + (1 if after_shadow else 0)
-        while site in self._claimed:
+        key, site = (G.data.ptr, G.shape), self.site + (1 if after_shadow else 0)
+        while site in self._produced.values():
             site += 1
         if site >= self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
-        self._claimed.add(site)
-        while self.site in self._claimed:          # G's GEMM takes no site of its own: skip it
+        self._produced[key] = site
+        while self.site in self._produced.values():    # G's GEMM takes no site of its own: skip it
             self.site += 1
-        key, slot = (G.data.ptr, G.shape), self.site_base + site
+        slot = self.site_base + site
         nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
         write(nat, self.inv[SLOT * slot + 1:SLOT * slot + 2], self.a["f8_cur"][site:site + 1])
         k_fp8_t_u8(nat, tr, R, C, self.a["f8_part"][:1], None)
         self._memo[key] = (nat, tr, slot, site)
-        self._produced[key] = site
 
     def _gelu_e4m3(self, H, x8, x_inv, y8, y_inv, M: int, N: int, K: int, aux) -> None:
         """FC_E4M3's fc forward: h_act H (M, N) = gelu(x W) straight into E4M3 (``f8_g``, free in the
@@ -539,7 +537,7 @@ class Fp8Gemm:
         claimed = self._produced.pop(key, None)
         if claimed is not None and (hit is None or claimed != self.site - 1):
             raise AndreaError(f"fp8: the gradient written in E4M3 by its producer took site {claimed}, but its GEMM "
-                              f"comes at site {self.site - 1} (ATTN_E4M3 in andrea/cuda/fp8.py: produce_grad's order)")
+                              f"comes at site {self.site - 1} (ATTN_E4M3 / LNB_E4M3 in andrea/cuda/fp8.py: produce_grad's order)")
         if hit is None or not self.memo_enabled:
             R, C = G.shape
             nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)

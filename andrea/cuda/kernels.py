@@ -225,28 +225,24 @@ def k_layernorm_bwd(prec, dx, dg, db, dy, x, mean, rstd, g, part, N, C, dlow=Non
     bytes (N, C) at scale sc[0], its max |bf16 value| atomicMax-ed into rec[0] (fp8.LNB_E4M3: the bytes
     of the bf16 dlow followed by fp8.cu's cast at that scale)."""
     s = SUFFIX[prec]
-    if e4m3 is not None:
-        d8, sc, rec = e4m3
-        n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
-        V, R = (ln_bwd_vr(C) if prec == "bf16" and _ln_aligned(C, x, g, dy, dx, d8) else None) or (None, None)
-        if V is None or part.size < n_chunks * 2 * C:
-            raise AndreaError(f"cuda op layernorm_backward (E4M3): {N} x {C} rows need bf16, the vectorized kernel "
-                              f"(C % 4 == 0, C <= 2048, 16-byte aligned rows) and {n_chunks * 2 * C} floats of scratch")
-        kernel("layernorm.cu", f"k_layernorm_bwd4_e4m3_v{V}_r{R}")(
-            (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, d8, part, i32(N), i32(C), i32(LN_ROWS_PER_CHUNK), sc, rec))
-        k_layernorm_wsum(dg, db, part, n_chunks, C)
-        return
     n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
     if part.size < n_chunks * 2 * C:
         raise AndreaError(f"cuda op layernorm_backward: scratch has {part.size} floats, needs {n_chunks * 2 * C}")
+    if e4m3 is not None:                               # the E4M3 kernels: dlow's place, and (sc, rec) after
+        dlow, tail, s = e4m3[0], tuple(e4m3[1:]), "e4m3"
+    else:
+        tail = ()
     vec = _ln_aligned(C, x, g, dy, dx, *(() if dlow is None else (dlow,)))
     V, R = vr or (ln_bwd_vr(C) if vec else None) or (None, None)
+    if e4m3 is not None and not (prec == "bf16" and vec and V):
+        raise AndreaError(f"cuda op layernorm_backward (E4M3): {N} x {C} rows need bf16 and the vectorized kernel "
+                          f"(C % 4 == 0, C <= 3072, 16-byte aligned rows)")
     if vec and V:
         if (V, R) not in LN_BWD_BUILT or C // 4 > 32 * R * V:
             raise AndreaError(f"cuda op layernorm_backward: no kernel with V={V}, R={R} for C={C}")
         kernel("layernorm.cu", f"k_layernorm_bwd4_{s}_v{V}_r{R}")(
             (n_chunks,), (256,), (x, g, mean, rstd, dy, dx, np.uint64(0) if dlow is None else dlow, part,
-                                  i32(N), i32(C), i32(LN_ROWS_PER_CHUNK)))
+                                  i32(N), i32(C), i32(LN_ROWS_PER_CHUNK), *tail))
     else:
         kernel("layernorm.cu", f"k_layernorm_bwd_{s}")((blocks(N, 8),), (256,),
                                                        (x, g, mean, rstd, dy, dx, i32(N), i32(C)))
@@ -431,9 +427,10 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
     """The "wgds" backward: dvec, then per group of heads that fits ``ds`` the dK/dV kernel (storing
     dS) and the dQ kernel (one product per tile, no recomputed S and dP); ``e4m3`` as k_attn_bwd's."""
     D, BH = C // H, B * H
-    null = np.uint64(0)
-    d8, sc, rec = (null, null, null) if e4m3 is None else (e4m3[0].data.ptr, ptr(e4m3[1]), ptr(e4m3[2]))
-    f8 = (null, null) if e4m3 is None else (np.uint64(d8 + C), np.uint64(d8 + 2 * C))
+    if e4m3 is None:
+        dq8 = dk8 = dv8 = sc = rec = np.uint64(0)
+    else:
+        (dq8, dk8, dv8), sc, rec = (ptr(e4m3[0], o) for o in (0, C, 2 * C)), ptr(e4m3[1]), ptr(e4m3[2])
     per = attn_ds_bytes(T)
     if ds is None:
         ds = cp().empty(attn_ds_bytes(T, BH), dtype=cp().uint8)
@@ -447,10 +444,10 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
         name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
                                                    ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
-                                                   ptr(ds), i32(bh0), *f8, sc, rec))
+                                                   ptr(ds), i32(bh0), dk8, dv8, sc, rec))
         name, grid, block = _attn_launch("wgds", "dq", prec, D, T, n, dq_rows)
         kernel("attention.cu", name)(grid, block, (k, i32(3 * C), ptr(ds), ptr(dqkv), i32(T), i32(H), f32(scale),
-                                                   acc, i32(bh0), np.uint64(d8), sc, rec))
+                                                   acc, i32(bh0), dq8, sc, rec))
 
 
 def _row_ld(op: str, x, N: int, V: int) -> int:
