@@ -394,6 +394,85 @@ def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_mem
         g.check_pass()
 
 
+@pytest.mark.parametrize("wgrad_first", [False, True])
+def test_a_gradient_written_by_its_producer_takes_the_site_its_cast_would(wgrad_first, monkeypatch):
+    """fp8.ATTN_E4M3 / LNB_E4M3's bookkeeping (Fp8Gemm.produce_grad), the casts replaced by the twin:
+    with delayed scaling, the kept transposes and a history, dY written by its producer before its two
+    GEMMs takes the site (its scale and amax slot) that the cast of dY takes without it, in either GEMM
+    order (the attention-out and MLP-proj backwards run dX first, the QKV backward dW first, whose kept
+    X^T takes its shadow site before dY's); the other sites and the pass's count are unchanged, and
+    nothing casts dY."""
+    from types import SimpleNamespace
+
+    import andrea.cuda.fp8 as k8
+
+    calls, produced = [], []
+
+    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None, hp=None):
+        xf = f8.bf16_to_f32(np.asarray(x))
+        q, iv = f8.quantize(xf) if scale is None else (f8.quantize_delayed(xf, scale[0])[0], None)
+        if scale is None:
+            inv[0] = iv
+        rec[0] = max(rec[0], f8.amax(xf))
+        calls.append((x.data.ptr, (rec.data.ptr - cur.data.ptr) // 4))
+        if out is not None:
+            out.reshape(-1)[:] = q.reshape(-1)
+        if out_t is not None:
+            out_t[:] = q.reshape(R, C).T
+
+    monkeypatch.setattr(k8, "quantize", quantize)
+    monkeypatch.setattr(k8, "k_fp8_t_u8", lambda x8, out_t, R, C, am, rec: out_t.__setitem__(
+        slice(None), np.asarray(x8).reshape(R, C).T))
+    rng = np.random.default_rng(5)
+    N, C = 128, 64
+    bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    W = _dev(bf((C, 4 * C)))
+    layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=W.size)])
+    plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
+    n_sites = 3
+    cur = _dev(np.zeros(n_sites, np.float32))
+    inv_arr = _dev(np.zeros(k8.SLOT * (k8.n_slots(plan) + n_sites + 2), np.float32))
+    a = {"w8": _dev(np.zeros(2 * 256 * 64 * 4, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
+         "f8_inv": inv_arr, "f8_cur": cur, "f8_saved": _dev(np.zeros(N * C, np.uint8)),
+         **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
+    lt = SimpleNamespace(mm_nt=lambda *a_, **k: None, mm=lambda *a_, **k: None)
+    g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, set(), None, lt=lt, scaling="delayed", n_sites=n_sites, history=4)
+    g._stream = lambda: 0
+    X, dY = _dev(bf((N, C))), _dev(bf((N, 4 * C), 1e-3))
+    out, dX, dW = (_dev(np.zeros((N, 4 * C), np.uint16)), _dev(np.zeros((N, C), np.uint16)),
+                   _dev(np.zeros((C, 4 * C), np.float32)))
+
+    def write(nat, scale, rec):                          # the producer: dY at the site's scale, its amax
+        yf = f8.bf16_to_f32(np.asarray(dY))
+        nat.reshape(-1)[:] = f8.quantize_delayed(yf, scale[0])[0].reshape(-1)
+        rec[0] = max(rec[0], f8.amax(yf))
+        produced.append((rec.data.ptr - cur.data.ptr) // 4)
+
+    def step(produce):
+        calls.clear()
+        g.reset_amax()
+        g.begin()
+        g.mm(out, X, W)                                  # site 0: X, its transpose kept
+        if produce:
+            assert g.grad_e4m3(True) and not g.grad_e4m3(False)
+            g.produce_grad(dY, write, after_shadow=wgrad_first)
+        gemms = [lambda: g.mm(dX, dY, W, tb=True), lambda: g.mm(dW, X, dY, ta=True, beta=1.0)]
+        for gemm in (gemms[::-1] if wgrad_first else gemms):
+            gemm()
+        g.check_pass()
+        return list(calls), g.site
+
+    step(False)                                          # no history yet: current scaling, nothing produced
+    g.after_step(None)
+    cast, n_cast = step(False)
+    g.after_step(None)
+    dy_site = [s for p, s in cast if p == dY.data.ptr]
+    assert dy_site == [2 if wgrad_first else 1] and n_cast == n_sites
+    rest, n_rest = step(True)
+    assert produced == dy_site and n_rest == n_sites
+    assert rest == [(p, s) for p, s in cast if p != dY.data.ptr]      # nothing casts dY
+
+
 def test_fp8_scaling_params_are_optional_validated_and_logged(tmp_path):
     """train.fp8_scaling / train.fp8_amax_history: optional (delayed, 16), checked by the schema;
     an engine reporting fp8_clipped_total (fp8 delayed) gets it into every .loss.json train record,
