@@ -120,9 +120,14 @@ __device__ __forceinline__ float gelu_f(float x) {
     const float u = GELU_K * (x + GELU_C * x * x * x);
     return x / (1.0f + expf(-2.0f * u));
 }
-// d gelu / dx = s + x s (1 - s) 2 u', s = sigmoid(2u), u' = k (1 + 3a x^2)
+// d gelu / dx = s + x s (1 - s) 2 u', s = sigmoid(2u), u' = k (1 + 3a x^2). The exponential is the
+// hardware one (__expf: MUFU.EX2 after one multiply, relative error ~1e-6 for |2u| < 10, far under a
+// bf16 ULP; expf's range reduction is ~8 more instructions); __frcp_rn is 1 / y correctly rounded, as
+// 1.0f / y is, without the division's slow-path check. The fp8 GELU-backward cast runs this on every
+// element of dL/dh and was instruction-bound with expf (H200, 32768 x 3072: 214 -> 193 us, the bytes'
+// floor 157; scratch sweep of session 13, docs/FP8.md).
 __device__ __forceinline__ float gelu_grad_f(float x) {
     const float u = GELU_K * (x + GELU_C * x * x * x);
-    const float s = 1.0f / (1.0f + expf(-2.0f * u));
+    const float s = __frcp_rn(1.0f + __expf(-2.0f * u));
     return s + x * s * (1.0f - s) * 2.0f * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
 }

@@ -68,21 +68,23 @@ __device__ __forceinline__ void fp8_finish(bool current, float s, float m_cur, f
     if (threadIdx.x == 0 && rec) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m));
 }
 
+// bf16(x * gelu'(hp)) of 8 consecutive elements (bf16 bits), k_gelu_bwd_bf16's rounding.
+__device__ __forceinline__ uint4 dgelu8(uint4 v, uint4 h) {
+    float d[8], f[8];
+    unpack16<bf16_t>(v, d);
+    unpack16<bf16_t>(h, f);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d[j] *= gelu_grad_f(f[j]);
+    return pack16<bf16_t>(d);
+}
+
 // 8 consecutive inputs of a cast from element at on, as bf16 bits: x itself, or (DG) bf16(x * gelu'(hp)).
 template <bool DG>
 __device__ __forceinline__ uint4 cast_in(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
                                          size_t at) {
     const uint4 v = *reinterpret_cast<const uint4*>(x + at);
-    if constexpr (!DG) {
-        return v;
-    } else {
-        float d[8], f[8];
-        unpack16<bf16_t>(v, d);
-        unpack16<bf16_t>(*reinterpret_cast<const uint4*>(hp + at), f);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) d[j] *= gelu_grad_f(f[j]);
-        return pack16<bf16_t>(d);
-    }
+    if constexpr (!DG) return v;
+    else return dgelu8(v, *reinterpret_cast<const uint4*>(hp + at));
 }
 
 template <bool DG>
@@ -128,11 +130,20 @@ __device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, 
                                           int R, int C, int r0, int c0, float s, bool delayed, float& m,
                                           unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
                                           unsigned char (*tile)[72]) {
+    uint4 xv[2], hv[2];                                         // 64 rows x 8 chunks of 8 columns: 2 a thread,
+#pragma unroll                                                  // every load in flight before any use
+    for (int u = 0; u < 2; ++u) {
+        const int k = threadIdx.x + 256 * u;
+        const size_t at = (size_t)(r0 + (k >> 3)) * C + c0 + (k & 7) * 8;
+        xv[u] = *reinterpret_cast<const uint4*>(x + at);
+        if constexpr (DG) hv[u] = *reinterpret_cast<const uint4*>(hp + at);
+    }
 #pragma unroll
-    for (int k = threadIdx.x; k < 512; k += 256) {              // 64 rows x 8 chunks of 8 columns
-        const int rr = k >> 3, cc = (k & 7) * 8;
+    for (int u = 0; u < 2; ++u) {
+        const int k = threadIdx.x + 256 * u, rr = k >> 3, cc = (k & 7) * 8;
         const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
-        const uint4 v = cast_in<DG>(x, hp, at);
+        uint4 v = xv[u];
+        if constexpr (DG) v = dgelu8(v, hv[u]);
         if (delayed) m = fmaxf(m, amax8(v));
         const uint2 q = fp8_pack8(v, s);
         if (out) *reinterpret_cast<uint2*>(out + at) = q;
