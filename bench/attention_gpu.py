@@ -52,8 +52,9 @@ def ours(B: int, C: int, H: int, reps: int) -> dict:
         r[f"{im} bwd"] = cupy_ms(lambda: bwd(impl=im), reps)
     if K.hopper():
         r["wgds bwd"] = cupy_ms(lambda: bwd(impl="wgds", ds=ds), reps)
-        for rq in (64, 128):
+        for rq in (64, 128, 256):
             r[f"wg fwd r{rq}"] = cupy_ms(lambda: fwd(rows=rq, impl="wg"), reps)
+        for rq in (64, 128):
             for rk in (64, 128):
                 r[f"wg bwd dq r{rq} dkv r{rk}"] = cupy_ms(lambda: bwd(rows=(rq, rk), impl="wg"), reps)
                 r[f"wgds bwd dq r{rq} dkv r{rk}"] = cupy_ms(lambda: bwd(rows=(rq, rk), impl="wgds", ds=ds), reps)

@@ -380,7 +380,7 @@ def attn_sweep(s: dict, B: int, reps: int = 10) -> dict:
     out = {}
     impls = ("mma", "wg") if K.hopper() else ("mma",)
     for im in impls:
-        for r in (64, 128):
+        for r in (64, 128) + ((256,) if im == "wg" else ()):
             ms = timed(lambda: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, rows=r, impl=im))
             out[f"{im} fwd r{r}"] = (ms, fwd_fl / ms / 1e9)
     K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)

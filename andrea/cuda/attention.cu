@@ -1400,6 +1400,16 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
 }
 
 ATTN_TC_ALL(wg, 128, 256)  // 128 threads per warpgroup
+// The wgmma forward also with 4 warpgroups a block (256 rows, 512 threads): each K/V tile the block
+// loads then serves 256 query rows instead of 128 (kernels.ATTN_WG_ROWS picks the rows per head size).
+#define ATTN_WG_FWD256_INST(SUF, BF, D)                                                                      \
+    extern "C" __global__ void __launch_bounds__(512) k_attn_fwd_wg_##SUF##_d##D##_r256(                     \
+        const u16* q, const u16* k, const u16* v, int ld, u16* y, int ldy, float* lse2, int Tn, int H,       \
+        float sl2) {                                                                                         \
+        attn_fwd_wg<BF, D, 4>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2);                                        \
+    }
+ATTN_WG_FWD256_INST(bf16, true, 32) ATTN_WG_FWD256_INST(bf16, true, 64)
+ATTN_WG_FWD256_INST(f16, false, 32) ATTN_WG_FWD256_INST(f16, false, 64)
 
 // The dQ-from-dS pair (impl "wgds"): k_attn_bwd_dkvs_wg_* (the dK/dV kernel, also storing dS^T) then
 // k_attn_bwd_dqs_wg_*, for the heads bh0 .. bh0 + gridDim.y - 1 (ds: their tiles).

@@ -329,9 +329,13 @@ def hopper() -> bool:
 # within 3% either way. Every choice is tested against the NumPy twin (tests/test_cuda_kernels.py).
 ATTN_MMA_ROWS = {("fwd", 32): 64, ("fwd", 64): 128, ("dq", 32): 64, ("dq", 64): 64,
                  ("dkv", 32): 64, ("dkv", 64): 64}
-# Rows per block of the wgmma kernels: 64 per warpgroup, one or two warpgroups; the fastest of
-# each in the same sweep (dq 128 / dkv 64 beat 128 / 128 by 1-12%; the forward 128 beat 64 by 8-33%).
-ATTN_WG_ROWS = {("fwd", 32): 128, ("fwd", 64): 128, ("dq", 32): 128, ("dq", 64): 128,
+# Rows per block of the wgmma kernels: 64 per warpgroup, one or two warpgroups (the forward also four);
+# the fastest of each in the same sweep (dq 128 / dkv 64 beat 128 / 128 by 1-12%; the forward 128 beat
+# 64 by 8-33%). Session 13 (bench/attention_gpu.py, H200): the forward at 256 rows, 0.2477 vs 0.2637 ms
+# (120M B=32) and 0.1341 vs 0.1418 (480M B=8) at D = 64, but 0.0561 vs 0.0501 at D = 32 (12M B=8),
+# so D = 32 keeps 128. The ex2.approx.ftz exponential in place of exp2f (3 fewer instructions a
+# score) measured no change in either pass (0.2624 vs 0.2622 ms forward) and was left out.
+ATTN_WG_ROWS = {("fwd", 32): 128, ("fwd", 64): 256, ("dq", 32): 128, ("dq", 64): 128,
                 ("dkv", 32): 64, ("dkv", 64): 64}
 
 
