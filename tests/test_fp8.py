@@ -313,11 +313,11 @@ def test_fp8_gemm_path_orients_every_operand_like_numpy(monkeypatch):
     assert casts == [] and len(bf16_calls) == 1                # refused before any cast or GEMM
 
 
-def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_memo_off(monkeypatch):
-    """Fp8Gemm with train.fp8_scaling=delayed, the casts replaced by the twin: the first step casts
-    with current scaling and records each site's amax; after ``after_step`` every cast of the same
-    call sequence reads its site's scale (448 / history max) and records again; a gradient reused
-    by the next call keeps its site whether its bytes are reused (memo) or cast again."""
+def _twin_fp8_gemm(monkeypatch, seed: int, saved: bool = False):
+    """An Fp8Gemm with train.fp8_scaling=delayed (3 cast sites, history 4) over one (C, 4C) weight, its
+    casts replaced by the NumPy twin. ``saved``: with the kept transposes (``f8_saved``). Returns
+    (g, calls, cur, inv_arr, plan, tensors): each cast appends (tensor pointer, site, its delayed scale
+    or None) to ``calls``; tensors = (X, dY, W, out, dX, dW): bf16 X (N, C), dY (N, 4C), the weight and the outputs."""
     from types import SimpleNamespace
 
     import andrea.cuda.fp8 as k8
@@ -333,15 +333,16 @@ def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_mem
         else:
             q, _, _ = f8.quantize_delayed(xf, scale[0])
         rec[0] = max(rec[0], f8.amax(xf))
-        site = (rec.data.ptr - cur.data.ptr) // 4
-        calls.append((x.data.ptr, site, None if scale is None else float(scale[0])))
+        calls.append((x.data.ptr, (rec.data.ptr - cur.data.ptr) // 4, None if scale is None else float(scale[0])))
         if out is not None:
             out.reshape(-1)[:] = q.reshape(-1)
         if out_t is not None:
             out_t[:] = q.reshape(R, C).T
 
     monkeypatch.setattr(k8, "quantize", quantize)
-    rng = np.random.default_rng(8)
+    monkeypatch.setattr(k8, "k_fp8_t_u8", lambda x8, out_t, R, C, am, rec: out_t.__setitem__(
+        slice(None), np.asarray(x8).reshape(R, C).T))
+    rng = np.random.default_rng(seed)
     N, C = 128, 64
     bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
     W = _dev(bf((C, 4 * C)))
@@ -349,15 +350,29 @@ def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_mem
     plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
     n_sites = 3
     cur = _dev(np.zeros(n_sites, np.float32))
-    inv_arr = _dev(np.zeros(k8.SLOT * (k8.n_slots(plan) + n_sites), np.float32))
+    inv_arr = _dev(np.zeros(k8.SLOT * (k8.n_slots(plan) + n_sites + (2 if saved else 0)), np.float32))
     a = {"w8": _dev(np.zeros(2 * 256 * 64 * 4, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
          "f8_inv": inv_arr, "f8_cur": cur, **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
+    if saved:
+        a["f8_saved"] = _dev(np.zeros(N * C, np.uint8))
     lt = SimpleNamespace(mm_nt=lambda *a_, **k: None, mm=lambda *a_, **k: None)
     g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, set(), None, lt=lt, scaling="delayed", n_sites=n_sites, history=4)
     g._stream = lambda: 0
     X, dY = _dev(bf((N, C))), _dev(bf((N, 4 * C), 1e-3))
     out, dX, dW = (_dev(np.zeros((N, 4 * C), np.uint16)), _dev(np.zeros((N, C), np.uint16)),
                    _dev(np.zeros((C, 4 * C), np.float32)))
+    return g, calls, cur, inv_arr, plan, (X, dY, W, out, dX, dW)
+
+
+def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_memo_off(monkeypatch):
+    """Fp8Gemm with train.fp8_scaling=delayed, the casts replaced by the twin: the first step casts
+    with current scaling and records each site's amax; after ``after_step`` every cast of the same
+    call sequence reads its site's scale (448 / history max) and records again; a gradient reused
+    by the next call keeps its site whether its bytes are reused (memo) or cast again."""
+    import andrea.cuda.fp8 as k8
+
+    g, calls, cur, inv_arr, plan, (X, dY, W, out, dX, dW) = _twin_fp8_gemm(monkeypatch, 8)
+    n_sites = 3
 
     def step():
         calls.clear()
@@ -402,45 +417,8 @@ def test_a_gradient_written_by_its_producer_takes_the_site_its_cast_would(wgrad_
     order (the attention-out and MLP-proj backwards run dX first, the QKV backward dW first, whose kept
     X^T takes its shadow site before dY's); the other sites and the pass's count are unchanged, and
     nothing casts dY."""
-    from types import SimpleNamespace
-
-    import andrea.cuda.fp8 as k8
-
-    calls, produced = [], []
-
-    def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None, hp=None):
-        xf = f8.bf16_to_f32(np.asarray(x))
-        q, iv = f8.quantize(xf) if scale is None else (f8.quantize_delayed(xf, scale[0])[0], None)
-        if scale is None:
-            inv[0] = iv
-        rec[0] = max(rec[0], f8.amax(xf))
-        calls.append((x.data.ptr, (rec.data.ptr - cur.data.ptr) // 4))
-        if out is not None:
-            out.reshape(-1)[:] = q.reshape(-1)
-        if out_t is not None:
-            out_t[:] = q.reshape(R, C).T
-
-    monkeypatch.setattr(k8, "quantize", quantize)
-    monkeypatch.setattr(k8, "k_fp8_t_u8", lambda x8, out_t, R, C, am, rec: out_t.__setitem__(
-        slice(None), np.asarray(x8).reshape(R, C).T))
-    rng = np.random.default_rng(5)
-    N, C = 128, 64
-    bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
-    W = _dev(bf((C, 4 * C)))
-    layout = SimpleNamespace(tensors=[SimpleNamespace(name="h.0.mlp.w_fc", size=W.size)])
-    plan, _ = k8.weight_plan(layout, ("mlp.w_fc",))
-    n_sites = 3
-    cur = _dev(np.zeros(n_sites, np.float32))
-    inv_arr = _dev(np.zeros(k8.SLOT * (k8.n_slots(plan) + n_sites + 2), np.float32))
-    a = {"w8": _dev(np.zeros(2 * 256 * 64 * 4, np.uint8)), "f8_part": _dev(np.zeros(k8.AMAX_BLOCKS, np.float32)),
-         "f8_inv": inv_arr, "f8_cur": cur, "f8_saved": _dev(np.zeros(N * C, np.uint8)),
-         **{k: _dev(np.zeros(N * 4 * C, np.uint8)) for k in ("f8_a", "f8_at", "f8_g", "f8_gt")}}
-    lt = SimpleNamespace(mm_nt=lambda *a_, **k: None, mm=lambda *a_, **k: None)
-    g = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": W}, plan, set(), None, lt=lt, scaling="delayed", n_sites=n_sites, history=4)
-    g._stream = lambda: 0
-    X, dY = _dev(bf((N, C))), _dev(bf((N, 4 * C), 1e-3))
-    out, dX, dW = (_dev(np.zeros((N, 4 * C), np.uint16)), _dev(np.zeros((N, C), np.uint16)),
-                   _dev(np.zeros((C, 4 * C), np.float32)))
+    g, calls, cur, _, _, (X, dY, W, out, dX, dW) = _twin_fp8_gemm(monkeypatch, 5, saved=True)
+    n_sites, produced = 3, []
 
     def write(nat, scale, rec):                          # the producer: dY at the site's scale, its amax
         yf = f8.bf16_to_f32(np.asarray(dY))
@@ -466,11 +444,11 @@ def test_a_gradient_written_by_its_producer_takes_the_site_its_cast_would(wgrad_
     g.after_step(None)
     cast, n_cast = step(False)
     g.after_step(None)
-    dy_site = [s for p, s in cast if p == dY.data.ptr]
+    dy_site = [s for p, s, _ in cast if p == dY.data.ptr]
     assert dy_site == [2 if wgrad_first else 1] and n_cast == n_sites
     rest, n_rest = step(True)
     assert produced == dy_site and n_rest == n_sites
-    assert rest == [(p, s) for p, s in cast if p != dY.data.ptr]      # nothing casts dY
+    assert [(p, s) for p, s, _ in rest] == [(p, s) for p, s, _ in cast if p != dY.data.ptr]   # nothing casts dY
 
 
 def test_fp8_scaling_params_are_optional_validated_and_logged(tmp_path):
