@@ -383,13 +383,20 @@ class Fp8Gemm:
             raise AndreaError(f"fp8: {left} saved activation transposes were not used by the backward "
                               f"(SAVE_TRANSPOSES in andrea/cuda/fp8.py: every X of X W needs its X^T dY)")
 
-    def _next_site(self) -> int:
-        site = self.site
-        self.site += 1
-        while self.site in self._produced.values():    # taken ahead by produce_grad
-            self.site += 1
+    def _untaken(self, site: int) -> int:
+        """``site``, or the first site after it that produce_grad has not taken ahead."""
+        while site in self._produced.values():
+            site += 1
+        return site
+
+    def _planned(self, site: int) -> int:
         if site >= self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
+        return site
+
+    def _next_site(self) -> int:
+        site = self._planned(self.site)
+        self.site = self._untaken(site + 1)
         return site
 
     def _cast(self, out, out_t, x, R=None, C=None, current_slot: int = 0, site=None, hp=None) -> tuple[int, int]:
@@ -504,14 +511,9 @@ class Fp8Gemm:
         cast's (the memo). ``after_shadow``: the weight gradient comes first (dqkv), and with X^T kept it
         takes X's shadow site before G's, so G's site is the one after the next."""
         R, C = G.shape
-        key, site = (G.data.ptr, G.shape), self.site + (1 if after_shadow else 0)
-        while site in self._produced.values():
-            site += 1
-        if site >= self.n_sites:
-            raise AndreaError(f"fp8 delayed scaling: more than the {self.n_sites} planned cast sites in one step")
+        key, site = (G.data.ptr, G.shape), self._planned(self._untaken(self.site + (1 if after_shadow else 0)))
         self._produced[key] = site
-        while self.site in self._produced.values():    # G's GEMM takes no site of its own: skip it
-            self.site += 1
+        self.site = self._untaken(self.site)           # G's GEMM takes no site of its own: skip it
         slot = self.site_base + site
         nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
         write(nat, self.inv[SLOT * slot + 1:SLOT * slot + 2], self.a["f8_cur"][site:site + 1])
