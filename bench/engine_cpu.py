@@ -16,8 +16,8 @@ lucky run cannot move, beside best-vs-best. CPU time per step (process_time) is 
 wall time: on a shared machine it is the steadier figure (with --threads 1 it is the step's
 own cost, whatever else runs).
 
-Memory: "import" is the child's RSS after importing its libraries (numpy + andrea, or torch as
-well) and before building anything; "peak" its peak RSS after the steps; "peak - import" is what
+Memory: "import" is the child's RSS after importing its libraries (numpy, numba + andrea, or torch
+as well) and before building anything; "peak" its peak RSS after the steps; "peak - import" is what
 the model, its buffers and the steps added, the figure the memory ratio compares (the import
 footprint of torch alone is ~4x NumPy's and says nothing about the engine).
 Needs torch (the ``oracle`` extra).
@@ -54,8 +54,8 @@ def child(args) -> None:
         import torch  # noqa: F401 - the import footprint is measured before anything is built
     import threadpoolctl  # noqa: F401
 
+    import andrea.engine.backend  # noqa: F401 - the NumPy backend's ops and their library (numba)
     import andrea.engine.engine  # noqa: F401
-    import andrea.engine.ops_numpy  # noqa: F401
     from andrea.config import load_config
     from andrea.engine.engine import Hyper
     from andrea.engine.model import ModelConfig

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from andrea.config import load_config
-from andrea.engine import ops_numpy
+from andrea.engine import ops_cpu
 from andrea.backends import NumpyBackend, select_backend
 from andrea.engine.schedule import lr_at
 from andrea.settings import Settings
@@ -27,7 +27,7 @@ def _cuda_usable() -> bool:
 
 def test_numpy_is_numpy():
     be, why = select_backend("numpy")
-    assert isinstance(be, NumpyBackend) and be.ops is ops_numpy and why.startswith("numpy")
+    assert isinstance(be, NumpyBackend) and be.ops is ops_cpu and why.startswith("numpy")
 
 
 def test_auto_says_what_it_picked_and_why():

@@ -1,5 +1,7 @@
 """The backend contract, and ``NumpyBackend``, its reference: which array library and which op
 pairs run the engine. Which backend a run gets is decided in one place, ``andrea.backends``.
+NumpyBackend's ops are ``andrea.engine.ops_cpu``: the reference ops of ``ops_numpy`` with the
+per-row work compiled (Numba), tested op by op against them.
 
     from andrea.engine.backend import NumpyBackend
     eng = Engine(mc, batch_size=16, backend=NumpyBackend())
@@ -30,13 +32,13 @@ from types import ModuleType
 
 import numpy as np
 
-from andrea.engine import ops_numpy, pool
+from andrea.engine import ops_cpu, ops_numpy, pool
 
 
 class NumpyBackend:
     name = "numpy"
     xp = np
-    ops: ModuleType = ops_numpy
+    ops: ModuleType = ops_cpu
     precisions = ("fp32",)
 
     @staticmethod

@@ -1,0 +1,479 @@
+"""Fast CPU op pairs: the ops of ``ops_numpy.py`` whose element-wise and per-row work is
+compiled by Numba into one pass over each row, the rest re-exported from it unchanged. This
+module is ``NumpyBackend.ops``; ``ops_numpy`` stays the readable reference it is tested against.
+
+    from andrea.engine import ops_cpu as ops      # same names, arguments and =/+= contract
+    pytest tests/test_ops_cpu.py                   # every op here against ops_numpy, fp32 + fp64
+
+Why: at the tiny shapes (C = 128) NumPy runs every element-wise step as its own pass over the
+activations (a LayerNorm is ~12 passes, a broadcast costs 3-5 plain ones), and in the engine
+every pass streams from L3. Here each row is read once into L1 and every step happens there.
+
+Conventions beyond the ops_numpy contract:
+- The kernels are compiled on first use, per dtype, and cached on disk (``cache=True``: the
+  ``__pycache__`` beside this file, else Numba's user cache), so a new process loads them.
+- fp32 ``exp`` is this module's own (``_exp_row``: a range reduction and a degree-7 polynomial,
+  2^n built in an int32 scratch row, relative error < 2e-7) because LLVM vectorizes it and the
+  libm call it would otherwise make is scalar; fp64 calls ``np.exp`` (the gradient checks).
+- Fast-math without nnan/ninf: reductions may be reassociated (vectorized) and contractions
+  fused, so the bits differ from ops_numpy's within the tests' stated tolerances, but NaN and
+  inf still propagate. Same inputs -> same bits on every run; a row's result does not depend
+  on which rows it is computed with, so the thread split changes nothing; column sums over
+  rows (LayerNorm dg/db) run in row order on one thread.
+- Inputs the kernels do not take (a non-contiguous or read-only view, mixed dtypes) go to the
+  ops_numpy op itself. Shapes are checked before any kernel runs: a mismatch is a one-line ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from andrea.engine import ops_numpy as ref
+from andrea.engine.ops_numpy import (  # noqa: F401 - re-exported: the ops this module does not speed up
+    GELU_A, GELU_K, LN_EPS, MAX_THREADS, att_shape, attn_backward, attn_forward, attn_out_backward,
+    attn_out_forward, attn_qkv_backward, attn_qkv_forward, embed_forward, grad_norm_final,
+    grad_norm_partial, grad_scale, n_threads, residual_add_backward, residual_add_forward, row_ranges,
+    run_parallel, split_batch, work_elems)
+
+# reassoc: reductions vectorize; contract: FMAs; arcp/afn/nsz: cheaper divides. No nnan/ninf.
+_JIT = dict(nogil=True, cache=True, error_model="numpy",
+            fastmath={"reassoc", "contract", "arcp", "afn", "nsz"})
+_LANES = 16     # independent partial maxima in _row_max (a max reduction does not vectorize)
+
+LOG2E = 1.4426950408889634
+LN2_HI = 0.693359375            # ln 2 split so n * LN2_HI is exact for |n| < 2^11
+LN2_LO = -2.12194440054690583e-4
+
+
+def _fast(*arrays) -> bool:
+    """The kernels take writeable C-contiguous arrays of one float dtype (fp32 or fp64): one
+    compiled signature per dtype, so each op has one set of bits."""
+    dt = arrays[0].dtype
+    return dt in (np.float32, np.float64) and all(
+        a.dtype == dt and a.flags.c_contiguous and a.flags.writeable for a in arrays)
+
+
+def _shape(op: str, name: str, a: np.ndarray, want: tuple) -> None:
+    if a.shape != tuple(want):
+        raise ValueError(f"{op}: {name} has shape {a.shape}, expected {tuple(want)}")
+
+
+# ------------------------------------------------------------------------ kernels
+@numba.njit(**_JIT)
+def _exp_row(v, scr):
+    """v[j] = exp(v[j]) in place for the 1-D v; scr is a scratch row of v's dtype, >= len(v).
+    fp32: exp(t) = 2^n p(t - n ln 2), n = round(t log2 e), t clamped to [-87, 88] (so 2^n
+    stays a normal float: exp(-87) ~ 1.6e-38, exp(88) ~ 1.7e38). fp64: np.exp."""
+    F = v.shape[0]
+    if v.itemsize != 4:
+        for j in range(F):
+            v[j] = np.exp(v[j])
+        return
+    si = scr[:F].view(np.int32)
+    for j in range(F):
+        t = v[j]
+        t = t if t > np.float32(-87.0) else np.float32(-87.0)
+        t = t if t < np.float32(88.0) else np.float32(88.0)
+        n = np.floor(t * np.float32(LOG2E) + np.float32(0.5))
+        f = t - n * np.float32(LN2_HI) - n * np.float32(LN2_LO)
+        p = np.float32(1.9875691500e-4)
+        p = p * f + np.float32(1.3981999507e-3)
+        p = p * f + np.float32(8.3334519073e-3)
+        p = p * f + np.float32(4.1665795894e-2)
+        p = p * f + np.float32(1.6666665459e-1)
+        p = p * f + np.float32(5.0000001201e-1)
+        v[j] = p * f * f + f + np.float32(1.0)
+        si[j] = (np.int32(n) + np.int32(127)) << 23
+    sf = scr[:F]
+    for j in range(F):
+        v[j] *= sf[j]
+
+
+@numba.njit(**_JIT)
+def _row_max(v):
+    """max(v) of a 1-D v over _LANES interleaved partial maxima (NaN-free input: the max)."""
+    F = v.shape[0]
+    acc = np.empty(_LANES, v.dtype)
+    for l in range(_LANES):
+        acc[l] = v[0]
+    for j0 in range(0, F - _LANES + 1, _LANES):
+        for l in range(_LANES):
+            x = v[j0 + l]
+            acc[l] = x if x > acc[l] else acc[l]
+    m = acc[0]
+    for l in range(_LANES):
+        m = acc[l] if acc[l] > m else m
+    for j in range(F - F % _LANES, F):
+        m = v[j] if v[j] > m else m
+    return m
+
+
+@numba.njit(**_JIT)
+def _ln_fwd_rows(x, out, mean, rstd, a, b, g, beta, add):
+    """LayerNorm of each row of x; with add, x = a + b is written first, row by row. Both forms
+    run this one compiled loop over x, so the fused op has the plain op's bits."""
+    N, C = x.shape
+    dt = x.dtype.type
+    inv = dt(1.0 / C)
+    for r in range(N):
+        if add:
+            for c in range(C):
+                x[r, c] = a[r, c] + b[r, c]
+        s = dt(0.0)
+        for c in range(C):
+            s += x[r, c]
+        mu = s * inv
+        q = dt(0.0)
+        for c in range(C):
+            d = x[r, c] - mu
+            q += d * d
+        rs = dt(1.0) / np.sqrt(q * inv + dt(LN_EPS))
+        for c in range(C):
+            out[r, c] = (x[r, c] - mu) * rs * g[c] + beta[c]
+        mean[r] = mu
+        rstd[r] = rs
+
+
+@numba.njit(**_JIT)
+def _ln_bwd_rows(dx, dbranch, dg, db, dout, x, mean, rstd, g, acc, branch):
+    """dx += rstd (dxhat - a - xhat c); dg += sum_rows(dout xhat); db += sum_rows(dout), rows
+    in order (acc (2, C) holds the column sums); dbranch = dx when branch."""
+    N, C = x.shape
+    dt = x.dtype.type
+    inv = dt(1.0 / C)
+    for c in range(C):
+        acc[0, c] = dt(0.0)
+        acc[1, c] = dt(0.0)
+    for r in range(N):
+        mu, rs = mean[r], rstd[r]
+        sa = dt(0.0)
+        sc = dt(0.0)
+        for c in range(C):
+            xh = (x[r, c] - mu) * rs
+            do = dout[r, c]
+            dxh = do * g[c]
+            sa += dxh
+            sc += dxh * xh
+            acc[0, c] += do * xh
+            acc[1, c] += do
+        ka = sa * rs * inv                  # rstd * mean(dxhat)
+        kc = sc * rs * inv                  # rstd * mean(dxhat * xhat)
+        for c in range(C):
+            xh = (x[r, c] - mu) * rs
+            dx[r, c] += dout[r, c] * g[c] * rs - xh * kc - ka
+        if branch:                          # a copy after the loop: the plain op's bits
+            for c in range(C):
+                dbranch[r, c] = dx[r, c]
+    for c in range(C):
+        dg[c] += acc[0, c]
+        db[c] += acc[1, c]
+
+
+@numba.njit(**_JIT)
+def _gelu_rows(out, x):
+    """out = x / (1 + exp(-2 k (x + a x^3))) = gelu_tanh(x), row by row."""
+    N, F = x.shape
+    dt = x.dtype.type
+    scr = np.empty(F, x.dtype)
+    c1 = dt(-2.0 * GELU_K)
+    c3 = dt(-2.0 * GELU_K * GELU_A)
+    for r in range(N):
+        o = out[r]
+        for j in range(F):
+            u = x[r, j]
+            o[j] = u * (c1 + c3 * u * u)
+        _exp_row(o, scr)
+        for j in range(F):
+            o[j] = x[r, j] / (dt(1.0) + o[j])
+
+
+@numba.njit(**_JIT)
+def _gelu_bwd_rows(dh, h_pre, h_act, tiny):
+    """dh *= gelu'(u), u = h_pre, with s = h_act / u = sigmoid(2v) (1/2 where |u| < tiny) and
+    r = u (2k + 6ka u^2): gelu'(u) = s (1 + r (1 - s))."""
+    N, F = dh.shape
+    dt = dh.dtype.type
+    k1 = dt(2.0 * GELU_K)
+    k3 = dt(6.0 * GELU_K * GELU_A)
+    for r in range(N):
+        for j in range(F):
+            u = h_pre[r, j]
+            s = h_act[r, j] / u if abs(u) >= tiny else dt(0.5)
+            rr = u * (k1 + k3 * u * u)
+            dh[r, j] *= s * (dt(1.0) + rr * (dt(1.0) - s))
+
+
+@numba.njit(**_JIT)
+def _softmax_xent_rows(losses, probs, logits, targets, with_loss):
+    """probs = softmax(logits) row by row; losses = max + log(sum) - logit[target]."""
+    N, V = logits.shape
+    dt = logits.dtype.type
+    scr = np.empty(V, logits.dtype)
+    for r in range(N):
+        lg = logits[r]
+        pr = probs[r]
+        m = _row_max(lg)
+        for j in range(V):
+            pr[j] = lg[j] - m
+        _exp_row(pr, scr)
+        s = dt(0.0)
+        for j in range(V):
+            s += pr[j]
+        inv = dt(1.0) / s
+        for j in range(V):
+            pr[j] *= inv
+        if with_loss:
+            losses[r] = m + np.log(s) - lg[targets[r]]
+
+
+@numba.njit(**_JIT)
+def _xent_grad_rows(probs, targets, dloss):
+    """probs <- (probs - onehot(targets)) * dloss, row by row."""
+    N, V = probs.shape
+    for r in range(N):
+        t = targets[r]
+        pt = probs[r, t]
+        for j in range(V):
+            probs[r, j] *= dloss
+        probs[r, t] = (pt - probs.dtype.type(1.0)) * dloss
+
+
+@numba.njit(**_JIT)
+def _adamw_range(w, g, m, v, i0, i1, n_decay, decay, b1, b2, c1, c2, sbc2, eps, step):
+    """AdamW on elements [i0, i1): w *= decay below n_decay; m = b1 m + c1 g;
+    v = b2 v + c2 g^2; w -= step * m / (sqrt(v) * sbc2 + eps)."""
+    wd = w[i0:max(i0, min(i1, n_decay))]         # local views, loops from 0: these vectorize
+    for i in range(wd.shape[0]):
+        wd[i] *= decay
+    w, g, m, v = w[i0:i1], g[i0:i1], m[i0:i1], v[i0:i1]
+    for i in range(w.shape[0]):
+        gi = g[i]
+        mi = b1 * m[i] + c1 * gi
+        vi = b2 * v[i] + c2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        w[i] -= step * mi / (np.sqrt(vi) * sbc2 + eps)
+
+
+@numba.njit(**_JIT)
+def _embed_bwd(dwte, dwpe, dout, idx):
+    """dwte[idx[b, t]] += dout[b, t]; dwpe[t] += dout[b, t]; b then t in order."""
+    B, T, C = dout.shape
+    for b in range(B):
+        for t in range(T):
+            i = idx[b, t]
+            for c in range(C):
+                dwte[i, c] += dout[b, t, c]
+    for b in range(B):
+        for t in range(T):
+            for c in range(C):
+                dwpe[t, c] += dout[b, t, c]
+
+
+# ------------------------------------------------------------------------ the ops
+def _rows2(op: str, C: int, **arrays) -> None:
+    """Each named array must be (N, C) with the first one's N."""
+    N = next(iter(arrays.values())).shape[0]
+    for name, a in arrays.items():
+        _shape(op, name, a, (N, C))
+
+
+def layernorm_forward(out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+                      x: np.ndarray, g: np.ndarray, b: np.ndarray) -> None:
+    """ops_numpy.layernorm_forward: out (N, C) = (x - mean) * rstd * g + b; writes mean, rstd (N,)."""
+    if x.ndim != 2 or not _fast(out, mean, rstd, x, g, b):
+        return ref.layernorm_forward(out, mean, rstd, x, g, b)
+    N, C = x.shape
+    _rows2("layernorm_forward", C, x=x, out=out)
+    for name, a, want in (("mean", mean, (N,)), ("rstd", rstd, (N,)), ("g", g, (C,)), ("b", b, (C,))):
+        _shape("layernorm_forward", name, a, want)
+    split_batch(lambda r0, r1: _ln_fwd_rows(x[r0:r1], out[r0:r1], mean[r0:r1], rstd[r0:r1], x[r0:r1], x[r0:r1],
+                                            g, b, False), N)
+
+
+def residual_layernorm_forward(xo: np.ndarray, out: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+                               a: np.ndarray, b: np.ndarray, g: np.ndarray, beta: np.ndarray) -> None:
+    """ops_numpy.residual_layernorm_forward: xo (N, C) = a + b; out, mean, rstd = LayerNorm of xo,
+    one pass per row."""
+    if a.ndim != 2 or not _fast(xo, out, mean, rstd, a, b, g, beta):
+        return ref.residual_layernorm_forward(xo, out, mean, rstd, a, b, g, beta)
+    N, C = a.shape
+    _rows2("residual_layernorm_forward", C, a=a, b=b, xo=xo, out=out)
+    for name, v, want in (("mean", mean, (N,)), ("rstd", rstd, (N,)), ("g", g, (C,)), ("beta", beta, (C,))):
+        _shape("residual_layernorm_forward", name, v, want)
+    split_batch(lambda r0, r1: _ln_fwd_rows(xo[r0:r1], out[r0:r1], mean[r0:r1], rstd[r0:r1], a[r0:r1],
+                                            b[r0:r1], g, beta, True), N)
+
+
+def _ln_backward(op, dx, dbranch, dg, db, dout, x, mean, rstd, g, work) -> bool:
+    """The fused LayerNorm backward on one thread, rows in order (the dg/db column sums are
+    then the same whatever the thread count). False: not for the kernel, the caller falls back."""
+    if x.ndim != 2 or not _fast(dx, dbranch, dg, db, dout, x, mean, rstd, g, work):
+        return False
+    N, C = x.shape
+    _rows2(op, C, x=x, dx=dx, dout=dout, dbranch=dbranch)
+    for name, v, want in (("mean", mean, (N,)), ("rstd", rstd, (N,)), ("g", g, (C,)), ("dg", dg, (C,)),
+                          ("db", db, (C,))):
+        _shape(op, name, v, want)
+    (acc,) = ref._carve(work, (2, C))
+    _ln_bwd_rows(dx, dbranch, dg, db, dout, x, mean, rstd, g, acc, dbranch is not dx)
+    return True
+
+
+def layernorm_backward(dx: np.ndarray, dg: np.ndarray, db: np.ndarray, dout: np.ndarray,
+                       x: np.ndarray, mean: np.ndarray, rstd: np.ndarray, g: np.ndarray,
+                       work: np.ndarray) -> None:
+    """ops_numpy.layernorm_backward: dx (N, C) += ...; dg, db (C,) += ..., one pass per row."""
+    if not _ln_backward("layernorm_backward", dx, dx, dg, db, dout, x, mean, rstd, g, work):
+        ref.layernorm_backward(dx, dg, db, dout, x, mean, rstd, g, work)
+
+
+def layernorm_residual_backward(dx: np.ndarray, dbranch: np.ndarray, dg: np.ndarray, db: np.ndarray,
+                                dout: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+                                g: np.ndarray, work: np.ndarray) -> None:
+    """ops_numpy.layernorm_residual_backward: layernorm_backward, then dbranch = dx, in the same pass."""
+    if not _ln_backward("layernorm_residual_backward", dx, dbranch, dg, db, dout, x, mean, rstd, g, work):
+        ref.layernorm_residual_backward(dx, dbranch, dg, db, dout, x, mean, rstd, g, work)
+
+
+def gelu_forward(out: np.ndarray, x: np.ndarray) -> None:
+    """ops_numpy.gelu_forward: out (N, 4C) = gelu(x)."""
+    if x.ndim != 2 or not _fast(out, x):
+        return ref.gelu_forward(out, x)
+    _rows2("gelu_forward", x.shape[1], x=x, out=out)
+    split_batch(lambda r0, r1: _gelu_rows(out[r0:r1], x[r0:r1]), x.shape[0])
+
+
+def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.ndarray,
+                 w_fc: np.ndarray, w_proj: np.ndarray) -> None:
+    """ops_numpy.mlp_forward: out (N, C) = gelu(x @ w_fc) @ w_proj; saves h_pre, h_act (N, 4C).
+    The matmuls run on the arrays as given (a stacked (n, 1, C) view stays n one-row products)."""
+    if not _fast(out, h_pre, h_act, x):
+        return ref.mlp_forward(out, h_pre, h_act, x, w_fc, w_proj)
+    C = x.shape[-1]
+    F = w_fc.shape[1]
+    lead = x.shape[:-1]
+    for name, v, want in (("w_fc", w_fc, (C, F)), ("w_proj", w_proj, (F, C)), ("h_pre", h_pre, (*lead, F)),
+                          ("h_act", h_act, (*lead, F)), ("out", out, x.shape)):
+        _shape("mlp_forward", name, v, want)
+
+    def part(r0: int, r1: int) -> None:
+        np.matmul(x[r0:r1], w_fc, out=h_pre[r0:r1])
+        _gelu_rows(h_act[r0:r1].reshape(-1, F), h_pre[r0:r1].reshape(-1, F))
+        np.matmul(h_act[r0:r1], w_proj, out=out[r0:r1])
+
+    split_batch(part, x.shape[0])
+
+
+def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: np.ndarray,
+                 x: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray,
+                 w_fc: np.ndarray, w_proj: np.ndarray, work: np.ndarray) -> None:
+    """ops_numpy.mlp_backward: dx (N, C) = ...; dw_fc, dw_proj += ...; gelu' in one pass per row."""
+    if x.ndim != 2 or not _fast(dx, dout, x, h_pre, h_act, work):
+        return ref.mlp_backward(dx, dw_fc, dw_proj, dout, x, h_pre, h_act, w_fc, w_proj, work)
+    N, C = x.shape
+    F = w_fc.shape[1]
+    for name, v, want in (("w_fc", w_fc, (C, F)), ("w_proj", w_proj, (F, C)), ("dw_fc", dw_fc, (C, F)),
+                          ("dw_proj", dw_proj, (F, C))):
+        _shape("mlp_backward", name, v, want)
+    _rows2("mlp_backward", F, h_pre=h_pre, h_act=h_act)
+    _rows2("mlp_backward", C, x=x, dx=dx, dout=dout)
+    DH, TW = ref._carve(work, (N, F), (F, C))
+    tiny = work.dtype.type(np.finfo(work.dtype).tiny)
+
+    def rows(r0: int, r1: int) -> None:
+        dh = DH[r0:r1]
+        np.matmul(dout[r0:r1], w_proj.T, out=dh)       # dL/dh_act
+        _gelu_bwd_rows(dh, h_pre[r0:r1], h_act[r0:r1], tiny)
+        np.matmul(dh, w_fc.T, out=dx[r0:r1])
+
+    split_batch(rows, N)
+    ref._mm_acc(dw_proj, h_act.T, dout, TW)
+    ref._mm_acc(dw_fc, x.T, DH, TW.reshape(C, F))
+
+
+def _targets_ok(op: str, targets: np.ndarray, N: int, V: int) -> np.ndarray:
+    t = targets.reshape(-1)
+    if t.shape[0] != N:
+        raise ValueError(f"{op}: targets has {t.shape[0]} entries, expected N = {N}")
+    if N and (int(t.min()) < 0 or int(t.max()) >= V):
+        raise ValueError(f"{op}: targets outside [0, {V})")
+    return t
+
+
+def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: np.ndarray,
+                 wte: np.ndarray, targets: np.ndarray | None, work: np.ndarray) -> None:
+    """ops_numpy.loss_forward: logits = x @ wte.T; probs = softmax(logits); losses = cross-entropy,
+    the softmax and the loss in one pass per row."""
+    if targets is None or not _fast(losses, logits, probs, x):
+        return ref.loss_forward(losses, logits, probs, x, wte, targets, work)
+    N, V = logits.shape
+    C = x.shape[1]
+    _shape("loss_forward", "wte", wte, (V, C))
+    _shape("loss_forward", "probs", probs, (N, V))
+    _shape("loss_forward", "x", x, (N, C))
+    _shape("loss_forward", "losses", losses, (N,))
+    t = _targets_ok("loss_forward", targets, N, V)
+
+    def part(r0: int, r1: int) -> None:
+        np.matmul(x[r0:r1], wte.T, out=logits[r0:r1])
+        _softmax_xent_rows(losses[r0:r1], probs[r0:r1], logits[r0:r1], t[r0:r1], True)
+
+    split_batch(part, N)
+
+
+def loss_backward(dx: np.ndarray, dwte: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: np.ndarray,
+                  wte: np.ndarray, targets: np.ndarray, dloss: float, work: np.ndarray) -> None:
+    """ops_numpy.loss_backward: probs <- dlogits = (probs - onehot) * dloss (same bits as the
+    reference), dx = dlogits @ wte, dwte += dlogits.T @ x."""
+    if not _fast(dx, probs, x, work):
+        return ref.loss_backward(dx, dwte, logits, probs, x, wte, targets, dloss, work)
+    N, V = probs.shape
+    C = x.shape[1]
+    _shape("loss_backward", "wte", wte, (V, C))
+    _shape("loss_backward", "dwte", dwte, (V, C))
+    _shape("loss_backward", "x", x, (N, C))
+    _shape("loss_backward", "dx", dx, (N, C))
+    t = _targets_ok("loss_backward", targets, N, V)
+    _, tw = ref._carve(work, (N, C), (V, C))
+    dl = probs.dtype.type(dloss)
+
+    def rows(r0: int, r1: int) -> None:
+        _xent_grad_rows(probs[r0:r1], t[r0:r1], dl)
+        np.matmul(probs[r0:r1], wte, out=dx[r0:r1])
+
+    split_batch(rows, N)
+    ref._mm_acc(dwte, probs.T, x, tw)
+
+
+def embed_backward(dwte: np.ndarray, dwpe: np.ndarray, dout: np.ndarray, idx: np.ndarray) -> None:
+    """ops_numpy.embed_backward: dwte[idx] += dout; dwpe[:T] += sum_b dout[b], in the reference's
+    order (rows in index order), so the same bits; one thread."""
+    if dout.ndim != 3 or not _fast(dwte, dwpe, dout):
+        return ref.embed_backward(dwte, dwpe, dout, idx)
+    B, T, C = dout.shape
+    _shape("embed_backward", "idx", idx, (B, T))
+    if dwte.ndim != 2 or dwte.shape[1] != C or dwpe.ndim != 2 or dwpe.shape[1] != C or dwpe.shape[0] < T:
+        raise ValueError(f"embed_backward: dwte {dwte.shape} / dwpe {dwpe.shape} do not match dout {dout.shape}")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= dwte.shape[0]):
+        raise ValueError(f"embed_backward: idx outside [0, {dwte.shape[0]})")
+    _embed_bwd(dwte, dwpe, dout, idx)
+
+
+def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: int, t: int,
+          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """ops_numpy.adamw in one pass per element (g is left as it was, which the contract allows)."""
+    if w.ndim != 1 or not _fast(w, g, m, v):
+        return ref.adamw(w, g, m, v, n_decay, t, lr, beta1, beta2, eps, weight_decay)
+    n = w.shape[0]
+    for name, a in (("g", g), ("m", m), ("v", v)):
+        _shape("adamw", name, a, (n,))
+    dt = w.dtype.type
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    nd = int(n_decay) if weight_decay else 0
+    args = (nd, dt(1.0 - lr * weight_decay), dt(beta1), dt(beta2), dt(1.0 - beta1), dt(1.0 - beta2),
+            dt(1.0 / math.sqrt(bc2)), dt(eps), dt(lr / bc1))
+    split_batch(lambda i0, i1: _adamw_range(w, g, m, v, i0, i1, *args), n)
