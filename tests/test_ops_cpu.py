@@ -270,3 +270,27 @@ def test_a_row_has_the_same_bits_alone_or_with_others(op):
         return out
     whole = run(0, N)
     assert all(np.array_equal(run(i, i + 1)[0], whole[i]) for i in range(N))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("B,T,H,D,block", [(3, 16, 2, 4, 64), (2, 13, 3, 8, 5), (2, 8, 1, 4, 1)])
+def test_attention_forward_backward(monkeypatch, dt, B, T, H, D, block):
+    """Causal blocks of ``block`` queries (5 < T: ragged, the blocks above the diagonal skipped)."""
+    monkeypatch.setattr(ref, "ATT_BLOCK", block)
+    rng = np.random.default_rng(B * T + H)
+    C = H * D
+    qkv = rng.normal(0, 1.5, (B, T, 3 * C)).astype(dt)
+    dout = rng.normal(size=(B, T, C)).astype(dt)
+    mask = np.triu(np.full((T, T), -np.inf, dt), k=1)
+    work = np.full(ref.work_elems(B, T, C, H, 7), np.nan, dt)
+    res = {}
+    for ops in (ref, fast):
+        out, att = _nan((B, T, C), dt), _nan(ref.att_shape(B, H, T), dt)
+        ops.attn_forward(out, att, qkv, mask, H, work)
+        dqkv = _nan((B, T, 3 * C), dt)
+        ops.attn_backward(dqkv, dout, qkv, att, out, H, work)
+        res[ops] = (out, att, dqkv)
+    for i, (f, r) in enumerate(zip(res[fast], res[ref])):
+        _close(f, r, dt, f"attention output {i}")
+    att = res[fast][1]                                   # P: exact zeros for keys after the query
+    assert (att.transpose(0, 2, 3, 1)[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0).all()

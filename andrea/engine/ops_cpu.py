@@ -33,7 +33,7 @@ import numpy as np
 
 from andrea.engine import ops_numpy as ref
 from andrea.engine.ops_numpy import (  # noqa: F401 - re-exported: the ops this module does not speed up
-    GELU_A, GELU_K, LN_EPS, MAX_THREADS, att_shape, attn_backward, attn_forward, attn_out_backward,
+    GELU_A, GELU_K, LN_EPS, MAX_THREADS, att_shape, attn_out_backward,
     attn_out_forward, attn_qkv_backward, attn_qkv_forward, embed_forward, grad_norm_final,
     grad_norm_partial, grad_scale, n_threads, residual_add_backward, residual_add_forward, row_ranges,
     run_parallel, split_batch, work_elems)
@@ -41,6 +41,7 @@ from andrea.engine.ops_numpy import (  # noqa: F401 - re-exported: the ops this 
 # reassoc: reductions vectorize; contract: FMAs; arcp/afn/nsz: cheaper divides. No nnan/ninf.
 _JIT = dict(nogil=True, cache=True, error_model="numpy",
             fastmath={"reassoc", "contract", "arcp", "afn", "nsz"})
+ROW_BLOCK = 256  # rows per GEMM -> kernel -> GEMM chain in the MLP and the loss (stays in L2)
 _LANES = 16     # independent partial maxima in _row_max (a max reduction does not vectorize)
 
 LOG2E = 1.4426950408889634
@@ -242,6 +243,99 @@ def _xent_grad_rows(probs, targets, dloss):
 
 
 @numba.njit(**_JIT)
+def _to_heads(dst, src, col0, scale):
+    """dst (n, H, T, D) = src[:, :, col0:col0 + H*D] (n, T, >= H*D) * scale, head by head."""
+    n, H, T, D = dst.shape
+    for b in range(n):
+        for h in range(H):
+            for t in range(T):
+                o = dst[b, h, t]
+                i = src[b, t, col0 + h * D:col0 + (h + 1) * D]
+                for d in range(D):
+                    o[d] = i[d] * scale
+
+
+@numba.njit(**_JIT)
+def _from_heads(dst, src, col0, scale):
+    """dst[:, :, col0:col0 + H*D] (n, T, >= H*D) = src (n, H, T, D) * scale: the heads merged."""
+    n, H, T, D = src.shape
+    for b in range(n):
+        for t in range(T):
+            for h in range(H):
+                o = dst[b, t, col0 + h * D:col0 + (h + 1) * D]
+                i = src[b, h, t]
+                for d in range(D):
+                    o[d] = i[d] * scale
+
+
+@numba.njit(**_JIT)
+def _attn_softmax(att, mt):
+    """att (n, T, H, T) key-major scores s[b, k, h, q] -> P = softmax over keys k <= q of s + mask,
+    mt[k, q] = mask[q, k]; P = 0 exactly for k > q (the causal zeros, whatever att held there).
+    Every loop runs across the queries of one key row: the reductions over keys are element-wise
+    sums in key order."""
+    n, T, H, _ = att.shape
+    dt = att.dtype.type
+    mx = np.empty(T, att.dtype)
+    sm = np.empty(T, att.dtype)
+    scr = np.empty(T, att.dtype)
+    for b in range(n):
+        for h in range(H):
+            for k in range(T):                       # per query, the max over its keys
+                row, mk, m = att[b, k, h, k:], mt[k, k:], mx[k:]
+                if k == 0:
+                    for j in range(T):
+                        m[j] = row[j] + mk[j]
+                else:
+                    for j in range(T - k):
+                        v = row[j] + mk[j]
+                        m[j] = v if v > m[j] else m[j]
+            for j in range(T):
+                sm[j] = dt(0.0)
+            for k in range(T):                       # exp and the key sums
+                row, mk, m, s = att[b, k, h, k:], mt[k, k:], mx[k:], sm[k:]
+                for j in range(T - k):
+                    row[j] = row[j] + mk[j] - m[j]
+                _exp_row(row, scr)
+                for j in range(T - k):
+                    s[j] += row[j]
+                z = att[b, k, h, :k]
+                for j in range(k):
+                    z[j] = dt(0.0)
+            for j in range(T):
+                sm[j] = dt(1.0) / sm[j]
+            for k in range(T):
+                row, s = att[b, k, h, k:], sm[k:]
+                for j in range(T - k):
+                    row[j] *= s[j]
+
+
+@numba.njit(**_JIT)
+def _attn_softmax_bwd(datt, att, blk):
+    """datt (n, T, H, T) key-major dL/dP -> dS = P (dP - sum_keys(dP P)) for k <= q; 0 for keys
+    k > q of k's own causal block of blk queries (the block matmuls read those; above the block
+    diagonal nothing is read)."""
+    n, T, H, _ = att.shape
+    dt = att.dtype.type
+    rd = np.empty(T, att.dtype)
+    for b in range(n):
+        for h in range(H):
+            for j in range(T):
+                rd[j] = dt(0.0)
+            for k in range(T):
+                d, p, r = datt[b, k, h, k:], att[b, k, h, k:], rd[k:]
+                for j in range(T - k):
+                    r[j] += d[j] * p[j]
+            for k in range(T):
+                d, p, r = datt[b, k, h, k:], att[b, k, h, k:], rd[k:]
+                for j in range(T - k):
+                    d[j] = p[j] * (d[j] - r[j])
+                z = datt[b, k, h, (k // blk) * blk:k]
+                for j in range(z.shape[0]):
+                    z[j] = dt(0.0)
+
+
+@numba.njit(**_JIT)
 def _adamw_range(w, g, m, v, i0, i1, n_decay, decay, b1, b2, c1, c2, sbc2, eps, step):
     """AdamW on elements [i0, i1): w *= decay below n_decay; m = b1 m + c1 g;
     v = b2 v + c2 g^2; w -= step * m / (sqrt(v) * sbc2 + eps)."""
@@ -361,9 +455,11 @@ def mlp_forward(out: np.ndarray, h_pre: np.ndarray, h_act: np.ndarray, x: np.nda
         _shape("mlp_forward", name, v, want)
 
     def part(r0: int, r1: int) -> None:
-        np.matmul(x[r0:r1], w_fc, out=h_pre[r0:r1])
-        _gelu_rows(h_act[r0:r1].reshape(-1, F), h_pre[r0:r1].reshape(-1, F))
-        np.matmul(h_act[r0:r1], w_proj, out=out[r0:r1])
+        for i0 in range(r0, r1, ROW_BLOCK):
+            i1 = min(i0 + ROW_BLOCK, r1)
+            np.matmul(x[i0:i1], w_fc, out=h_pre[i0:i1])
+            _gelu_rows(h_act[i0:i1].reshape(-1, F), h_pre[i0:i1].reshape(-1, F))
+            np.matmul(h_act[i0:i1], w_proj, out=out[i0:i1])
 
     split_batch(part, x.shape[0])
 
@@ -385,10 +481,12 @@ def mlp_backward(dx: np.ndarray, dw_fc: np.ndarray, dw_proj: np.ndarray, dout: n
     tiny = work.dtype.type(np.finfo(work.dtype).tiny)
 
     def rows(r0: int, r1: int) -> None:
-        dh = DH[r0:r1]
-        np.matmul(dout[r0:r1], w_proj.T, out=dh)       # dL/dh_act
-        _gelu_bwd_rows(dh, h_pre[r0:r1], h_act[r0:r1], tiny)
-        np.matmul(dh, w_fc.T, out=dx[r0:r1])
+        for i0 in range(r0, r1, ROW_BLOCK):
+            i1 = min(i0 + ROW_BLOCK, r1)
+            dh = DH[i0:i1]
+            np.matmul(dout[i0:i1], w_proj.T, out=dh)       # dL/dh_act
+            _gelu_bwd_rows(dh, h_pre[i0:i1], h_act[i0:i1], tiny)
+            np.matmul(dh, w_fc.T, out=dx[i0:i1])
 
     split_batch(rows, N)
     ref._mm_acc(dw_proj, h_act.T, dout, TW)
@@ -419,8 +517,10 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
     t = _targets_ok("loss_forward", targets, N, V)
 
     def part(r0: int, r1: int) -> None:
-        np.matmul(x[r0:r1], wte.T, out=logits[r0:r1])
-        _softmax_xent_rows(losses[r0:r1], probs[r0:r1], logits[r0:r1], t[r0:r1], True)
+        for i0 in range(r0, r1, ROW_BLOCK):
+            i1 = min(i0 + ROW_BLOCK, r1)
+            np.matmul(x[i0:i1], wte.T, out=logits[i0:i1])
+            _softmax_xent_rows(losses[i0:i1], probs[i0:i1], logits[i0:i1], t[i0:i1], True)
 
     split_batch(part, N)
 
@@ -442,8 +542,10 @@ def loss_backward(dx: np.ndarray, dwte: np.ndarray, logits: np.ndarray, probs: n
     dl = probs.dtype.type(dloss)
 
     def rows(r0: int, r1: int) -> None:
-        _xent_grad_rows(probs[r0:r1], t[r0:r1], dl)
-        np.matmul(probs[r0:r1], wte, out=dx[r0:r1])
+        for i0 in range(r0, r1, ROW_BLOCK):
+            i1 = min(i0 + ROW_BLOCK, r1)
+            _xent_grad_rows(probs[i0:i1], t[i0:i1], dl)
+            np.matmul(probs[i0:i1], wte, out=dx[i0:i1])
 
     split_batch(rows, N)
     ref._mm_acc(dwte, probs.T, x, tw)
@@ -477,3 +579,88 @@ def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: i
     args = (nd, dt(1.0 - lr * weight_decay), dt(beta1), dt(beta2), dt(1.0 - beta1), dt(1.0 - beta2),
             dt(1.0 / math.sqrt(bc2)), dt(eps), dt(lr / bc1))
     split_batch(lambda i0, i1: _adamw_range(w, g, m, v, i0, i1, *args), n)
+
+
+def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
+                 n_head: int, work: np.ndarray) -> None:
+    """ops_numpy.attn_forward (same causal blocks, same BLAS products), with the head split, the
+    masked softmax and the head merge as kernels. mask must be the causal one it documents:
+    it is added for keys k <= q, and P = 0 exactly for k > q."""
+    if out.ndim != 3 or not _fast(out, att, qkv, mask, work):
+        return ref.attn_forward(out, att, qkv, mask, n_head, work)
+    B, T, C = out.shape
+    H = n_head
+    D = C // H
+    if att.shape != att_shape(B, H, T):
+        raise ValueError(f"attn_forward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
+    _shape("attn_forward", "qkv", qkv, (B, T, 3 * C))
+    if mask.ndim != 2 or mask.shape[0] < T or mask.shape[1] < T:
+        raise ValueError(f"attn_forward: mask has shape {mask.shape}, expected at least ({T}, {T})")
+    QH, KH, VH, Y, MT = ref._carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D), (T, T))
+    np.copyto(MT, mask[:T, :T].T)
+    blocks = ref._causal_blocks(T)
+    scale = out.dtype.type(1.0 / math.sqrt(D))
+    one = out.dtype.type(1.0)
+
+    def part(b0: int, b1: int) -> None:
+        qh, kh, vh, y, a4 = QH[b0:b1], KH[b0:b1], VH[b0:b1], Y[b0:b1], att[b0:b1]
+        s4 = a4.transpose(0, 2, 1, 3)                  # (n, H, keys, queries)
+        src = qkv[b0:b1]
+        _to_heads(qh, src, 0, scale)
+        _to_heads(kh, src, C, one)
+        _to_heads(vh, src, 2 * C, one)
+        for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
+            np.matmul(kh[:, :, :i1], qh[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
+        _attn_softmax(a4, MT)
+        p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
+        for i0, i1 in blocks:
+            np.matmul(p4[:, :, i0:i1, :i1], vh[:, :, :i1], out=y[:, :, i0:i1])
+        _from_heads(out[b0:b1], y, 0, one)
+
+    split_batch(part, B)
+
+
+def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray, y: np.ndarray,
+                  n_head: int, work: np.ndarray) -> None:
+    """ops_numpy.attn_backward (same causal blocks, same BLAS products), with the head split and
+    merge and the softmax backward as kernels."""
+    if dout.ndim != 3 or not _fast(dqkv, dout, qkv, att, work):
+        return ref.attn_backward(dqkv, dout, qkv, att, y, n_head, work)
+    B, T, C = dout.shape
+    H = n_head
+    D = C // H
+    if att.shape != att_shape(B, H, T):
+        raise ValueError(f"attn_backward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
+    _shape("attn_backward", "qkv", qkv, (B, T, 3 * C))
+    _shape("attn_backward", "dqkv", dqkv, (B, T, 3 * C))
+    QH, KH, VH, DY, TMP, DATT = ref._carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D),
+                                           (B, H, T, D), (B, T, H, T))
+    blocks = ref._causal_blocks(T)
+    blk = blocks[0][1]
+    scale = dout.dtype.type(1.0 / math.sqrt(D))
+    one = dout.dtype.type(1.0)
+
+    def part(b0: int, b1: int) -> None:
+        qh, kh, vh, dy, tmp, d4, p4 = QH[b0:b1], KH[b0:b1], VH[b0:b1], DY[b0:b1], TMP[b0:b1], DATT[b0:b1], att[b0:b1]
+        pkq, dkq = p4.transpose(0, 2, 1, 3), d4.transpose(0, 2, 1, 3)   # (n, H, keys, queries)
+        dqk = d4.transpose(0, 2, 3, 1)                                  # (n, H, queries, keys)
+        src = qkv[b0:b1]
+        _to_heads(qh, src, 0, scale)                   # qh = q * scale
+        _to_heads(kh, src, C, one)
+        _to_heads(vh, src, 2 * C, one)
+        _to_heads(dy, dout[b0:b1], 0, one)
+        for i0, i1 in blocks:                          # datt^T = v dy^T, keys [0, i1)
+            np.matmul(vh[:, :, :i1], dy[:, :, i0:i1].swapaxes(-1, -2), out=dkq[:, :, :i1, i0:i1])
+        for j0, j1 in blocks:                          # vh = dv = P^T dy, queries [j0, T)
+            np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=vh[:, :, j0:j1])
+        _attn_softmax_bwd(d4, p4, blk)                 # d4 = ds^T
+        for i0, i1 in blocks:                          # dy = ds k, keys [0, i1) (the scale below)
+            np.matmul(dqk[:, :, i0:i1, :i1], kh[:, :, :i1], out=dy[:, :, i0:i1])
+        for j0, j1 in blocks:                          # tmp = dk = ds^T (q * scale), queries [j0, T)
+            np.matmul(dkq[:, :, j0:j1, j0:], qh[:, :, j0:], out=tmp[:, :, j0:j1])
+        g = dqkv[b0:b1]
+        _from_heads(g, dy, 0, scale)
+        _from_heads(g, tmp, C, one)
+        _from_heads(g, vh, 2 * C, one)
+
+    split_batch(part, B)
