@@ -42,7 +42,6 @@ from andrea.engine.ops_numpy import (  # noqa: F401 - re-exported: the ops this 
 _JIT = dict(nogil=True, cache=True, error_model="numpy",
             fastmath={"reassoc", "contract", "arcp", "afn", "nsz"})
 ROW_BLOCK = 256  # rows per GEMM -> kernel -> GEMM chain in the MLP and the loss (stays in L2)
-_LANES = 16     # independent partial maxima in _row_max (a max reduction does not vectorize)
 
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693359375            # ln 2 split so n * LN2_HI is exact for |n| < 2^11
@@ -64,10 +63,27 @@ def _shape(op: str, name: str, a: np.ndarray, want: tuple) -> None:
 
 # ------------------------------------------------------------------------ kernels
 @numba.njit(**_JIT)
+def _exp_parts(t):
+    """exp(t) of an fp32 t as (p, bits) with exp(t) = p * 2^n and bits the fp32 bit pattern of
+    2^n: n = round(t log2 e), p = a degree-7 polynomial in t - n ln 2; t is clamped to [-87, 88]
+    first, so 2^n stays a normal float (exp(-87) ~ 1.6e-38, exp(88) ~ 1.7e38)."""
+    t = t if t > np.float32(-87.0) else np.float32(-87.0)
+    t = t if t < np.float32(88.0) else np.float32(88.0)
+    n = np.floor(t * np.float32(LOG2E) + np.float32(0.5))
+    f = t - n * np.float32(LN2_HI) - n * np.float32(LN2_LO)
+    p = np.float32(1.9875691500e-4)
+    p = p * f + np.float32(1.3981999507e-3)
+    p = p * f + np.float32(8.3334519073e-3)
+    p = p * f + np.float32(4.1665795894e-2)
+    p = p * f + np.float32(1.6666665459e-1)
+    p = p * f + np.float32(5.0000001201e-1)
+    return p * f * f + f + np.float32(1.0), (np.int32(n) + np.int32(127)) << 23
+
+
+@numba.njit(**_JIT)
 def _exp_row(v, scr):
-    """v[j] = exp(v[j]) in place for the 1-D v; scr is a scratch row of v's dtype, >= len(v).
-    fp32: exp(t) = 2^n p(t - n ln 2), n = round(t log2 e), t clamped to [-87, 88] (so 2^n
-    stays a normal float: exp(-87) ~ 1.6e-38, exp(88) ~ 1.7e38). fp64: np.exp."""
+    """v[j] = exp(v[j]) in place for the 1-D v; scr is a scratch row of v's dtype, >= len(v)
+    (fp32: holds 2^n; fp64: np.exp)."""
     F = v.shape[0]
     if v.itemsize != 4:
         for j in range(F):
@@ -75,41 +91,35 @@ def _exp_row(v, scr):
         return
     si = scr[:F].view(np.int32)
     for j in range(F):
-        t = v[j]
-        t = t if t > np.float32(-87.0) else np.float32(-87.0)
-        t = t if t < np.float32(88.0) else np.float32(88.0)
-        n = np.floor(t * np.float32(LOG2E) + np.float32(0.5))
-        f = t - n * np.float32(LN2_HI) - n * np.float32(LN2_LO)
-        p = np.float32(1.9875691500e-4)
-        p = p * f + np.float32(1.3981999507e-3)
-        p = p * f + np.float32(8.3334519073e-3)
-        p = p * f + np.float32(4.1665795894e-2)
-        p = p * f + np.float32(1.6666665459e-1)
-        p = p * f + np.float32(5.0000001201e-1)
-        v[j] = p * f * f + f + np.float32(1.0)
-        si[j] = (np.int32(n) + np.int32(127)) << 23
+        v[j], si[j] = _exp_parts(v[j])
     sf = scr[:F]
     for j in range(F):
         v[j] *= sf[j]
 
 
 @numba.njit(**_JIT)
-def _row_max(v):
-    """max(v) of a 1-D v over _LANES interleaved partial maxima (NaN-free input: the max)."""
-    F = v.shape[0]
-    acc = np.empty(_LANES, v.dtype)
-    for l in range(_LANES):
-        acc[l] = v[0]
-    for j0 in range(0, F - _LANES + 1, _LANES):
-        for l in range(_LANES):
-            x = v[j0 + l]
-            acc[l] = x if x > acc[l] else acc[l]
-    m = acc[0]
-    for l in range(_LANES):
-        m = acc[l] if acc[l] > m else m
-    for j in range(F - F % _LANES, F):
-        m = v[j] if v[j] > m else m
-    return m
+def _exp_shift_sum(dst, src, shift, scr):
+    """dst[j] = exp(src[j] - shift) for the 1-D src and a distinct dst (an in-place call would
+    fail LLVM's overlap check and run scalar: use _exp_row); returns sum(dst), summed in the
+    loop that writes it. Same element bits as _exp_row of src - shift."""
+    F = src.shape[0]
+    dt = src.dtype.type
+    s = dt(0.0)
+    if src.itemsize != 4:
+        for j in range(F):
+            e = np.exp(src[j] - shift)
+            dst[j] = e
+            s += e
+        return s
+    si = scr[:F].view(np.int32)
+    for j in range(F):
+        dst[j], si[j] = _exp_parts(src[j] - shift)
+    sf = scr[:F]
+    for j in range(F):
+        e = dst[j] * sf[j]
+        dst[j] = e
+        s += e
+    return s
 
 
 @numba.njit(**_JIT)
@@ -208,26 +218,21 @@ def _gelu_bwd_rows(dh, h_pre, h_act, tiny):
 
 
 @numba.njit(**_JIT)
-def _softmax_xent_rows(losses, probs, logits, targets, with_loss):
-    """probs = softmax(logits) row by row; losses = max + log(sum) - logit[target]."""
+def _softmax_xent_rows(losses, probs, logits, targets):
+    """probs = softmax(logits) row by row; losses holds each row's max on entry (NumPy's SIMD
+    max: LLVM does not vectorize a max reduction that must keep NaNs) and max + log(sum) -
+    logit[target] on return."""
     N, V = logits.shape
     dt = logits.dtype.type
     scr = np.empty(V, logits.dtype)
     for r in range(N):
-        lg = logits[r]
-        pr = probs[r]
-        m = _row_max(lg)
-        for j in range(V):
-            pr[j] = lg[j] - m
-        _exp_row(pr, scr)
-        s = dt(0.0)
-        for j in range(V):
-            s += pr[j]
+        m = losses[r]
+        s = _exp_shift_sum(probs[r], logits[r], m, scr)
         inv = dt(1.0) / s
+        pr = probs[r]
         for j in range(V):
             pr[j] *= inv
-        if with_loss:
-            losses[r] = m + np.log(s) - lg[targets[r]]
+        losses[r] = m + np.log(s) - logits[r, targets[r]]
 
 
 @numba.njit(**_JIT)
@@ -269,45 +274,45 @@ def _from_heads(dst, src, col0, scale):
 
 
 @numba.njit(**_JIT)
-def _attn_softmax(att, mt):
+def _attn_softmax(att, mt, qi):
     """att (n, T, H, T) key-major scores s[b, k, h, q] -> P = softmax over keys k <= q of s + mask,
-    mt[k, q] = mask[q, k]; P = 0 exactly for k > q (the causal zeros, whatever att held there).
-    Every loop runs across the queries of one key row: the reductions over keys are element-wise
-    sums in key order."""
+    with mt (T, H*T) the mask key-major per head (mt[k, h*T + q] = mask[q, k]) and qi (H*T,)
+    the query of each column (q); P = 0 exactly for k > q, whatever att held there (the block
+    products leave it unwritten). Each loop runs across the H*T queries of one key row
+    (full-length vector loops; the entries k > q are selected away), so the reductions over
+    keys are element-wise, in key order."""
     n, T, H, _ = att.shape
+    HT = H * T
     dt = att.dtype.type
-    mx = np.empty(T, att.dtype)
-    sm = np.empty(T, att.dtype)
-    scr = np.empty(T, att.dtype)
+    ninf = dt(-np.inf)
+    a3 = att.reshape(n, T, HT)
+    mx = np.empty(HT, att.dtype)
+    sm = np.empty(HT, att.dtype)
+    scr = np.empty(HT, att.dtype)
     for b in range(n):
-        for h in range(H):
-            for k in range(T):                       # per query, the max over its keys
-                row, mk, m = att[b, k, h, k:], mt[k, k:], mx[k:]
-                if k == 0:
-                    for j in range(T):
-                        m[j] = row[j] + mk[j]
-                else:
-                    for j in range(T - k):
-                        v = row[j] + mk[j]
-                        m[j] = v if v > m[j] else m[j]
-            for j in range(T):
-                sm[j] = dt(0.0)
-            for k in range(T):                       # exp and the key sums
-                row, mk, m, s = att[b, k, h, k:], mt[k, k:], mx[k:], sm[k:]
-                for j in range(T - k):
-                    row[j] = row[j] + mk[j] - m[j]
-                _exp_row(row, scr)
-                for j in range(T - k):
-                    s[j] += row[j]
-                z = att[b, k, h, :k]
-                for j in range(k):
-                    z[j] = dt(0.0)
-            for j in range(T):
-                sm[j] = dt(1.0) / sm[j]
-            for k in range(T):
-                row, s = att[b, k, h, k:], sm[k:]
-                for j in range(T - k):
-                    row[j] *= s[j]
+        for j in range(HT):
+            mx[j] = ninf
+            sm[j] = dt(0.0)
+        for k in range(T):                           # per query, the max over its keys
+            row, mk = a3[b, k], mt[k]
+            for j in range(HT):
+                v = row[j] + mk[j] if qi[j] >= k else ninf
+                mx[j] = v if v > mx[j] else mx[j]
+        for k in range(T):                           # exp and the key sums
+            row, mk = a3[b, k], mt[k]
+            for j in range(HT):
+                row[j] = row[j] + mk[j] - mx[j]
+            _exp_row(row, scr)
+            for j in range(HT):
+                p = row[j] if qi[j] >= k else dt(0.0)
+                row[j] = p
+                sm[j] += p
+        for j in range(HT):
+            sm[j] = dt(1.0) / sm[j]
+        for k in range(T):
+            row = a3[b, k]
+            for j in range(HT):
+                row[j] *= sm[j]
 
 
 @numba.njit(**_JIT)
@@ -520,7 +525,8 @@ def loss_forward(losses: np.ndarray, logits: np.ndarray, probs: np.ndarray, x: n
         for i0 in range(r0, r1, ROW_BLOCK):
             i1 = min(i0 + ROW_BLOCK, r1)
             np.matmul(x[i0:i1], wte.T, out=logits[i0:i1])
-            _softmax_xent_rows(losses[i0:i1], probs[i0:i1], logits[i0:i1], t[i0:i1], True)
+            np.max(logits[i0:i1], axis=1, out=losses[i0:i1])
+            _softmax_xent_rows(losses[i0:i1], probs[i0:i1], logits[i0:i1], t[i0:i1])
 
     split_batch(part, N)
 
@@ -596,8 +602,11 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
     _shape("attn_forward", "qkv", qkv, (B, T, 3 * C))
     if mask.ndim != 2 or mask.shape[0] < T or mask.shape[1] < T:
         raise ValueError(f"attn_forward: mask has shape {mask.shape}, expected at least ({T}, {T})")
-    QH, KH, VH, Y, MT = ref._carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D), (T, T))
-    np.copyto(MT, mask[:T, :T].T)
+    QH, KH, VH, Y, MT, QI = ref._carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D),
+                                       (T, H, T), (H, T))
+    np.copyto(MT, mask[:T, :T].T[:, None, :])          # the mask key-major, once per head
+    QI = QI.view(np.int32 if QI.itemsize == 4 else np.int64)
+    QI[:] = np.arange(T)                               # each column's query
     blocks = ref._causal_blocks(T)
     scale = out.dtype.type(1.0 / math.sqrt(D))
     one = out.dtype.type(1.0)
@@ -611,7 +620,7 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
         _to_heads(vh, src, 2 * C, one)
         for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
             np.matmul(kh[:, :, :i1], qh[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
-        _attn_softmax(a4, MT)
+        _attn_softmax(a4, MT.reshape(T, H * T), QI.reshape(H * T))
         p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
         for i0, i1 in blocks:
             np.matmul(p4[:, :, i0:i1, :i1], vh[:, :, :i1], out=y[:, :, i0:i1])
