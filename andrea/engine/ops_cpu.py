@@ -248,35 +248,9 @@ def _xent_grad_rows(probs, targets, dloss):
 
 
 @numba.njit(**_JIT)
-def _to_heads(dst, src, col0, scale):
-    """dst (n, H, T, D) = src[:, :, col0:col0 + H*D] (n, T, >= H*D) * scale, head by head."""
-    n, H, T, D = dst.shape
-    for b in range(n):
-        for h in range(H):
-            for t in range(T):
-                o = dst[b, h, t]
-                i = src[b, t, col0 + h * D:col0 + (h + 1) * D]
-                for d in range(D):
-                    o[d] = i[d] * scale
-
-
-@numba.njit(**_JIT)
-def _from_heads(dst, src, col0, scale):
-    """dst[:, :, col0:col0 + H*D] (n, T, >= H*D) = src (n, H, T, D) * scale: the heads merged."""
-    n, H, T, D = src.shape
-    for b in range(n):
-        for t in range(T):
-            for h in range(H):
-                o = dst[b, t, col0 + h * D:col0 + (h + 1) * D]
-                i = src[b, h, t]
-                for d in range(D):
-                    o[d] = i[d] * scale
-
-
-@numba.njit(**_JIT)
-def _attn_softmax(att, mt, qi):
-    """att (n, T, H, T) key-major scores s[b, k, h, q] -> P = softmax over keys k <= q of s + mask,
-    with mt (T, H*T) the mask key-major per head (mt[k, h*T + q] = mask[q, k]) and qi (H*T,)
+def _attn_softmax(att, mt, qi, scale):
+    """att (n, T, H, T) key-major products s[b, k, h, q] = k . q -> P = softmax over keys k <= q of
+    scale s + mask, with mt (T, H*T) the mask key-major per head (mt[k, h*T + q] = mask[q, k]) and qi (H*T,)
     the query of each column (q); P = 0 exactly for k > q, whatever att held there (the block
     products leave it unwritten). Each loop runs across the H*T queries of one key row
     (full-length vector loops; the entries k > q are selected away), so the reductions over
@@ -296,12 +270,12 @@ def _attn_softmax(att, mt, qi):
         for k in range(T):                           # per query, the max over its keys
             row, mk = a3[b, k], mt[k]
             for j in range(HT):
-                v = row[j] + mk[j] if qi[j] >= k else ninf
+                v = row[j] * scale + mk[j] if qi[j] >= k else ninf
                 mx[j] = v if v > mx[j] else mx[j]
         for k in range(T):                           # exp and the key sums
             row, mk = a3[b, k], mt[k]
             for j in range(HT):
-                row[j] = row[j] + mk[j] - mx[j]
+                row[j] = row[j] * scale + mk[j] - mx[j]
             _exp_row(row, scr)
             for j in range(HT):
                 p = row[j] if qi[j] >= k else dt(0.0)
@@ -316,28 +290,27 @@ def _attn_softmax(att, mt, qi):
 
 
 @numba.njit(**_JIT)
-def _attn_softmax_bwd(datt, att, blk):
-    """datt (n, T, H, T) key-major dL/dP -> dS = P (dP - sum_keys(dP P)) for k <= q; 0 for keys
-    k > q of k's own causal block of blk queries (the block matmuls read those; above the block
-    diagonal nothing is read)."""
+def _attn_softmax_bwd(datt, att, qi, scale):
+    """datt (n, T, H, T) key-major dL/dP -> dS * scale, dS = P (dP - sum_keys(dP P)), for keys
+    k <= q and 0 for k > q (whatever datt held there), across the H*T queries of a key row as
+    _attn_softmax."""
     n, T, H, _ = att.shape
+    HT = H * T
     dt = att.dtype.type
-    rd = np.empty(T, att.dtype)
+    d3 = datt.reshape(n, T, HT)
+    p3 = att.reshape(n, T, HT)
+    rd = np.empty(HT, att.dtype)
     for b in range(n):
-        for h in range(H):
-            for j in range(T):
-                rd[j] = dt(0.0)
-            for k in range(T):
-                d, p, r = datt[b, k, h, k:], att[b, k, h, k:], rd[k:]
-                for j in range(T - k):
-                    r[j] += d[j] * p[j]
-            for k in range(T):
-                d, p, r = datt[b, k, h, k:], att[b, k, h, k:], rd[k:]
-                for j in range(T - k):
-                    d[j] = p[j] * (d[j] - r[j])
-                z = datt[b, k, h, (k // blk) * blk:k]
-                for j in range(z.shape[0]):
-                    z[j] = dt(0.0)
+        for j in range(HT):
+            rd[j] = dt(0.0)
+        for k in range(T):
+            d, p = d3[b, k], p3[b, k]
+            for j in range(HT):
+                rd[j] += d[j] * p[j] if qi[j] >= k else dt(0.0)
+        for k in range(T):
+            d, p = d3[b, k], p3[b, k]
+            for j in range(HT):
+                d[j] = p[j] * (d[j] - rd[j]) * scale if qi[j] >= k else dt(0.0)
 
 
 @numba.njit(**_JIT)
@@ -587,11 +560,14 @@ def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: i
     split_batch(lambda i0, i1: _adamw_range(w, g, m, v, i0, i1, *args), n)
 
 
+
 def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
                  n_head: int, work: np.ndarray) -> None:
-    """ops_numpy.attn_forward (same causal blocks, same BLAS products), with the head split, the
-    masked softmax and the head merge as kernels. mask must be the causal one it documents:
-    it is added for keys k <= q, and P = 0 exactly for k > q."""
+    """ops_numpy.attn_forward with the same causal blocks, but the block products read q, k, v as
+    strided views of qkv and write y straight into out's heads (no head copies: BLAS packs its
+    operands anyway), and the softmax kernel takes the scale: P = softmax(scale (k . q) + mask).
+    mask must be the causal one ops_numpy documents: it is added for keys k <= q, and P = 0
+    exactly for k > q."""
     if out.ndim != 3 or not _fast(out, att, qkv, mask, work):
         return ref.attn_forward(out, att, qkv, mask, n_head, work)
     B, T, C = out.shape
@@ -602,37 +578,34 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
     _shape("attn_forward", "qkv", qkv, (B, T, 3 * C))
     if mask.ndim != 2 or mask.shape[0] < T or mask.shape[1] < T:
         raise ValueError(f"attn_forward: mask has shape {mask.shape}, expected at least ({T}, {T})")
-    QH, KH, VH, Y, MT, QI = ref._carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D),
-                                       (T, H, T), (H, T))
+    MT, QI = ref._carve(work, (T, H, T), (H, T))
     np.copyto(MT, mask[:T, :T].T[:, None, :])          # the mask key-major, once per head
     QI = QI.view(np.int32 if QI.itemsize == 4 else np.int64)
     QI[:] = np.arange(T)                               # each column's query
     blocks = ref._causal_blocks(T)
     scale = out.dtype.type(1.0 / math.sqrt(D))
-    one = out.dtype.type(1.0)
 
     def part(b0: int, b1: int) -> None:
-        qh, kh, vh, y, a4 = QH[b0:b1], KH[b0:b1], VH[b0:b1], Y[b0:b1], att[b0:b1]
+        n = b1 - b0
+        q, k, v = ref._heads(qkv[b0:b1], n, T, H)      # (n, H, T, D) views
+        y = out[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3)
+        a4 = att[b0:b1]
         s4 = a4.transpose(0, 2, 1, 3)                  # (n, H, keys, queries)
-        src = qkv[b0:b1]
-        _to_heads(qh, src, 0, scale)
-        _to_heads(kh, src, C, one)
-        _to_heads(vh, src, 2 * C, one)
         for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
-            np.matmul(kh[:, :, :i1], qh[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
-        _attn_softmax(a4, MT.reshape(T, H * T), QI.reshape(H * T))
+            np.matmul(k[:, :, :i1], q[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
+        _attn_softmax(a4, MT.reshape(T, H * T), QI.reshape(H * T), scale)
         p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
         for i0, i1 in blocks:
-            np.matmul(p4[:, :, i0:i1, :i1], vh[:, :, :i1], out=y[:, :, i0:i1])
-        _from_heads(out[b0:b1], y, 0, one)
+            np.matmul(p4[:, :, i0:i1, :i1], v[:, :, :i1], out=y[:, :, i0:i1])
 
     split_batch(part, B)
 
 
 def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray, y: np.ndarray,
                   n_head: int, work: np.ndarray) -> None:
-    """ops_numpy.attn_backward (same causal blocks, same BLAS products), with the head split and
-    merge and the softmax backward as kernels."""
+    """ops_numpy.attn_backward with the same causal blocks; the products read q, k, v, dout as
+    strided views and write dq, dk, dv straight into dqkv's heads; the softmax backward kernel
+    writes ds * scale, the factor both dq = ds k scale and dk = ds^T q scale need."""
     if dout.ndim != 3 or not _fast(dqkv, dout, qkv, att, work):
         return ref.attn_backward(dqkv, dout, qkv, att, y, n_head, work)
     B, T, C = dout.shape
@@ -642,34 +615,28 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         raise ValueError(f"attn_backward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
     _shape("attn_backward", "qkv", qkv, (B, T, 3 * C))
     _shape("attn_backward", "dqkv", dqkv, (B, T, 3 * C))
-    QH, KH, VH, DY, TMP, DATT = ref._carve(work, (B, H, T, D), (B, H, T, D), (B, H, T, D), (B, H, T, D),
-                                           (B, H, T, D), (B, T, H, T))
+    DATT, QI = ref._carve(work, (B, T, H, T), (H, T))
+    QI = QI.view(np.int32 if QI.itemsize == 4 else np.int64)
+    QI[:] = np.arange(T)                               # each column's query
     blocks = ref._causal_blocks(T)
-    blk = blocks[0][1]
     scale = dout.dtype.type(1.0 / math.sqrt(D))
-    one = dout.dtype.type(1.0)
 
     def part(b0: int, b1: int) -> None:
-        qh, kh, vh, dy, tmp, d4, p4 = QH[b0:b1], KH[b0:b1], VH[b0:b1], DY[b0:b1], TMP[b0:b1], DATT[b0:b1], att[b0:b1]
+        n = b1 - b0
+        q, k, v = ref._heads(qkv[b0:b1], n, T, H)      # (n, H, T, D) views
+        dq, dk, dv = ref._heads(dqkv[b0:b1], n, T, H)
+        dy = dout[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3)
+        d4, p4 = DATT[b0:b1], att[b0:b1]
         pkq, dkq = p4.transpose(0, 2, 1, 3), d4.transpose(0, 2, 1, 3)   # (n, H, keys, queries)
         dqk = d4.transpose(0, 2, 3, 1)                                  # (n, H, queries, keys)
-        src = qkv[b0:b1]
-        _to_heads(qh, src, 0, scale)                   # qh = q * scale
-        _to_heads(kh, src, C, one)
-        _to_heads(vh, src, 2 * C, one)
-        _to_heads(dy, dout[b0:b1], 0, one)
         for i0, i1 in blocks:                          # datt^T = v dy^T, keys [0, i1)
-            np.matmul(vh[:, :, :i1], dy[:, :, i0:i1].swapaxes(-1, -2), out=dkq[:, :, :i1, i0:i1])
-        for j0, j1 in blocks:                          # vh = dv = P^T dy, queries [j0, T)
-            np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=vh[:, :, j0:j1])
-        _attn_softmax_bwd(d4, p4, blk)                 # d4 = ds^T
-        for i0, i1 in blocks:                          # dy = ds k, keys [0, i1) (the scale below)
-            np.matmul(dqk[:, :, i0:i1, :i1], kh[:, :, :i1], out=dy[:, :, i0:i1])
-        for j0, j1 in blocks:                          # tmp = dk = ds^T (q * scale), queries [j0, T)
-            np.matmul(dkq[:, :, j0:j1, j0:], qh[:, :, j0:], out=tmp[:, :, j0:j1])
-        g = dqkv[b0:b1]
-        _from_heads(g, dy, 0, scale)
-        _from_heads(g, tmp, C, one)
-        _from_heads(g, vh, 2 * C, one)
+            np.matmul(v[:, :, :i1], dy[:, :, i0:i1].swapaxes(-1, -2), out=dkq[:, :, :i1, i0:i1])
+        for j0, j1 in blocks:                          # dv = P^T dy, queries [j0, T)
+            np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=dv[:, :, j0:j1])
+        _attn_softmax_bwd(d4, p4, QI.reshape(H * T), scale)   # d4 = ds^T * scale
+        for i0, i1 in blocks:                          # dq = ds k scale, keys [0, i1)
+            np.matmul(dqk[:, :, i0:i1, :i1], k[:, :, :i1], out=dq[:, :, i0:i1])
+        for j0, j1 in blocks:                          # dk = ds^T q scale, queries [j0, T)
+            np.matmul(dkq[:, :, j0:j1, j0:], q[:, :, j0:], out=dk[:, :, j0:j1])
 
     split_batch(part, B)
