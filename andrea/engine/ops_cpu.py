@@ -41,7 +41,10 @@ from andrea.engine.ops_numpy import (  # noqa: F401 - re-exported: the ops this 
 # reassoc: reductions vectorize; contract: FMAs; arcp/afn/nsz: cheaper divides. No nnan/ninf.
 _JIT = dict(nogil=True, cache=True, error_model="numpy",
             fastmath={"reassoc", "contract", "arcp", "afn", "nsz"})
-ROW_BLOCK = 256  # rows per GEMM -> kernel -> GEMM chain in the MLP and the loss (stays in L2)
+# Rows per GEMM -> kernel -> GEMM chain in the MLP and the loss. 1024 = a whole tiny batch slice:
+# 256-row blocks (the chain's intermediates in L2) measured 2.8% slower per step (paired, 30
+# repeats, 1 thread): smaller GEMMs that re-pack the weights per block.
+ROW_BLOCK = 1024
 
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693359375            # ln 2 split so n * LN2_HI is exact for |n| < 2^11
