@@ -86,7 +86,9 @@ def test_layernorm_backward(dt, N, C, form):
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("N,C", SHAPES)
-def test_gelu_and_mlp_forward_backward(dt, N, C):
+@pytest.mark.parametrize("row_block", [1024, 16])    # 16: several row blocks, the last one ragged
+def test_gelu_and_mlp_forward_backward(monkeypatch, dt, N, C, row_block):
+    monkeypatch.setattr(fast, "ROW_BLOCK", row_block)
     rng = np.random.default_rng(3 * N + C)
     F = 4 * C
     x = rng.normal(0, 1.0, (N, C)).astype(dt)
@@ -122,7 +124,9 @@ def test_gelu_at_the_extremes(dt):
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("N,C,V", [(40, 16, 67), (9, 8, 17), (1, 8, 1)])
-def test_loss_forward_backward(dt, N, C, V):
+@pytest.mark.parametrize("row_block", [1024, 16])
+def test_loss_forward_backward(monkeypatch, dt, N, C, V, row_block):
+    monkeypatch.setattr(fast, "ROW_BLOCK", row_block)
     rng = np.random.default_rng(N + V)
     x = rng.normal(size=(N, C)).astype(dt)
     wte = rng.normal(0, 3.0, (V, C)).astype(dt)         # large logits: the exp's lower range
