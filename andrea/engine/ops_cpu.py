@@ -12,14 +12,18 @@ every pass streams from L3. Here each row is read once into L1 and every step ha
 Conventions beyond the ops_numpy contract:
 - The kernels are compiled on first use, per dtype, and cached on disk (``cache=True``: the
   ``__pycache__`` beside this file, else Numba's user cache), so a new process loads them.
-- fp32 ``exp`` is this module's own (``_exp_row``: a range reduction and a degree-7 polynomial,
+- fp32 ``exp`` is this module's own (``_exp_parts``: a range reduction and a degree-7 polynomial,
   2^n built in an int32 scratch row, relative error < 2e-7) because LLVM vectorizes it and the
   libm call it would otherwise make is scalar; fp64 calls ``np.exp`` (the gradient checks).
 - Fast-math without nnan/ninf: reductions may be reassociated (vectorized) and contractions
   fused, so the bits differ from ops_numpy's within the tests' stated tolerances, but NaN and
-  inf still propagate. Same inputs -> same bits on every run; a row's result does not depend
-  on which rows it is computed with, so the thread split changes nothing; column sums over
-  rows (LayerNorm dg/db) run in row order on one thread.
+  inf still propagate. Same inputs -> same bits on every run (on one machine: like OpenBLAS's,
+  the compiled code follows the CPU's vector ISA); a row's result does not depend on which rows
+  it is computed with, so the thread split changes nothing; column sums over rows (LayerNorm
+  dg/db) run in row order on one thread. Each fused pair runs the plain op's compiled loop, so
+  it has the two ops' bits as the contract asks.
+- The attention keeps ops_numpy's causal blocks and BLAS products but reads q, k, v as strided
+  views of qkv and writes its outputs straight into their heads (no head copies).
 - Inputs the kernels do not take (a non-contiguous or read-only view, mixed dtypes) go to the
   ops_numpy op itself. Shapes are checked before any kernel runs: a mismatch is a one-line ValueError.
 """
@@ -84,27 +88,26 @@ def _exp_parts(t):
 
 
 @numba.njit(**_JIT)
-def _exp_row(v, scr):
-    """v[j] = exp(v[j]) in place for the 1-D v; scr is a scratch row of v's dtype, >= len(v)
-    (fp32: holds 2^n; fp64: np.exp)."""
+def _exp_row_parts(v, scr):
+    """exp(v[j]) = v[j] * scr[j] on return, for the 1-D v and a scratch row scr of v's dtype,
+    >= len(v): fp32 writes the polynomial into v and 2^n into scr (the caller's own loop then
+    takes the product: one pass fewer); fp64 writes np.exp into v and 1 into scr."""
     F = v.shape[0]
     if v.itemsize != 4:
         for j in range(F):
             v[j] = np.exp(v[j])
+            scr[j] = v.dtype.type(1.0)
         return
     si = scr[:F].view(np.int32)
     for j in range(F):
         v[j], si[j] = _exp_parts(v[j])
-    sf = scr[:F]
-    for j in range(F):
-        v[j] *= sf[j]
 
 
 @numba.njit(**_JIT)
 def _exp_shift_sum(dst, src, shift, scr):
     """dst[j] = exp(src[j] - shift) for the 1-D src and a distinct dst (an in-place call would
-    fail LLVM's overlap check and run scalar: use _exp_row); returns sum(dst), summed in the
-    loop that writes it. Same element bits as _exp_row of src - shift."""
+    fail LLVM's overlap check and run scalar: use _exp_row_parts); returns sum(dst), summed in
+    the loop that writes it."""
     F = src.shape[0]
     dt = src.dtype.type
     s = dt(0.0)
@@ -199,9 +202,9 @@ def _gelu_rows(out, x):
         for j in range(F):
             u = x[r, j]
             o[j] = u * (c1 + c3 * u * u)
-        _exp_row(o, scr)
+        _exp_row_parts(o, scr)
         for j in range(F):
-            o[j] = x[r, j] / (dt(1.0) + o[j])
+            o[j] = x[r, j] / (dt(1.0) + o[j] * scr[j])
 
 
 @numba.njit(**_JIT)
@@ -279,9 +282,9 @@ def _attn_softmax(att, mt, qi, scale):
             row, mk = a3[b, k], mt[k]
             for j in range(HT):
                 row[j] = row[j] * scale + mk[j] - mx[j]
-            _exp_row(row, scr)
+            _exp_row_parts(row, scr)
             for j in range(HT):
-                p = row[j] if qi[j] >= k else dt(0.0)
+                p = row[j] * scr[j] if qi[j] >= k else dt(0.0)
                 row[j] = p
                 sm[j] += p
         for j in range(HT):
