@@ -298,3 +298,84 @@ def test_attention_forward_backward(monkeypatch, dt, B, T, H, D, block):
         _close(f, r, dt, f"attention output {i}")
     att = res[fast][1]                                   # P: exact zeros for keys after the query
     assert (att.transpose(0, 2, 3, 1)[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0).all()
+
+
+_BITS_SCRIPT = r"""
+import sys
+import numpy as np
+from andrea.engine import ops_cpu as f, ops_numpy as ref
+rng = np.random.default_rng(0)
+f32 = np.float32
+N, C, V, B, T, H = 64, 128, 1281, 2, 32, 4
+x, dout = rng.normal(size=(N, C)).astype(f32), rng.normal(size=(N, C)).astype(f32)
+g, b = rng.normal(1, .3, C).astype(f32), rng.normal(0, .3, C).astype(f32)
+w_fc, w_proj = rng.normal(0, 1, (C, 4 * C)).astype(f32), rng.normal(0, .1, (4 * C, C)).astype(f32)
+wte, t = rng.normal(0, 0.27, (V, C)).astype(f32), rng.integers(0, V, N).astype(np.int32)   # logits ~ N(0, 3)
+qkv, dy = rng.normal(size=(B, T, 3 * C)).astype(f32), rng.normal(size=(B, T, C)).astype(f32)
+w, gr, mm, vv = (rng.random(1000).astype(f32) for _ in range(4))
+work = np.zeros(1 << 20, f32)
+out = {}
+
+
+def ln():
+    o, m, r = np.empty((N, C), f32), np.empty(N, f32), np.empty(N, f32)
+    f.residual_layernorm_forward(np.empty((N, C), f32), o, m, r, x, dout, g, b)
+    dx, dg, db = np.zeros((N, C), f32), np.zeros(C, f32), np.zeros(C, f32)
+    f.layernorm_backward(dx, dg, db, dout, x, m, r, g, work)
+    out.update(ln=o, mean=m, rstd=r, dx=dx, dg=dg, db=db)
+
+
+def mlp():
+    hp, ha, y = np.empty((N, 4 * C), f32), np.empty((N, 4 * C), f32), np.empty((N, C), f32)
+    f.mlp_forward(y, hp, ha, x, w_fc, w_proj)
+    dxm, dwf, dwp = np.empty((N, C), f32), np.zeros((C, 4 * C), f32), np.zeros((4 * C, C), f32)
+    f.mlp_backward(dxm, dwf, dwp, dout, x, hp, ha, w_fc, w_proj, work)
+    out.update(ha=ha, y=y, dxm=dxm, dwf=dwf, dwp=dwp)
+
+
+def loss():
+    ls, lg, pr = np.empty(N, f32), np.empty((N, V), f32), np.empty((N, V), f32)
+    f.loss_forward(ls, lg, pr, x, wte, t, work)
+    out.update(losses=ls, probs=pr.copy())
+
+
+def attn():
+    ao, att = np.empty((B, T, C), f32), np.empty(ref.att_shape(B, H, T), f32)
+    f.attn_forward(ao, att, qkv, np.triu(np.full((T, T), -np.inf, f32), 1), H, work)
+    dq = np.empty((B, T, 3 * C), f32)
+    f.attn_backward(dq, dy, qkv, att, ao, H, work)
+    out.update(attn=ao, att=att, dqkv=dq)
+
+
+def adamw():
+    f.adamw(w, gr, mm, vv, 600, 3, 1e-3, .9, .95, 1e-8, .1)
+    out.update(w=w, m=mm, v=vv)
+
+
+for name in sys.argv[2].split(","):     # the first call of each op compiles it (or loads it)
+    globals()[name]()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_compiled_in_process_or_loaded_from_the_cache_and_in_any_order_the_same_bits(tmp_path):
+    """Each kernel is compiled in the first process that calls it (an empty Numba cache) in the
+    order the ops are first called, or loaded from the cache: the same bits every way. (With a
+    reassociation flag they were not: the loss softmax compiled first rounded one ulp apart.)"""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "bits.py"
+    script.write_text(_BITS_SCRIPT)
+    runs = {"loss_first": ("a", "loss,ln,mlp,attn,adamw"), "cached": ("a", "ln,mlp,attn,adamw,loss"),
+            "ln_first": ("b", "ln,mlp,attn,adamw,loss")}
+    for name, (cache, order) in runs.items():
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / cache), OPENBLAS_NUM_THREADS="1")
+        subprocess.run([sys.executable, str(script), str(tmp_path / name), order], env=env, check=True)
+    first = np.load(tmp_path / "loss_first.npz")
+    for name in ("cached", "ln_first"):
+        other = np.load(tmp_path / f"{name}.npz")
+        assert sorted(first.files) == sorted(other.files)
+        differ = [k for k in first.files if not np.array_equal(first[k], other[k])]
+        assert not differ, f"{name}: the bits of {differ} differ from a fresh compile with the loss first"

@@ -15,10 +15,11 @@ Conventions beyond the ops_numpy contract:
 - fp32 ``exp`` is this module's own (``_exp_parts``: a range reduction and a degree-7 polynomial,
   2^n built in an int32 scratch row, relative error < 2e-7) because LLVM vectorizes it and the
   libm call it would otherwise make is scalar; fp64 calls ``np.exp`` (the gradient checks).
-- Fast-math without nnan/ninf: reductions may be reassociated (vectorized) and contractions
-  fused, so the bits differ from ops_numpy's within the tests' stated tolerances, but NaN and
-  inf still propagate. Same inputs -> same bits on every run (on one machine: like OpenBLAS's,
-  the compiled code follows the CPU's vector ISA); a row's result does not depend on which rows
+- Fast-math is only FMA contraction (and no signed-zero care): no reassociation, so every sum
+  has the order its source spells (row sums in 8 explicit lanes, ``_sum8``); the bits differ
+  from ops_numpy's within the tests' stated tolerances; NaN and inf propagate. Same inputs ->
+  same bits on every run, compiled in the process or loaded from the cache (on one machine:
+  like OpenBLAS's, the code follows the CPU's vector ISA); a row's result does not depend on which rows
   it is computed with, so the thread split changes nothing; column sums over rows (LayerNorm
   dg/db) run in row order on one thread. Each fused pair runs the plain op's compiled loop, so
   it has the two ops' bits as the contract asks.
@@ -42,9 +43,11 @@ from andrea.engine.ops_numpy import (  # noqa: F401 - re-exported: the ops this 
     grad_norm_partial, grad_scale, n_threads, residual_add_backward, residual_add_forward, row_ranges,
     run_parallel, split_batch, work_elems)
 
-# reassoc: reductions vectorize; contract: FMAs; arcp/afn/nsz: cheaper divides. No nnan/ninf.
-_JIT = dict(nogil=True, cache=True, error_model="numpy",
-            fastmath={"reassoc", "contract", "arcp", "afn", "nsz"})
+# contract: FMAs; nsz: no signed-zero care. No reassoc (nor arcp/afn): a reassociation flag lets
+# LLVM's backend reorder sums by its scheduling model, and the code compiled in-process and the
+# code loaded from the cache then rounded differently (the loss softmax did: one ulp); the row
+# sums that must vectorize do so through explicit lanes (_sum8, _dot8). No nnan/ninf.
+_JIT = dict(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "nsz"})
 # Rows per GEMM -> kernel -> GEMM chain in the MLP and the loss. 1024 = a whole tiny batch slice:
 # 256-row blocks (the chain's intermediates in L2) measured 2.8% slower per step (paired, 30
 # repeats, 1 thread): smaller GEMMs that re-pack the weights per block.
@@ -106,26 +109,68 @@ def _exp_row_parts(v, scr):
 @numba.njit(**_JIT)
 def _exp_shift_sum(dst, src, shift, scr):
     """dst[j] = exp(src[j] - shift) for the 1-D src and a distinct dst (an in-place call would
-    fail LLVM's overlap check and run scalar: use _exp_row_parts); returns sum(dst), summed in
-    the loop that writes it."""
+    fail LLVM's overlap check and run scalar: use _exp_row_parts); returns sum(dst) (_sum8)."""
     F = src.shape[0]
-    dt = src.dtype.type
-    s = dt(0.0)
     if src.itemsize != 4:
         for j in range(F):
-            e = np.exp(src[j] - shift)
-            dst[j] = e
-            s += e
-        return s
+            dst[j] = np.exp(src[j] - shift)
+        return _sum8(dst[:F])
     si = scr[:F].view(np.int32)
     for j in range(F):
         dst[j], si[j] = _exp_parts(src[j] - shift)
     sf = scr[:F]
     for j in range(F):
-        e = dst[j] * sf[j]
-        dst[j] = e
-        s += e
-    return s
+        dst[j] *= sf[j]
+    return _sum8(dst[:F])
+
+
+@numba.njit(**_JIT)
+def _sum8(v):
+    """sum(v) of a 1-D v in 8 interleaved partial sums, combined pairwise: one fixed order,
+    which LLVM vectorizes without reassociating (each lane is its own chain)."""
+    F = v.shape[0]
+    dt = v.dtype.type
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = dt(0.0)
+    j = 0
+    while j + 8 <= F:
+        s0 += v[j]
+        s1 += v[j + 1]
+        s2 += v[j + 2]
+        s3 += v[j + 3]
+        s4 += v[j + 4]
+        s5 += v[j + 5]
+        s6 += v[j + 6]
+        s7 += v[j + 7]
+        j += 8
+    t = dt(0.0)
+    while j < F:
+        t += v[j]
+        j += 1
+    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + t
+
+
+@numba.njit(**_JIT)
+def _dot8(u, v):
+    """sum(u * v) of two 1-D arrays in the lanes of _sum8."""
+    F = v.shape[0]
+    dt = v.dtype.type
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = dt(0.0)
+    j = 0
+    while j + 8 <= F:
+        s0 += u[j] * v[j]
+        s1 += u[j + 1] * v[j + 1]
+        s2 += u[j + 2] * v[j + 2]
+        s3 += u[j + 3] * v[j + 3]
+        s4 += u[j + 4] * v[j + 4]
+        s5 += u[j + 5] * v[j + 5]
+        s6 += u[j + 6] * v[j + 6]
+        s7 += u[j + 7] * v[j + 7]
+        j += 8
+    t = dt(0.0)
+    while j < F:
+        t += u[j] * v[j]
+        j += 1
+    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + t
 
 
 @numba.njit(**_JIT)
@@ -139,17 +184,13 @@ def _ln_fwd_rows(x, out, mean, rstd, a, b, g, beta, add):
         if add:
             for c in range(C):
                 x[r, c] = a[r, c] + b[r, c]
-        s = dt(0.0)
+        mu = _sum8(x[r]) * inv
+        o = out[r]
         for c in range(C):
-            s += x[r, c]
-        mu = s * inv
-        q = dt(0.0)
+            o[c] = x[r, c] - mu
+        rs = dt(1.0) / np.sqrt(_dot8(o, o) * inv + dt(LN_EPS))
         for c in range(C):
-            d = x[r, c] - mu
-            q += d * d
-        rs = dt(1.0) / np.sqrt(q * inv + dt(LN_EPS))
-        for c in range(C):
-            out[r, c] = (x[r, c] - mu) * rs * g[c] + beta[c]
+            o[c] = o[c] * rs * g[c] + beta[c]
         mean[r] = mu
         rstd[r] = rs
 
@@ -161,26 +202,23 @@ def _ln_bwd_rows(dx, dbranch, dg, db, dout, x, mean, rstd, g, acc, branch):
     N, C = x.shape
     dt = x.dtype.type
     inv = dt(1.0 / C)
+    xh = np.empty(C, x.dtype)
+    dxh = np.empty(C, x.dtype)
     for c in range(C):
         acc[0, c] = dt(0.0)
         acc[1, c] = dt(0.0)
     for r in range(N):
         mu, rs = mean[r], rstd[r]
-        sa = dt(0.0)
-        sc = dt(0.0)
         for c in range(C):
-            xh = (x[r, c] - mu) * rs
+            xh[c] = (x[r, c] - mu) * rs
             do = dout[r, c]
-            dxh = do * g[c]
-            sa += dxh
-            sc += dxh * xh
-            acc[0, c] += do * xh
+            dxh[c] = do * g[c]
+            acc[0, c] += do * xh[c]
             acc[1, c] += do
-        ka = sa * rs * inv                  # rstd * mean(dxhat)
-        kc = sc * rs * inv                  # rstd * mean(dxhat * xhat)
+        ka = _sum8(dxh) * rs * inv          # rstd * mean(dxhat)
+        kc = _dot8(dxh, xh) * rs * inv     # rstd * mean(dxhat * xhat)
         for c in range(C):
-            xh = (x[r, c] - mu) * rs
-            dx[r, c] += dout[r, c] * g[c] * rs - xh * kc - ka
+            dx[r, c] += dxh[c] * rs - xh[c] * kc - ka
         if branch:                          # a copy after the loop: the plain op's bits
             for c in range(C):
                 dbranch[r, c] = dx[r, c]
