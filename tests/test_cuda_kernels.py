@@ -465,6 +465,51 @@ def test_clipping_and_adamw_match_numpy(be):
     assert cp.asnumpy(w0).tobytes() == w.tobytes()
 
 
+@pytest.mark.parametrize("prec", ["fp32", "bf16", "fp16"])
+def test_adamw_four_a_thread_is_bitwise_the_one_a_thread_kernel(be, prec):
+    """k_adamw runs k_adamw4_* (16-byte accesses, the update's roundings pinned) on aligned buffers:
+    the same w, m, v and compute copy as k_adamw_* to the bit, with the n_decay boundary inside a
+    vector, a tail of n % 4, the clip scale applied, a skipped step (gstate says not finite), and a
+    shard one float off alignment (which k_adamw hands to the one-a-thread kernel). bf16: the
+    amax partials are the max |copy| of each ADAMW_CHUNK parameters (finite values)."""
+    from andrea.cuda.kernels import ADAMW_CHUNK, SUFFIX, blocks, k_adamw
+    from andrea.cuda.loader import kernel
+
+    rng = np.random.default_rng(61)
+    n, n_decay = 40_003, 20_002                        # n % 4 = 3; n_decay mid-vector
+    g = cp.asarray(rng.normal(0, 1e-2, n + 1).astype(np.float32))
+    w0, m0 = rng.normal(0, 1, n + 1).astype(np.float32), rng.normal(0, 1e-3, n + 1).astype(np.float32)
+    v0 = np.abs(rng.normal(0, 1e-5, n + 1)).astype(np.float32)
+    w0[901] = np.float32(3.4e38)                       # its 16-bit copy is inf: not in the amax
+    hp = cp.asarray(be.adam_hyper(5, 3e-3, 0.9, 0.95, 1e-8, 0.1))
+    low = np.float32 if prec == "fp32" else np.uint16
+    for finite in (1.0, 0.0):
+        gstate = cp.asarray(np.array([1.0, 0.37, finite, 0.0], np.float32))
+        for off in (0, 1):                             # aligned, then a shard starting one float in
+            runs = []
+            for vec in (True, False):
+                w, m, v = cp.asarray(w0), cp.asarray(m0), cp.asarray(v0)
+                wl = cp.asarray(np.full(n + 1, 0x3F80, np.uint16) if low is np.uint16 else w0)
+                lo = wl[off:off + n] if prec != "fp32" else np.uint64(0)
+                args = (w[off:off + n], g[off:off + n], m[off:off + n], v[off:off + n], lo)
+                part = cp.full(-(-n // ADAMW_CHUNK), np.nan, np.float32) if prec == "bf16" and off == 0 else None
+                if vec:
+                    k_adamw(prec, *args, n, hp, gstate, n_decay, 1, part=part)
+                else:
+                    kernel("optim.cu", f"k_adamw_{SUFFIX[prec]}")((blocks(n),), (256,), args + (
+                        np.int64(n), hp, gstate, np.int64(n_decay), np.int32(1)))
+                runs.append([cp.asnumpy(a).tobytes() for a in (w, m, v, wl)])
+                if vec and part is not None:
+                    bits = cp.asnumpy(wl[:n]).astype(np.uint32) << 16
+                    vals = np.abs(bits.view(np.float32))
+                    vals[~np.isfinite(vals)] = 0.0
+                    pad = np.zeros(-(-n // ADAMW_CHUNK) * ADAMW_CHUNK, np.float32)
+                    pad[:n] = vals
+                    np.testing.assert_array_equal(cp.asnumpy(part), pad.reshape(-1, ADAMW_CHUNK).max(axis=1))
+            assert runs[0] == runs[1], f"{prec} offset {off} finite {finite}: k_adamw differs from k_adamw_{SUFFIX[prec]}"
+            assert (runs[0][0] != w0.tobytes()) == bool(finite)
+
+
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])
 def test_cublas_gemm_matches_and_is_bitwise_repeatable(be, prec):
     rng = np.random.default_rng(8)

@@ -557,8 +557,31 @@ def k_grad_norm_final(part, G, grad_clip, inv, gstate):
     kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (part, i32(G), f32(grad_clip), f32(inv), gstate))
 
 
-def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate):
+ADAMW_CHUNK = 1024                # parameters a block of k_adamw4_* (4 a thread): its amax partials' stride
+
+
+def _aligned(a, to: int) -> bool:
+    """Whether device array a (or a raw pointer; 0 for none) starts on a ``to``-byte boundary."""
+    ptr = getattr(getattr(a, "data", None), "ptr", None)      # a cupy array's; a NumPy scalar has no .ptr
+    return int(a if ptr is None else ptr) % to == 0
+
+
+def adamw4_ok(w, g, m, v, wlow) -> bool:
+    """Whether these buffers take k_adamw4_* (w, g, m, v 16-byte aligned; wlow 8, or none)."""
+    return all(_aligned(a, 16) for a in (w, g, m, v)) and _aligned(wlow, 8)
+
+
+def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate, part=None):
     """AdamW over the flat fp32 w, g, m, v (n,) with the 8 floats of ``adam_hyper`` in hp; refreshes
-    the 16-bit compute copy wlow (0 for none); skips the update where gstate says the step is bad."""
-    kernel("optim.cu", f"k_adamw_{SUFFIX[prec]}")((blocks(n),), (256,), (w, g, m, v, wlow, np.int64(n), hp, gstate,
-                                                                       np.int64(n_decay), i32(use_gstate)))
+    the 16-bit compute copy wlow (0 for none); skips the update where gstate says the step is bad.
+    Four parameters a thread (k_adamw4_*, the same bits as k_adamw_*) where the buffers are aligned
+    for it (``adamw4_ok``), else one. ``part`` (fp32, ceil(n / ADAMW_CHUNK); four-a-thread only):
+    also the max |wlow| of each ADAMW_CHUNK parameters after the step, for fp8's weight casts."""
+    args = (w, g, m, v, wlow, np.int64(n), hp, gstate, np.int64(n_decay), i32(use_gstate))
+    if adamw4_ok(w, g, m, v, wlow):
+        kernel("optim.cu", f"k_adamw4_{SUFFIX[prec]}")((-(-int(n) // ADAMW_CHUNK),), (ADAMW_CHUNK // 4,),
+                                                        args + (np.uint64(0) if part is None else part,))
+    elif part is not None:
+        raise AndreaError("k_adamw: the amax partials need the four-a-thread kernel (16-byte aligned buffers)")
+    else:
+        kernel("optim.cu", f"k_adamw_{SUFFIX[prec]}")((blocks(n),), (256,), args)

@@ -80,11 +80,103 @@ __device__ void adamw(float* __restrict__ w, const float* __restrict__ g, float*
     if (wlow != nullptr) wlow[i] = from_f<T>(wi);
 }
 
+// k_adamw_*'s update of one parameter with each rounding spelled out: the operations NVRTC compiles
+// adamw's expressions to (SASS, CUDA 13: m = fma(1 - b1, g, b1 m), v = fma((1 - b2) g, g, b2 v), the
+// decay factor fma(-lr, wd, 1), w = fma(-step, m / fma(sqrt(v), isb2, eps), w)), so that k_adamw4_*,
+// whose surrounding code lets the compiler contract differently, gives the same bits (gpu test).
+__device__ __forceinline__ void adamw_pinned(float& w, float g, float& m, float& v, bool decay, float lr, float wd,
+                                             float step, float isb2, float b1, float b2, float eps) {
+    m = __fmaf_rn(1.0f - b1, g, __fmul_rn(b1, m));
+    v = __fmaf_rn(__fmul_rn(1.0f - b2, g), g, __fmul_rn(b2, v));
+    if (decay) w = __fmul_rn(w, __fmaf_rn(-lr, wd, 1.0f));
+    w = __fmaf_rn(-step, __fdiv_rn(m, __fmaf_rn(__fsqrt_rn(v), isb2, eps)), w);
+}
+
+// |x| of a 16-bit compute value, 0 for inf/NaN (bf16_absf's rule): the weights' amax for fp8's casts.
+template <typename T>
+__device__ __forceinline__ float low_abs(T x) {
+    const float a = fabsf(to_f(x));
+    return a <= 3.402823466e38f ? a : 0.0f;
+}
+
+// adamw, four parameters a thread (16-byte accesses: w, g, m, v 16-byte aligned, wlow 8, the launcher
+// checks), ADAMW_CHUNK = 4 * 256 parameters a block. With part: part[block] = the max |wlow| of the
+// block's parameters after the step (finite values; the unchanged copy on a skipped step), so fp8's
+// weight casts (k_fp8_wamax_parts) need not read wlow again for their amax.
+template <typename T>
+__device__ void adamw4(float* __restrict__ w, const float* __restrict__ g, float* __restrict__ m,
+                       float* __restrict__ v, T* __restrict__ wlow, long long n, const float* __restrict__ hp,
+                       const float* __restrict__ gstate, long long n_decay, int apply_gscale,
+                       float* __restrict__ part) {
+    __shared__ float buf[32];
+    const long long i = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+    const bool ok = gstate[2] != 0.0f;
+    const float lr = hp[0], wd = hp[1], step = hp[2], isb2 = hp[3], b1 = hp[4], b2 = hp[5], eps = hp[6];
+    const float gs = gstate[1];
+    float am = 0.0f;
+    if (i < n && i + 4 > n) {  // the tail: one at a time
+        for (long long j = i; j < n; ++j) {
+            if (ok) {
+                float gj = g[j], mj = m[j], vj = v[j], wj = w[j];
+                if (apply_gscale) gj = __fmul_rn(gj, gs);
+                adamw_pinned(wj, gj, mj, vj, j < n_decay, lr, wd, step, isb2, b1, b2, eps);
+                m[j] = mj;
+                v[j] = vj;
+                w[j] = wj;
+                if (wlow != nullptr) wlow[j] = from_f<T>(wj);
+            }
+            if (part != nullptr) am = fmaxf(am, low_abs(wlow[j]));
+        }
+    } else if (i < n) {
+        T lo[4];
+        if (ok) {
+            float4 g4 = *reinterpret_cast<const float4*>(g + i), m4 = *reinterpret_cast<const float4*>(m + i),
+                   v4 = *reinterpret_cast<const float4*>(v + i), w4 = *reinterpret_cast<const float4*>(w + i);
+            if (apply_gscale) {
+                g4.x = __fmul_rn(g4.x, gs); g4.y = __fmul_rn(g4.y, gs);
+                g4.z = __fmul_rn(g4.z, gs); g4.w = __fmul_rn(g4.w, gs);
+            }
+            adamw_pinned(w4.x, g4.x, m4.x, v4.x, i < n_decay, lr, wd, step, isb2, b1, b2, eps);
+            adamw_pinned(w4.y, g4.y, m4.y, v4.y, i + 1 < n_decay, lr, wd, step, isb2, b1, b2, eps);
+            adamw_pinned(w4.z, g4.z, m4.z, v4.z, i + 2 < n_decay, lr, wd, step, isb2, b1, b2, eps);
+            adamw_pinned(w4.w, g4.w, m4.w, v4.w, i + 3 < n_decay, lr, wd, step, isb2, b1, b2, eps);
+            *reinterpret_cast<float4*>(m + i) = m4;
+            *reinterpret_cast<float4*>(v + i) = v4;
+            *reinterpret_cast<float4*>(w + i) = w4;
+            lo[0] = from_f<T>(w4.x); lo[1] = from_f<T>(w4.y); lo[2] = from_f<T>(w4.z); lo[3] = from_f<T>(w4.w);
+            if (wlow != nullptr) {
+                if constexpr (sizeof(T) == 2) {
+                    uint2 o;
+                    o.x = (unsigned)lo[0].x | ((unsigned)lo[1].x << 16);
+                    o.y = (unsigned)lo[2].x | ((unsigned)lo[3].x << 16);
+                    *reinterpret_cast<uint2*>(wlow + i) = o;
+                } else {
+                    *reinterpret_cast<float4*>(wlow + i) = w4;
+                }
+            }
+        } else if (part != nullptr) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) lo[k] = wlow[i + k];
+        }
+        if (part != nullptr)
+            am = fmaxf(fmaxf(low_abs(lo[0]), low_abs(lo[1])), fmaxf(low_abs(lo[2]), low_abs(lo[3])));
+    }
+    if (part != nullptr) {  // every thread of the block takes part in the reduction
+        am = block_max(am, buf);
+        if (threadIdx.x == 0) part[blockIdx.x] = am;
+    }
+}
+
 #define ADAMW_INST(SUF, T)                                                                                 \
     extern "C" __global__ void k_adamw_##SUF(float* w, const float* g, float* m, float* v, T* wlow,        \
                                              long long n, const float* hp, const float* gstate,           \
                                              long long n_decay, int apply_gscale) {                        \
         adamw<T>(w, g, m, v, wlow, n, hp, gstate, n_decay, apply_gscale);                                  \
+    }                                                                                                      \
+    extern "C" __global__ void k_adamw4_##SUF(float* w, const float* g, float* m, float* v, T* wlow,       \
+                                              long long n, const float* hp, const float* gstate,          \
+                                              long long n_decay, int apply_gscale, float* part) {          \
+        adamw4<T>(w, g, m, v, wlow, n, hp, gstate, n_decay, apply_gscale, part);                           \
     }
 
 ADAMW_INST(f32, float)
