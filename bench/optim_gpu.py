@@ -7,8 +7,10 @@ the bytes each must move, with a device copy as the anchor, same run.
 Rows (CUDA events, ``--reps`` calls after one untimed call, flat fp32 buffers of n = the variant's
 parameter count, bf16 compute weights): ``copy`` (n fp32 read + written: the device's streaming
 bandwidth), ``grad norm`` (k_grad_norm: the partial sums and the final block, 4 B a parameter),
-``adamw`` (kernels.k_adamw, bf16 compute copy): g read, w, m, v read and written, the bf16 copy
-written, 30 B a parameter. ``ratio`` is each row's GB/s over the copy's.
+``adamw 1/thread`` (k_adamw_bf16, one parameter a thread), ``adamw`` (kernels.k_adamw: four a
+thread, the same bits) and ``adamw + amax`` (the same, also leaving the max |bf16 copy| of each
+kernels.ADAMW_CHUNK parameters, what the fp8 engine's weight casts read instead of the copy): g read,
+w, m, v read and written, the bf16 copy written, 30 B a parameter. ``ratio`` is each row's GB/s over the copy's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def bench_variant(name: str, reps: int) -> dict:
     import numpy as np
 
     from andrea.cuda import kernels as K
+    from andrea.cuda.loader import kernel
     from andrea.engine.model import ModelConfig, param_layout
     from engine_gpu import event_ms, variant_shapes
 
@@ -51,7 +54,12 @@ def bench_variant(name: str, reps: int) -> dict:
 
     row("copy", lambda: cp.copyto(dst, w), 8 * n)
     row("grad norm", lambda: K.k_grad_norm(g, n, part, 1.0, 1.0, gstate), 4 * n)
+    args = (w, g, m, v, low, np.int64(n), hp, gstate, np.int64(layout.n_decay), np.int32(1))
+    row("adamw 1/thread", lambda: kernel("optim.cu", "k_adamw_bf16")((K.blocks(n),), (256,), args), 30 * n)
     row("adamw", lambda: K.k_adamw("bf16", w, g, m, v, low, n, hp, gstate, layout.n_decay, 1), 30 * n)
+    part = cp.zeros(-(-n // K.ADAMW_CHUNK), cp.float32)
+    row("adamw + amax", lambda: K.k_adamw("bf16", w, g, m, v, low, n, hp, gstate, layout.n_decay, 1, part=part),
+        30 * n)
     cp.cuda.Stream.null.synchronize()
     copy = rows["copy"]["GBps"]
     for r in rows.values():

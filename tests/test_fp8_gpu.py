@@ -233,6 +233,35 @@ def test_weight_casts_in_two_launches_are_bit_exact():
     assert (w8 == 0x7F).sum() == 2                              # the -inf: NaN in both copies
 
 
+def test_weight_amax_from_the_optimizer_partials_is_bit_exact():
+    """apply_update's fused path: k_adamw4_bf16 leaves the max |wlow| of each ADAMW_CHUNK parameters
+    and k_fp8_wamax_parts reads those instead of wlow. After a step and after a skipped one (a NaN
+    gradient: wlow unchanged), w8, every factor and every amax equal cast_weights' own amax pass over
+    the same wlow. The matmul weights start off the chunk grid (V = 97), so the ragged ends come from
+    wlow; the weight casts of load_state keep the amax pass."""
+    from andrea.cuda.backend import make_backend
+
+    mc = ModelConfig(vocab_size=97, d_model=128, n_head=2, n_layer=2, context=128)
+    eng = make_backend().make_engine(mc, B, precision="fp8", cuda_graph=False)
+    eng.init_weights(5)
+    assert eng._amax_part() is not None
+    first = (mc.vocab_size + mc.context) * mc.d_model           # wte, wpe, then the matmul weights
+    assert first % 1024 != 0
+    for t, bad in ((1, False), (2, True), (3, False)):
+        eng.zero_grads()
+        loss = eng.micro_step(*batch(40 + t, mc))
+        if bad:
+            eng.a["g"][first + 3] = np.nan
+        res = eng.apply_update(1, loss, 3e-3, t, HP)
+        assert res.ok == (not bad)
+        fused = [cp.asnumpy(eng.a[k]).tobytes() for k in ("w8", "f8_inv", "f8_wamax")]
+        eng.a["w8"].fill(0xAA)
+        eng.a["f8_wamax"].fill(np.nan)
+        eng.f8.cast_weights()                                   # k_fp8_wamax over wlow, then the casts
+        again = [cp.asnumpy(eng.a[k]).tobytes() for k in ("w8", "f8_inv", "f8_wamax")]
+        assert fused == again, f"step {t}: the partials' amaxes differ from the amax pass over wlow"
+
+
 def _lt():
     from andrea.cuda.cublaslt import Lt
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from andrea import dist
-from andrea.cuda.kernels import (LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, attn_ds_bytes, attn_impl, cp,
-                                 embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
+from andrea.cuda.kernels import (ADAMW_CHUNK, LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, adamw4_ok,
+                                 attn_ds_bytes, attn_impl, cp, embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd_e4m3, k_loss_bwd, k_loss_fwd,
                                  k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_bwd_vr, ln_e4m3_fits)
@@ -475,12 +475,13 @@ class GpuEngine:
         if self.prec != "fp32":
             k_cast(self.kp, self.a["wlow"], self.a["w"], self.n_params)
 
-    def _weights_changed(self) -> None:
+    def _weights_changed(self, part=None) -> None:
         """Where the weights change (load_state, every optimizer step), not at every forward: the
         fp8 E4M3 copies of ``wlow`` and the padded head's copy of wte (``wte_pad``), on the current
-        stream. A skipped step recasts unchanged weights: the same bytes."""
+        stream. A skipped step recasts unchanged weights: the same bytes. ``part``: the optimizer's
+        amax partials of wlow (``_amax_part``)."""
         if self.f8 is not None:
-            self.f8.cast_weights()
+            self.f8.cast_weights(part, ADAMW_CHUNK)
         if "wte_pad" in self.a:
             src, dst = self.WL["wte"], self.a["wte_pad"]
             dst.data.copy_from_device_async(src.data, src.nbytes, self.cp.cuda.get_current_stream())
@@ -648,19 +649,33 @@ class GpuEngine:
         inv = 1.0 / (self.loss_scale * n_micro * (1 if self.comm is None else self.comm.size))
         with self.stream:
             a["hp"].set(adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay), stream=self.stream)
+            part = None                                      # the sharded step keeps the amax pass
             if self.comm is not None:
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
             else:
                 k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
                 wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
-                k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1)
-            self._weights_changed()
+                part = self._amax_part()
+                k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1,
+                        part=part)
+            self._weights_changed(part)
             if self.f8 is not None:
                 self.f8.after_step(self.stream)
             out = a["gstate"][:3].get(stream=self.stream)
         ok = bool(out[2] != 0.0)
         self._scaler(ok)
         return StepResult(loss, float(out[0]) if ok else float("nan"), ok)
+
+    def _amax_part(self):
+        """fp8 (one weight table, buffers aligned for k_adamw4_*): where AdamW leaves the max |wlow| of
+        each ADAMW_CHUNK parameters for the weight casts, so their amaxes need no pass over wlow: the
+        head of the f8_a cast buffer, free between a step's last GEMM and the next forward. Else None."""
+        a = self.a
+        if self.f8 is None or self.f8.table is None or not adamw4_ok(a["w"], a["g"], a["m"], a["v"], a["wlow"]):
+            return None
+        k = -(-self.n_params // ADAMW_CHUNK)
+        buf = a["f8_a"]
+        return buf[:4 * k].view(np.float32) if buf.nbytes >= 4 * k and buf.data.ptr % 16 == 0 else None
 
     def _scaler(self, ok: bool) -> None:
         """Dynamic loss scale (fp16 only): halve on a bad step, double after 1000 good ones."""

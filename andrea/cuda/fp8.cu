@@ -324,6 +324,26 @@ extern "C" __global__ void k_fp8_wamax(const unsigned short* __restrict__ w, con
     if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax + sel), __float_as_int(m));
 }
 
+// amax[i] = max |w_i| over the finite entries from k_adamw4_*'s partials: part[c] is the max |w| of
+// w[c * chunk, (c + 1) * chunk) (chunk = kernels.ADAMW_CHUNK, w the flat bf16 copy the table's offsets
+// index). One block per weight: the partials of the chunks inside the weight, w itself at its two
+// ragged ends. The same amax as k_fp8_wamax (a max does not depend on the order), written, not maxed.
+extern "C" __global__ void k_fp8_wamax_parts(const unsigned short* __restrict__ w, const long long* __restrict__ wd,
+                                             const float* __restrict__ part, long long chunk,
+                                             float* __restrict__ amax) {
+    __shared__ float buf[32];
+    const long long* d = wd + 8 * blockIdx.x;
+    const long long a = d[0], b = a + d[1] * d[2];
+    long long c0 = (a + chunk - 1) / chunk, c1 = b / chunk;   // chunks [c0, c1) lie inside [a, b)
+    if (c0 > c1) c0 = c1 = b / chunk;                        // a weight inside one chunk: w alone
+    float m = 0.0f;
+    for (long long c = c0 + threadIdx.x; c < c1; c += blockDim.x) m = fmaxf(m, part[c]);
+    for (long long i = a + threadIdx.x; i < min(b, c0 * chunk); i += blockDim.x) m = fmaxf(m, bf16_absf(w[i]));
+    for (long long i = max(a, c1 * chunk) + threadIdx.x; i < b; i += blockDim.x) m = fmaxf(m, bf16_absf(w[i]));
+    m = block_max(m, buf);
+    if (threadIdx.x == 0) amax[blockIdx.x] = m;
+}
+
 // One block per 64 x 64 tile of every weight: scale 448 / amax[i] (1 for an all-zero weight), both
 // E4M3 copies; the block of a weight's first tile writes its factor inv = 1 / scale.
 extern "C" __global__ void k_fp8_wcast(const unsigned short* __restrict__ w, const long long* __restrict__ wd, int nw,

@@ -219,11 +219,16 @@ def k_fp8_t_u8(x8, out_t, R: int, C: int, am, rec) -> None:
     kernel("fp8.cu", "k_fp8_t_u8")((grid,), (256,), (x8, i32(R), i32(C), am, _ptr(rec), _ptr(out_t)))
 
 
-def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv) -> None:
+def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv, part=None, chunk: int = 0) -> None:
     """Every weight of the table ``wd`` (``weight_table``) cast into its two E4M3 copies in w8
-    (current scaling, factors into inv): amax zeroed, one block per chunk, one per tile."""
-    amax.fill(0)                                      # on the current stream, as the launches
-    kernel("fp8.cu", "k_fp8_wamax")((chunks,), (256,), (w, wd, i32(nw), amax))
+    (current scaling, factors into inv): amax zeroed, one block per chunk, one per tile. With
+    ``part`` (the max |w| of each ``chunk`` elements of w, kernels.k_adamw's partials) the amaxes
+    come from those instead of a pass over w: one block per weight."""
+    if part is None:
+        amax.fill(0)                                  # on the current stream, as the launches
+        kernel("fp8.cu", "k_fp8_wamax")((chunks,), (256,), (w, wd, i32(nw), amax))
+    else:
+        kernel("fp8.cu", "k_fp8_wamax_parts")((nw,), (256,), (w, wd, part, np.int64(chunk), amax))
     kernel("fp8.cu", "k_fp8_wcast")((tiles,), (256,), (w, wd, i32(nw), amax, w8, inv))
 
 
@@ -303,15 +308,16 @@ class Fp8Gemm:
         """Factor i as a 1-element view (what the cast kernels write)."""
         return self.inv[SLOT * i:SLOT * i + 1]
 
-    def cast_weights(self) -> None:
+    def cast_weights(self, part=None, chunk: int = 0) -> None:
         """E4M3 copies of the current ``wlow`` (current scaling); the engine calls it after every
         weight change (load_state, each optimizer step), not at every forward. Two launches for all
-        weights (``k_fp8_weights``); the same bytes as ``cast_weights_each``."""
+        weights (``k_fp8_weights``); the same bytes as ``cast_weights_each``. ``part``: the optimizer's
+        amax partials of wlow (kernels.k_adamw), so the amaxes need no pass over wlow."""
         if self.table is None:
             self.cast_weights_each()
             return
         a = self.a
-        k_fp8_weights(a["wlow"], a["f8_wdesc"], *self.table, a["f8_wamax"], a["w8"], self.inv)
+        k_fp8_weights(a["wlow"], a["f8_wdesc"], *self.table, a["f8_wamax"], a["w8"], self.inv, part, chunk)
 
     def cast_weights_each(self) -> None:
         """``cast_weights`` weight by weight: an amax pass and a cast per weight (the reference)."""
