@@ -881,3 +881,14 @@ def test_a_layernorm_written_in_e4m3_gives_its_gemms_the_cast_operands_and_sites
     for a, b in zip(h0, h1):
         np.testing.assert_array_equal(a, b)
     assert [c[0] for c in on_["calls"]].count(X.data.ptr) == 1   # X cast on the first step only
+
+
+def test_the_weight_by_weight_casts_take_cast_weights_arguments():
+    """cast_weights_each is cast_weights' reference, and the gpu tests swap one for the other in a
+    training run (test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes), where the engine
+    hands cast_weights AdamW's amax partials: the reference must take the same arguments."""
+    import inspect
+
+    import andrea.cuda.fp8 as k8
+
+    assert inspect.signature(k8.Fp8Gemm.cast_weights_each) == inspect.signature(k8.Fp8Gemm.cast_weights)

@@ -319,8 +319,9 @@ class Fp8Gemm:
         a = self.a
         k_fp8_weights(a["wlow"], a["f8_wdesc"], *self.table, a["f8_wamax"], a["w8"], self.inv, part, chunk)
 
-    def cast_weights_each(self) -> None:
-        """``cast_weights`` weight by weight: an amax pass and a cast per weight (the reference)."""
+    def cast_weights_each(self, part=None, chunk: int = 0) -> None:
+        """``cast_weights`` weight by weight: an amax pass and a cast per weight (the reference; it
+        takes cast_weights' arguments and reads no partials: the amaxes come from wlow itself)."""
         part = self.a["f8_part"]
         for W, W8, W8t, slot in self.weights.values():
             K, N = W.shape
