@@ -55,41 +55,43 @@ extern "C" __global__ void k_scale(float* __restrict__ g, long long n, float s) 
     g[i] *= s;
 }
 
-template <typename T>
-__device__ void adamw(float* __restrict__ w, const float* __restrict__ g, float* __restrict__ m,
-                      float* __restrict__ v, T* __restrict__ wlow, long long n, const float* __restrict__ hp,
-                      const float* __restrict__ gstate, long long n_decay, int apply_gscale) {
-    // hp (device, so a replayed CUDA graph sees new values): [lr, weight_decay, step_size = lr / bc1,
-    //     inv_sqrt_bc2 = 1 / sqrt(bc2), beta1, beta2, eps]. Same arithmetic as ops_numpy.adamw:
-    // w[:n_decay] *= 1 - lr wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
-    // w -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    if (gstate[2] == 0.0f) return;
-    const float lr = hp[0], wd = hp[1], step = hp[2], isb2 = hp[3], b1 = hp[4], b2 = hp[5], eps = hp[6];
-    float gi = g[i];
-    if (apply_gscale) gi *= gstate[1];
-    const float mi = b1 * m[i] + (1.0f - b1) * gi;
-    const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    float wi = w[i];
-    if (i < n_decay) wi *= (1.0f - lr * wd);
-    wi -= step * (mi / (sqrtf(vi) * isb2 + eps));
-    w[i] = wi;
-    if (wlow != nullptr) wlow[i] = from_f<T>(wi);
-}
-
-// k_adamw_*'s update of one parameter with each rounding spelled out: the operations NVRTC compiles
-// adamw's expressions to (SASS, CUDA 13: m = fma(1 - b1, g, b1 m), v = fma((1 - b2) g, g, b2 v), the
-// decay factor fma(-lr, wd, 1), w = fma(-step, m / fma(sqrt(v), isb2, eps), w)), so that k_adamw4_*,
-// whose surrounding code lets the compiler contract differently, gives the same bits (gpu test).
+// One parameter's update with each rounding spelled out (the same arithmetic as ops_numpy.adamw):
+// m = fma(1 - b1, g, b1 m), v = fma((1 - b2) g, g, b2 v), the decay factor fma(-lr, wd, 1),
+// w = fma(-step, m / fma(sqrt(v), isb2, eps), w). These are the operations NVRTC (CUDA 13) compiled the
+// one-a-thread kernel's plain expressions to (its SASS, session 14), so the bits are the ones it always
+// gave, and no surrounding code (the four-a-thread loads) can make the compiler contract differently.
 __device__ __forceinline__ void adamw_pinned(float& w, float g, float& m, float& v, bool decay, float lr, float wd,
                                              float step, float isb2, float b1, float b2, float eps) {
     m = __fmaf_rn(1.0f - b1, g, __fmul_rn(b1, m));
     v = __fmaf_rn(__fmul_rn(1.0f - b2, g), g, __fmul_rn(b2, v));
     if (decay) w = __fmul_rn(w, __fmaf_rn(-lr, wd, 1.0f));
     w = __fmaf_rn(-step, __fdiv_rn(m, __fmaf_rn(__fsqrt_rn(v), isb2, eps)), w);
+}
+
+// Parameter j in place: g (times the clip scale gs with apply_gscale), m, v, w and its compute copy.
+// hp (device, so a replayed CUDA graph sees new values): [lr, weight_decay, step_size = lr / bc1,
+// inv_sqrt_bc2 = 1 / sqrt(bc2), beta1, beta2, eps]; weight decay on [0, n_decay).
+template <typename T>
+__device__ __forceinline__ void adamw_at(long long j, float* __restrict__ w, const float* __restrict__ g,
+                                         float* __restrict__ m, float* __restrict__ v, T* __restrict__ wlow,
+                                         const float* __restrict__ hp, float gs, long long n_decay,
+                                         int apply_gscale) {
+    float gj = g[j], mj = m[j], vj = v[j], wj = w[j];
+    if (apply_gscale) gj = __fmul_rn(gj, gs);
+    adamw_pinned(wj, gj, mj, vj, j < n_decay, hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6]);
+    m[j] = mj;
+    v[j] = vj;
+    w[j] = wj;
+    if (wlow != nullptr) wlow[j] = from_f<T>(wj);
+}
+
+template <typename T>
+__device__ void adamw(float* __restrict__ w, const float* __restrict__ g, float* __restrict__ m,
+                      float* __restrict__ v, T* __restrict__ wlow, long long n, const float* __restrict__ hp,
+                      const float* __restrict__ gstate, long long n_decay, int apply_gscale) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || gstate[2] == 0.0f) return;
+    adamw_at(i, w, g, m, v, wlow, hp, gstate[1], n_decay, apply_gscale);
 }
 
 // |x| of a 16-bit compute value, 0 for inf/NaN (bf16_absf's rule): the weights' amax for fp8's casts.
@@ -116,15 +118,7 @@ __device__ void adamw4(float* __restrict__ w, const float* __restrict__ g, float
     float am = 0.0f;
     if (i < n && i + 4 > n) {  // the tail: one at a time
         for (long long j = i; j < n; ++j) {
-            if (ok) {
-                float gj = g[j], mj = m[j], vj = v[j], wj = w[j];
-                if (apply_gscale) gj = __fmul_rn(gj, gs);
-                adamw_pinned(wj, gj, mj, vj, j < n_decay, lr, wd, step, isb2, b1, b2, eps);
-                m[j] = mj;
-                v[j] = vj;
-                w[j] = wj;
-                if (wlow != nullptr) wlow[j] = from_f<T>(wj);
-            }
+            if (ok) adamw_at(j, w, g, m, v, wlow, hp, gs, n_decay, apply_gscale);
             if (part != nullptr) am = fmaxf(am, low_abs(wlow[j]));
         }
     } else if (i < n) {
