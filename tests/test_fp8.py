@@ -892,3 +892,96 @@ def test_the_weight_by_weight_casts_take_cast_weights_arguments():
     import andrea.cuda.fp8 as k8
 
     assert inspect.signature(k8.Fp8Gemm.cast_weights_each) == inspect.signature(k8.Fp8Gemm.cast_weights)
+
+
+@pytest.mark.parametrize("scaling,saved", [("current", False), ("current", True), ("delayed", True)])
+def test_the_e4m3_head_orients_its_three_gemms_and_takes_lnf_sites(monkeypatch, scaling, saved):
+    """fp8.FP8_HEAD over host arrays (twin casts, twin k_loss_bwd_e4m3, twin transpose, the GEMM as the
+    product of the dequantized operands): logits = lnf wte_pad^T, dx = dlogits wte_pad, dwte += (dlogits^T
+    lnf)[:V] (its product in f8_dwte, added into the first V rows), against NumPy of the dequantized
+    operands (the twin GEMM truncates its bf16 outputs: 2**-7 |ref| + 1e-6; fp32 1e-6 |ref|). dlogits' transpose
+    lives in the logits' bytes; wte_pad is cast with the weights; lnf is cast once (kept transpose) or twice
+    (without f8_saved), and under delayed scaling takes two sites, the second its forward's shadow."""
+    from types import SimpleNamespace
+
+    import andrea.cuda.fp8 as k8
+    from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F
+
+    monkeypatch.setattr(k8, "FP8_HEAD", True)
+    rng = np.random.default_rng(11)
+    N, C, V, Vp = 128, 64, 97, 128
+    to16 = lambda v: _dev((np.asarray(v, np.float32).view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
+    wf = (rng.standard_normal((Vp, C)) * 0.5).astype(np.float32)
+    wf[V:] = 0
+    wp, lnf = to16(wf), to16(rng.standard_normal((N, C)))
+    n_sites = 2 if scaling == "delayed" else 0
+    cur = _dev(np.zeros(max(1, n_sites), np.float32))
+    log = {"cur": cur, "calls": [], "gemms": []}
+    monkeypatch.setattr(k8, "quantize", _twin_quantize(log))
+    monkeypatch.setattr(k8, "k_fp8_t_u8", lambda x8, out_t, R, C_, am, rec: out_t.__setitem__(
+        slice(None), np.asarray(x8).reshape(R, C_).T))
+
+    def loss_bwd(d8, inv, logits, targets, lse, dscale, N_, V_):
+        codes, iv = f8.loss_dlogits_e4m3(f8.bf16_to_f32(np.asarray(logits)), targets, lse, dscale, ld=d8.shape[1])
+        d8[:] = codes
+        inv[0] = iv
+
+    monkeypatch.setattr(k8, "k_loss_bwd_e4m3", loss_bwd)
+    monkeypatch.setattr(k8, "k_residual_add", lambda prec, out, a_, b_, n: out.__setitem__(
+        slice(None), np.asarray(a_) + np.asarray(b_)))
+    plan: dict = {}
+    buf = k8.fp8_buffers(0, N, C, k8.n_slots(plan), 0, vp=Vp)
+    a = {name: _dev(np.zeros(shape, dt)) for name, shape, dt in buf if name != "f8_saved" or saved}
+    a.update(wte_pad=wp, f8_cur=cur)
+    inv_arr = a["f8_inv"]
+    val = lambda p: np.float32(inv_arr[(p - inv_arr.data.ptr) // 4])  # noqa: E731
+
+    def mm_nt(D, X8, Y8, x_inv, y_inv, M, N_, K, d_type, beta=0.0, fast_accum=False, stream=0, **kw):
+        assert X8.shape == (M, K) and Y8.shape == (N_, K) and D.shape == (M, N_) and beta == 0.0
+        ref = f8.gemm_nt(X8, val(x_inv), Y8, val(y_inv))
+        D[:] = ref if d_type == CUDA_R_32F else (np.asarray(ref, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        log["gemms"].append(d_type)
+
+    lt = SimpleNamespace(mm_nt=mm_nt, mm=lambda *a_, **k: pytest.fail("the E4M3 head must not go to bf16"))
+    g = k8.Fp8Gemm(a, {}, plan, {wp.data.ptr}, None, lt=lt, scaling=scaling, n_sites=n_sites, history=4)
+    g._stream = lambda: 0
+    assert g.head is not None
+    g.cast_weights()
+    assert log["calls"] == [(wp.data.ptr, None, False, True, True)]       # wte_pad: both orientations
+    w_dq = f8.dequantize(a["w8_head"][:Vp * C], val(g._slot(g.head[3]))).reshape(Vp, C).astype(np.float64)
+    assert np.all(w_dq[V:] == 0)
+    log["calls"].clear()
+    g.begin(backward=True)
+    logits = _dev(np.full((N, Vp), 0x7FC0, np.uint16))                    # prefilled NaN
+    g.mm(logits, lnf, wp, tb=True)
+    x_dq = f8.dequantize(*f8.quantize(f8.bf16_to_f32(np.asarray(lnf)))).astype(np.float64)
+    lg = f8.bf16_to_f32(np.asarray(logits)).astype(np.float64)
+    np.testing.assert_allclose(lg, x_dq @ w_dq.T, rtol=2 ** -7, atol=1e-6)
+    # the loss: lse of the first V columns; dlogits from the twin
+    targets = rng.integers(0, V, N).astype(np.int32)
+    z = lg[:, :V]
+    lse = (z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1))).astype(np.float32)
+    dscale = 1.0 / N
+    d_codes, d_inv = f8.loss_dlogits_e4m3(lg[:, :V].astype(np.float32), targets, lse, dscale, ld=Vp)
+    d_dq = f8.dequantize(d_codes, d_inv).astype(np.float64)
+    g.head_dlogits(logits, V, targets, lse, dscale)
+    np.testing.assert_array_equal(np.asarray(logits).view(np.uint8).reshape(-1)[:Vp * N].reshape(Vp, N), d_codes.T)
+    dx = _dev(np.full((N, C), 0x7FC0, np.uint16))
+    g.mm(dx, logits, wp)
+    np.testing.assert_allclose(f8.bf16_to_f32(np.asarray(dx)), d_dq @ w_dq, rtol=2 ** -7, atol=1e-6)
+    dwte = _dev(np.full((V, C), 0.5, np.float32))
+    g.mm(dwte, logits, lnf, ta=True, beta=1.0)
+    np.testing.assert_allclose(np.asarray(dwte), 0.5 + (d_dq.T @ x_dq)[:V], rtol=1e-6, atol=1e-9)
+    assert log["gemms"] == [CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F]
+    lnf_casts = [c for c in log["calls"] if c[0] == lnf.data.ptr]
+    if saved:                                      # one cast, both orientations, the transpose kept
+        assert [c[3:] for c in lnf_casts] == [(True, True)]
+    else:                                          # the forward's, then the transpose for dwte
+        assert [c[3:] for c in lnf_casts] == [(True, False), (False, True)]
+    if scaling == "delayed":
+        assert [c[1] for c in lnf_casts] == [0] and g._shadow == [(1, 0)]
+    g.check_pass()
+    with pytest.raises(AndreaError, match="not taken by its weight gradient"):
+        g.begin()
+        g.head_dlogits(logits, V, targets, lse, dscale)
+        g.check_pass()

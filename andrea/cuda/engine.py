@@ -47,7 +47,7 @@ from andrea.cuda.kernels import (ADAMW_CHUNK, LN_ROWS_PER_CHUNK, LOWTYPE, NORM_B
                                  k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_bwd_vr, ln_e4m3_fits)
 from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
 from andrea.cuda import fp8 as fp8_mod
-from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, SITES_PER_LAYER, Fp8Gemm, fp8_buffers, n_slots, require_fp8,
+from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, Fp8Gemm, fp8_buffers, n_sites_for, n_slots, require_fp8,
                              weight_plan)
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
@@ -58,7 +58,7 @@ from andrea.preflight import check_memory
 FP16_SCALE0, FP16_GROWTH_EVERY, FP16_SCALE_MAX = 2.0 ** 12, 1000, 2.0 ** 24
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 LT_PRECISIONS = ("bf16", "fp16")    # their GEMMs go to cuBLASLt (fp32 keeps cuBLAS, fp8 its E4M3 path)
-PAD_PRECISIONS = ("bf16", "fp16", "fp8")   # the padded vocabulary head (fp8's stays bf16, through cuBLASLt)
+PAD_PRECISIONS = ("bf16", "fp16", "fp8")   # the padded vocabulary head (fp8's on E4M3 with fp8.FP8_HEAD)
 LOGITS_PAD = 64                     # their logits rows: V rounded up to 64 elements (128-byte aligned rows)
 # Saved activations the backward recomputes (PlanPolicy.recompute): the GELU output h_act (N, 4C per
 # layer: the largest saved tensor). The LayerNorm outputs are kept per layer (2 N C 16-bit values a
@@ -277,10 +277,16 @@ class FastOps:
             k_loss_mean(losses, self.a["loss_out"], N)
 
     def loss_backward(self, dx, dwte, logits, probs, x, wte, targets, dloss, work):
-        """dlogits is rebuilt in place in logits from the saved log-sum-exp ``probs``."""
+        """dlogits is rebuilt in place in logits from the saved log-sum-exp ``probs`` (fp8 with its E4M3
+        head: in E4M3 by Fp8Gemm.head_dlogits, the GEMMs then on E4M3, the same calls)."""
         N, V = logits.shape
-        k_loss_bwd(self.p, logits, logits, targets, probs, dloss, N, V)
         pad = self._padded_head(logits, wte)
+        if pad is not None and self.f8 is not None and self.f8.head is not None:
+            self.f8.head_dlogits(pad[0], V, targets, probs, dloss)
+            self._mm(dx, pad[0], pad[1], tag="head dgrad")
+            self._mm(dwte, pad[0], x, ta=True, beta=1.0, tag="head wgrad")
+            return
+        k_loss_bwd(self.p, logits, logits, targets, probs, dloss, N, V)
         if pad is None:
             self._mm(dx, logits, wte, tag="head dgrad")         # dx = dlogits @ wte
         else:
@@ -353,7 +359,7 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec.append(("wte_pad", (vp, mc.d_model), low))       # the head's wte, zero rows to Vp (FastOps._padded_head)
     if precision == "fp8":
         plan8, n8 = fp8_plan(mc)
-        spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8), mc.n_layer)
+        spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8), mc.n_layer, vp=vp)
     offs, off = {}, 0
     for name, shape, dt in spec:
         offs[name] = off
@@ -428,10 +434,12 @@ class GpuEngine:
         a["gstate"].set(np.array([0.0, 1.0, 1.0, 0.0], dtype=np.float32))
         f8 = None
         if precision == "fp8":
-            head = {self.WL["wte"].data.ptr, self.G["wte"].data.ptr, a["wte_pad"].data.ptr}   # bf16 GEMMs
+            # the head's GEMMs stay bf16 unless fp8.FP8_HEAD (Fp8Gemm.head: its calls are taken first)
+            head = {self.WL["wte"].data.ptr, self.G["wte"].data.ptr, a["wte_pad"].data.ptr}
+            e4m3_head = "w8_head" in a
             f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], head, self.blas, scaling=fp8_scaling,
-                         n_sites=SITES_PER_LAYER * mc.n_layer, history=int(fp8_amax_history),
-                         ln_ptrs=(a["ln1"].data.ptr, a["ln2"].data.ptr))
+                         n_sites=n_sites_for(mc.n_layer, e4m3_head), history=int(fp8_amax_history),
+                         ln_ptrs=(a["ln1"].data.ptr, a["ln2"].data.ptr) + ((a["lnf"].data.ptr,) if e4m3_head else ()))
         self.f8 = f8
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)
@@ -480,11 +488,11 @@ class GpuEngine:
         fp8 E4M3 copies of ``wlow`` and the padded head's copy of wte (``wte_pad``), on the current
         stream. A skipped step recasts unchanged weights: the same bytes. ``part``: the optimizer's
         amax partials of wlow (``_amax_part``)."""
-        if self.f8 is not None:
-            self.f8.cast_weights(part, ADAMW_CHUNK)
-        if "wte_pad" in self.a:
+        if "wte_pad" in self.a:                        # first: the fp8 head's casts read it
             src, dst = self.WL["wte"], self.a["wte_pad"]
             dst.data.copy_from_device_async(src.data, src.nbytes, self.cp.cuda.get_current_stream())
+        if self.f8 is not None:
+            self.f8.cast_weights(part, ADAMW_CHUNK)
 
     def init_weights(self, seed: int) -> None:
         """The same weights as Engine.init_weights(seed) (``init_params``, drawn on the host)."""

@@ -62,7 +62,7 @@ from __future__ import annotations
 import numpy as np
 
 from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_32F, EPILOGUE_DEFAULT, EPILOGUE_GELU_AUX, Lt
-from andrea.cuda.kernels import i32, need
+from andrea.cuda.kernels import i32, k_loss_bwd_e4m3, k_residual_add, need
 from andrea.cuda.loader import kernel
 from andrea.engine.fp8_numpy import WCHUNK, AmaxHistory     # WCHUNK: k_fp8_wamax's elements per block
 from andrea.errors import AndreaError
@@ -97,6 +97,14 @@ ATTN_E4M3 = True
 # The same for the branch gradient the residual LayerNorm backwards hand to the attention-out and MLP-proj
 # backwards (k_layernorm_bwd(e4m3=)): E4M3 at its site's scale instead of bf16 for a cast, same bytes.
 LNB_E4M3 = True
+# The tied head's three GEMMs (logits = lnf wte^T, dlnf = dlogits wte, dwte += dlogits^T lnf) on E4M3 too
+# (``head_forward`` / ``head_backward``): lnf is one more activation site (its LayerNorm writes it in E4M3
+# under LN_E4M3, its transpose kept for dwte: HEAD_SITES), wte_pad is cast with the weights (current
+# scaling), and the loss backward writes dlogits in E4M3 itself at the fixed scale 448 (|softmax - onehot|
+# <= 1: no amax, no site; loss.cu k_loss_bwd_e4m3), a byte transpose giving dwte's operand. False: the
+# head stays a bf16 cuBLASLt GEMM (``bf16_ptrs``), as before session 15.
+FP8_HEAD = True
+HEAD_SITES = 2                    # lnf's forward cast and its weight-gradient (shadow) site
 DSCALE_AT = 4                     # the float of a site's slot holding its scale again, 16-byte aligned for cuBLASLt
 # The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
 # warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
@@ -114,23 +122,35 @@ def require_fp8(compute_capability) -> None:
                           f"this GPU is sm_{compute_capability}: use train.precision=bf16")
 
 
-def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int) -> list:
+def n_sites_for(n_layer: int, head: bool) -> int:
+    """Delayed scaling's cast sites a step: SITES_PER_LAYER a layer, HEAD_SITES more with the E4M3 head."""
+    return SITES_PER_LAYER * n_layer + (HEAD_SITES if head else 0)
+
+
+def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int, vp: int = 0) -> list:
     """(name, shape, dtype) of the arena entries the fp8 path adds: the weights' E4M3 copies in
     both orientations (``n_weight8`` bytes, see ``weight_plan``), four (N x 4C) cast buffers, the
     amax partials, the per-cast dequantization factors (slots ``n_slots`` on are the delayed
     sites': inv, then the scale the kernel reads; then, with ``SAVE_TRANSPOSES``, one slot per saved
-    transpose for current scaling), the delayed sites' amaxes of this step, cuBLASLt's workspace,
-    the weight table and amaxes of ``cast_weights`` and (``SAVE_TRANSPOSES``) the saved transposed
-    activations. The same for both scalings."""
-    n_sites, n_w = SITES_PER_LAYER * n_layer, n_slots - 3
-    n_saved = 4 * n_layer if SAVE_TRANSPOSES else 0
+    transpose for current scaling; then, with the E4M3 head, its weight's and dlogits' slots, the
+    last two), the delayed sites' amaxes of this step, cuBLASLt's workspace, the weight table and
+    amaxes of ``cast_weights`` and (``SAVE_TRANSPOSES``) the saved transposed activations. With
+    ``FP8_HEAD`` and ``vp`` (the padded vocabulary): the head weight's two E4M3 copies (``w8_head``),
+    dlogits in E4M3 (``f8_dlog``, N x vp) and dwte's fp32 product (``f8_dwte``, vp x C). The same for
+    both scalings."""
+    head = FP8_HEAD and vp > 0
+    n_sites, n_w = n_sites_for(n_layer, head), n_slots - 3
+    n_saved = (4 * n_layer + (1 if head else 0)) if SAVE_TRANSPOSES else 0
     out = [("w8", (n_weight8,), np.uint8), ("f8_a", (N * 4 * C,), np.uint8), ("f8_at", (N * 4 * C,), np.uint8),
            ("f8_g", (N * 4 * C,), np.uint8), ("f8_gt", (N * 4 * C,), np.uint8),
-           ("f8_part", (AMAX_BLOCKS,), np.float32), ("f8_inv", (SLOT * (n_slots + n_sites + n_saved),), np.float32),
+           ("f8_part", (AMAX_BLOCKS,), np.float32),
+           ("f8_inv", (SLOT * (n_slots + n_sites + n_saved + (2 if head else 0)),), np.float32),
            ("f8_cur", (max(1, n_sites),), np.float32), ("lt_ws", (LT_WORKSPACE,), np.uint8),
            ("f8_wdesc", (max(1, n_w) * 8,), np.int64), ("f8_wamax", (max(1, n_w),), np.float32)]
     if SAVE_TRANSPOSES:
-        out.append(("f8_saved", (n_layer * SAVED_COLS_PER_LAYER * N * C,), np.uint8))
+        out.append(("f8_saved", ((n_layer * SAVED_COLS_PER_LAYER + (1 if head else 0)) * N * C,), np.uint8))
+    if head:
+        out += [("w8_head", (2 * vp * C,), np.uint8), ("f8_dlog", (N * vp,), np.uint8), ("f8_dwte", (vp, C), np.float32)]
     return out
 
 
@@ -294,6 +314,16 @@ class Fp8Gemm:
         self._ready: dict = {}                     # FC_E4M3: activation (ptr, shape) -> (its E4M3 copy, slot)
         self._produced: dict = {}                  # ATTN/LNB_E4M3: gradient (ptr, shape) -> the site it took ahead
         self.ln_ptrs = set(ln_ptrs)                # LN_E4M3: the LayerNorm outputs that go to E4M3 GEMMs
+        self._inv_end = self.inv.size // SLOT      # the factor slots sites and saved transposes may take
+        self.head = None                           # FP8_HEAD: (wte_pad (Vp, C), its E4M3 (Vp, C) and (C, Vp),
+        if FP8_HEAD and "w8_head" in a and "wte_pad" in a:    # the weight's slot, dlogits' slot: the last two)
+            wp, h8 = a["wte_pad"], a["w8_head"]
+            Vp, C = wp.shape
+            self._inv_end -= 2
+            self.head = (wp, h8[:Vp * C].reshape(Vp, C), h8[Vp * C:2 * Vp * C].reshape(C, Vp), self._inv_end,
+                         self._inv_end + 1)
+            self.weights[wp.data.ptr] = (wp, self.head[1], self.head[2], self._inv_end)
+        self._dlog: dict = {}                      # FP8_HEAD: dlogits (ptr, shape) -> (its E4M3, its transpose)
 
     @property
     def calibrating(self) -> bool:
@@ -318,6 +348,9 @@ class Fp8Gemm:
             return
         a = self.a
         k_fp8_weights(a["wlow"], a["f8_wdesc"], *self.table, a["f8_wamax"], a["w8"], self.inv, part, chunk)
+        if self.head is not None:                  # wte_pad is not in wlow (nor in the table): on its own
+            wp, h8, h8t, slot, _ = self.head
+            quantize(h8, h8t, wp, a["f8_part"], self._inv(slot), *wp.shape)
 
     def cast_weights_each(self, part=None, chunk: int = 0) -> None:
         """``cast_weights`` weight by weight: an amax pass and a cast per weight (the reference; it
@@ -334,7 +367,7 @@ class Fp8Gemm:
         self.site, self._memo = 0, {}
         self.save_t = backward and self.saved is not None
         self._saved, self._saved_off, self._n_saved, self._shadow, self._dgelu, self._ready = {}, 0, 0, [], {}, {}
-        self._produced = {}
+        self._produced, self._dlog = {}, {}
 
     @property
     def defers_dgelu(self) -> bool:
@@ -379,9 +412,11 @@ class Fp8Gemm:
 
     def check_pass(self) -> None:
         """After a forward + backward: the sites numbered must be the planned ones."""
+        if self._dlog:
+            raise AndreaError("fp8: the head's E4M3 dlogits (head_dlogits) were not taken by its weight gradient")
         if self.hist is not None and self.site != self.n_sites:
             raise AndreaError(f"fp8 delayed scaling: a step cast {self.site} activation/gradient tensors, "
-                              f"the plan has {self.n_sites} sites (SITES_PER_LAYER in andrea/cuda/fp8.py)")
+                              f"the plan has {self.n_sites} sites (n_sites_for in andrea/cuda/fp8.py)")
         if self._ready or self._produced:
             raise AndreaError(f"fp8: {len(self._ready) + len(self._produced)} tensors written in E4M3 by their "
                               f"producer were not taken by a GEMM (FC_E4M3 / LN_E4M3 / ATTN_E4M3 in andrea/cuda/fp8.py)")
@@ -463,7 +498,7 @@ class Fp8Gemm:
                               f"bytes (SAVED_COLS_PER_LAYER in andrea/cuda/fp8.py)")
         self._saved_off = o + R * C
         current = self.site_base + self.n_sites + self._n_saved    # current scaling: a slot of its own
-        if current >= self.inv.size // SLOT:
+        if current >= self._inv_end:
             raise AndreaError(f"fp8: more saved activation transposes than f8_inv has slots for ({self._n_saved})")
         return self.saved[o:o + R * C].reshape(C, R), current
 
@@ -556,10 +591,63 @@ class Fp8Gemm:
         self._memo[key] = hit
         return (hit[1] if transposed else hit[0]), self._slot(hit[2])
 
+    # ------------------------------------------------------------------ the tied head (FP8_HEAD)
+    def head_dlogits(self, logits, V: int, targets, lse, dscale: float) -> None:
+        """The loss backward of the E4M3 head: from the bf16 logits (N, Vp) (the padded rows), dlogits
+        in E4M3 at the fixed scale 448 into ``f8_dlog`` (k_loss_bwd_e4m3, which also writes its factor
+        dscale / 448) and its transpose (Vp, N) into the logits' own bytes, which nothing reads again
+        this step. The head's next two ``mm`` calls (dgrad, then the weight gradient) take them."""
+        if self.head is None:
+            raise AndreaError("fp8: the E4M3 head needs the arena's w8_head, f8_dlog and f8_dwte (FP8_HEAD)")
+        N, Vp = logits.shape
+        d8 = self.a["f8_dlog"][:N * Vp].reshape(N, Vp)
+        d8t = logits.view(np.uint8).reshape(-1)[:Vp * N].reshape(Vp, N)
+        k_loss_bwd_e4m3(d8, self._inv(self.head[4]), logits[:, :V], targets, lse, dscale, N, V)
+        k_fp8_t_u8(d8, d8t, N, Vp, self.a["f8_part"][:1], None)
+        self._dlog = {(logits.data.ptr, logits.shape): (d8, d8t)}
+
+    def _head_mm(self, C, A, B, ta: bool, tb: bool, beta: float) -> bool:
+        """The tied head's GEMMs on E4M3, when this call is one of them (else False): the forward
+        C (N, Vp) = A (N, C) wte_pad^T with A an activation; with A the dlogits of ``head_dlogits``, the
+        dgrad C (N, C) = A wte_pad and then the weight gradient C (V, C) += (A^T B)[:V], its product
+        (Vp, C) in ``f8_dwte`` (a dimension of 8449 is not an FP8 GEMM's) added into the first V rows."""
+        if self.head is None:
+            return False
+        wp, h8, h8t, wslot, dslot = self.head
+        Vp, Cm = wp.shape
+        key = (A.data.ptr, A.shape)
+        d = self._dlog.get(key)
+        st = self._stream()
+        if d is None:
+            if B.data.ptr != wp.data.ptr or not tb or ta:
+                return False
+            x8, x_inv = self._activation(A, False)
+            self.lt.mm_nt(C, x8, h8, x_inv, self._slot(wslot), A.shape[0], Vp, Cm, CUDA_R_16BF, fast_accum=True,
+                          stream=st)
+        elif not ta:
+            if B.data.ptr != wp.data.ptr or tb:
+                raise AndreaError("fp8 head: dlogits go to dx = dlogits wte_pad (tb=False), then dwte")
+            self.lt.mm_nt(C, d[0], h8t, self._slot(dslot), self._slot(wslot), A.shape[0], Cm, Vp, CUDA_R_16BF,
+                          fast_accum=FAST_ACCUM_BWD, stream=st)
+        else:
+            V = C.shape[0]
+            if beta != 1.0 or tb or C.dtype != np.float32 or C.shape != (V, Cm) or V > Vp:
+                raise AndreaError(f"fp8 head: the weight gradient accumulates (beta 1) into an fp32 (V <= {Vp}, {Cm}) "
+                                  f"matrix, got beta {beta}, C {C.shape} {C.dtype}")
+            del self._dlog[key]
+            y8, y_inv = self._activation(B, True)
+            prod = self.a["f8_dwte"]
+            self.lt.mm_nt(prod, d[1], y8, self._slot(dslot), y_inv, Vp, Cm, A.shape[0], CUDA_R_32F,
+                          fast_accum=FAST_ACCUM_BWD, stream=st)
+            k_residual_add("fp32", C, C, prod[:V], V * Cm)
+        return True
+
     def mm(self, C, A, B, ta: bool = False, tb: bool = False, beta: float = 0.0, lowtype: int = CUDA_R_16BF,
            epilogue: int = EPILOGUE_DEFAULT, aux=None) -> None:
         """Blas.mm's contract; ``epilogue``/``aux``: the fused GELU of X W and dY W^T (module docstring)."""
         prev, self._memo = self._memo, {}
+        if int(epilogue) == EPILOGUE_DEFAULT and self._head_mm(C, A, B, ta, tb, beta):
+            return
         w = self.weights.get(B.data.ptr)
         is_weight = w is not None and w[0].shape == B.shape        # X @ W (forward) or dY @ W^T (dX)
         if int(epilogue) != EPILOGUE_DEFAULT and not (is_weight and not ta):

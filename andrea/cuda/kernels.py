@@ -482,6 +482,17 @@ def k_loss_bwd(prec, dlogits, logits, targets, lse, dscale, N, V):
                                                                     i32(N), i32(V), i32(ld)))
 
 
+def k_loss_bwd_e4m3(d8, inv, logits, targets, lse, dscale, N, V):
+    """d8 (N, ld) E4M3 = (softmax - onehot) * 448 of bf16 logits (N, V), rows ld elements apart
+    (``_row_ld``; ld % 8 == 0, 16-byte aligned), zero past V; inv[0] = dscale / 448 (loss.cu)."""
+    ld = _row_ld("loss_backward", logits, N, V)
+    if ld % 8 or logits.data.ptr % 16 or d8.dtype != np.uint8 or d8.size < N * ld or d8.data.ptr % 16:
+        raise AndreaError(f"cuda op loss_backward (E4M3): logits rows of {ld} elements at byte {logits.data.ptr % 16} "
+                          f"mod 16 and a uint8 output of {d8.size} bytes (need rows a multiple of 8 elements, "
+                          f"16-byte aligned, and {N * ld} output bytes)")
+    kernel("loss.cu", "k_loss_bwd_e4m3")((N,), (256,), (ptr(logits), targets, lse, d8, inv, f32(dscale), i32(N), i32(V),
+                                                        i32(ld)))
+
 def embed_segments(idx_host: np.ndarray):
     """Host side of the deterministic embedding backward: positions sorted by token id (stable),
     segment starts (n_seg + 1,) and the token of each segment. (N,) int32 arrays, padded."""

@@ -8,6 +8,12 @@
 // k_loss_bwd_<t>:  dlogits (N, V) t = (softmax(logits) - onehot(target)) * dscale, where
 //                  dscale = dloss / N (times the fp16 loss scale). dlogits may alias logits (same
 //                  layout required: every element is read and written by the same thread).
+// k_loss_bwd_e4m3: the fp8 engine's tied head (andrea/cuda/fp8.py FP8_HEAD): bf16 logits rows of ld
+//                  elements (ld % 8 == 0, 16-byte aligned rows) -> d8 (N, ld) E4M3 codes of
+//                  (softmax - onehot) * 448, columns >= V written 0, and inv[0] = dscale / 448, the
+//                  GEMMs' dequantization factor. |softmax - onehot| <= 1, so this fixed scale never
+//                  saturates and needs no amax; E4M3 round to nearest even, a non-finite value -> NaN
+//                  0x7F (the step guard skips that step). NumPy twin: fp8_numpy.loss_dlogits_e4m3.
 
 // Rows are read in 16-byte vectors (uint4: 8 bf16/fp16 or 4 fp32 values); a row of odd V starts
 // anywhere, so its elements before the first 16-byte boundary (head) and after the last one
@@ -111,6 +117,45 @@ __device__ void loss_bwd(const T* logits, const int* __restrict__ targets, const
     }
     for (int j = tail0 + threadIdx.x; j < V; j += blockDim.x)
         dlogits[base + j] = from_f<T>((expf(to_f(logits[base + j]) - l) - (j == t ? 1.0f : 0.0f)) * dscale);
+}
+
+// Two floats -> two E4M3 codes (lo in the low byte), round to nearest even, saturating; non-finite -> 0x7F.
+__device__ __forceinline__ unsigned e4m3_pair(float lo, float hi) {
+    unsigned short r;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));   // first operand -> high byte
+#else
+    r = 0x7f7f;   // no FP8 conversion before sm_89 (the fp8 engine refuses those GPUs: fp8.require_fp8)
+#endif
+    unsigned w = r;
+    if (!isfinite(lo)) w = (w & 0xff00u) | 0x7fu;
+    if (!isfinite(hi)) w = (w & 0x00ffu) | 0x7f00u;
+    return w;
+}
+
+extern "C" __global__ void k_loss_bwd_e4m3(const bf16_t* __restrict__ logits, const int* __restrict__ targets,
+                                           const float* __restrict__ lse, unsigned char* __restrict__ d8,
+                                           float* __restrict__ inv, float dscale, int N, int V, int ld) {
+    const int row = blockIdx.x;
+    if (row >= N) return;
+    if (row == 0 && threadIdx.x == 0) inv[0] = dscale / 448.0f;
+    const long long base = (long long)row * ld;
+    const float l = lse[row];
+    const int t = targets[row];
+    const uint4* src = reinterpret_cast<const uint4*>(logits + base);
+    uint2* dst = reinterpret_cast<uint2*>(d8 + base);
+    for (int k = threadIdx.x; k < ld / 8; k += blockDim.x) {
+        float f[8];
+        unpack16<bf16_t>(src[k], f);
+        const int j0 = k * 8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            f[i] = j0 + i < V ? (expf(f[i] - l) - (j0 + i == t ? 1.0f : 0.0f)) * 448.0f : 0.0f;
+        uint2 o;
+        o.x = e4m3_pair(f[0], f[1]) | (e4m3_pair(f[2], f[3]) << 16);
+        o.y = e4m3_pair(f[4], f[5]) | (e4m3_pair(f[6], f[7]) << 16);
+        dst[k] = o;
+    }
 }
 
 extern "C" __global__ void k_loss_mean(const float* __restrict__ losses, float* __restrict__ out, int N) {

@@ -111,6 +111,21 @@ def quantize_delayed(x: np.ndarray, scale) -> tuple[np.ndarray, np.float32, bool
     return encode(y), am, bool(np.float32(am * s) > np.float32(E4M3_MAX))
 
 
+def loss_dlogits_e4m3(logits: np.ndarray, targets: np.ndarray, lse: np.ndarray, dscale, ld: int | None = None):
+    """The fp8 tied head's output gradient (loss.cu ``k_loss_bwd_e4m3``): (E4M3 bits (N, ld) of
+    (softmax(logits) - onehot(targets)) * 448, zero past V; inv = dscale / 448). ``logits`` float32
+    (N, V) (bf16 payloads widened), ``lse`` (N,) its row log-sum-exp. |softmax - onehot| <= 1, so the
+    fixed scale 448 never saturates and needs no amax; the dequantized value is dscale * (p - y)."""
+    x = np.asarray(logits, dtype=np.float32)
+    N, V = x.shape
+    ld = V if ld is None else int(ld)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.exp(x - np.asarray(lse, np.float32)[:, None])
+        d[np.arange(N), np.asarray(targets, np.int64)] -= np.float32(1.0)
+        y = np.zeros((N, ld), np.float32)
+        y[:, :V] = d * np.float32(E4M3_MAX)
+    return encode(y), np.float32(np.float32(dscale) / np.float32(E4M3_MAX))
+
 WCHUNK, WTILE = 16384, 64        # fp8.cu's k_fp8_wamax chunk and k_fp8_wcast tile
 
 
