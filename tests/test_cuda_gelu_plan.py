@@ -70,7 +70,7 @@ def test_fp8_with_kept_transposes_shares_ln_and_h_act_and_recomputes_nothing(mon
     assert shapes["ln1"][0] == shapes["ln2"][0] == shapes["h_act"][0] == 1 and shapes["h_pre"][0] == MC.n_layer
     assert lay.policy.shared == {"ln", "gelu"} and lay.policy.recompute == frozenset()
     N, C, L = 2 * MC.context, MC.d_model, MC.n_layer
-    assert math.prod(shapes["f8_saved"]) == (L * 7 + ce.fp8_mod.FP8_HEAD) * N * C    # + lnf's with the E4M3 head
+    assert math.prod(shapes["f8_saved"]) == (L * 7 + (ce.fp8_mod.FP8_HEAD and ce.fp8_mod.FP8_HEAD_FWD)) * N * C  # + lnf^T
     monkeypatch.setattr(ce.fp8_mod, "SAVE_TRANSPOSES", False)
     plain = ce.arena_layout(MC, 2, "fp8", recompute=recompute)
     assert "f8_saved" not in dict((n, s) for n, s, _ in plain.spec) and plain.policy.shared == frozenset()

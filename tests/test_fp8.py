@@ -894,27 +894,30 @@ def test_the_weight_by_weight_casts_take_cast_weights_arguments():
     assert inspect.signature(k8.Fp8Gemm.cast_weights_each) == inspect.signature(k8.Fp8Gemm.cast_weights)
 
 
-@pytest.mark.parametrize("scaling,saved", [("current", False), ("current", True), ("delayed", True)])
-def test_the_e4m3_head_orients_its_three_gemms_and_takes_lnf_sites(monkeypatch, scaling, saved):
+@pytest.mark.parametrize("scaling,saved,fwd", [("current", False, True), ("current", True, True), ("delayed", True, True),
+                                               ("delayed", True, False), ("current", False, False)])
+def test_the_e4m3_head_orients_its_three_gemms_and_takes_lnf_sites(monkeypatch, scaling, saved, fwd):
     """fp8.FP8_HEAD over host arrays (twin casts, twin k_loss_bwd_e4m3, twin transpose, the GEMM as the
     product of the dequantized operands): logits = lnf wte_pad^T, dx = dlogits wte_pad, dwte += (dlogits^T
     lnf)[:V] (its product in f8_dwte, added into the first V rows), against NumPy of the dequantized
     operands (the twin GEMM truncates its bf16 outputs: 2**-7 |ref| + 1e-6; fp32 1e-6 |ref|). dlogits' transpose
     lives in the logits' bytes; wte_pad is cast with the weights; lnf is cast once (kept transpose) or twice
-    (without f8_saved), and under delayed scaling takes two sites, the second its forward's shadow."""
+    (without f8_saved), and under delayed scaling takes two sites, the second its forward's shadow.
+    ``fwd`` False (fp8.FP8_HEAD_FWD): the forward is the bf16 GEMM, and lnf is cast once, for dwte, at one site."""
     from types import SimpleNamespace
 
     import andrea.cuda.fp8 as k8
     from andrea.cuda.cublaslt import CUDA_R_16BF, CUDA_R_32F
 
     monkeypatch.setattr(k8, "FP8_HEAD", True)
+    monkeypatch.setattr(k8, "FP8_HEAD_FWD", fwd)
     rng = np.random.default_rng(11)
     N, C, V, Vp = 128, 64, 97, 128
     to16 = lambda v: _dev((np.asarray(v, np.float32).view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
     wf = (rng.standard_normal((Vp, C)) * 0.5).astype(np.float32)
     wf[V:] = 0
     wp, lnf = to16(wf), to16(rng.standard_normal((N, C)))
-    n_sites = 2 if scaling == "delayed" else 0
+    n_sites = k8.head_sites() if scaling == "delayed" else 0
     cur = _dev(np.zeros(max(1, n_sites), np.float32))
     log = {"cur": cur, "calls": [], "gemms": []}
     monkeypatch.setattr(k8, "quantize", _twin_quantize(log))
@@ -942,7 +945,13 @@ def test_the_e4m3_head_orients_its_three_gemms_and_takes_lnf_sites(monkeypatch, 
         D[:] = ref if d_type == CUDA_R_32F else (np.asarray(ref, np.float32).view(np.uint32) >> 16).astype(np.uint16)
         log["gemms"].append(d_type)
 
-    lt = SimpleNamespace(mm_nt=mm_nt, mm=lambda *a_, **k: pytest.fail("the E4M3 head must not go to bf16"))
+    def mm_bf16(D, A, B, ta=False, tb=False, **k):                       # the bf16 forward (fwd False)
+        assert not fwd and tb and not ta and B.data.ptr == wp.data.ptr
+        ref = f8.bf16_to_f32(np.asarray(A)).astype(np.float64) @ f8.bf16_to_f32(np.asarray(B)).astype(np.float64).T
+        D[:] = (ref.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        log["gemms"].append("bf16")
+
+    lt = SimpleNamespace(mm_nt=mm_nt, mm=mm_bf16)
     g = k8.Fp8Gemm(a, {}, plan, {wp.data.ptr}, None, lt=lt, scaling=scaling, n_sites=n_sites, history=4)
     g._stream = lambda: 0
     assert g.head is not None
@@ -956,7 +965,9 @@ def test_the_e4m3_head_orients_its_three_gemms_and_takes_lnf_sites(monkeypatch, 
     g.mm(logits, lnf, wp, tb=True)
     x_dq = f8.dequantize(*f8.quantize(f8.bf16_to_f32(np.asarray(lnf)))).astype(np.float64)
     lg = f8.bf16_to_f32(np.asarray(logits)).astype(np.float64)
-    np.testing.assert_allclose(lg, x_dq @ w_dq.T, rtol=2 ** -7, atol=1e-6)
+    w16 = f8.bf16_to_f32(np.asarray(wp)).astype(np.float64)
+    np.testing.assert_allclose(lg, (x_dq @ w_dq.T) if fwd else f8.bf16_to_f32(np.asarray(lnf)) @ w16.T,
+                               rtol=2 ** -7, atol=1e-6)
     # the loss: lse of the first V columns; dlogits from the twin
     targets = rng.integers(0, V, N).astype(np.int32)
     z = lg[:, :V]
@@ -972,14 +983,16 @@ def test_the_e4m3_head_orients_its_three_gemms_and_takes_lnf_sites(monkeypatch, 
     dwte = _dev(np.full((V, C), 0.5, np.float32))
     g.mm(dwte, logits, lnf, ta=True, beta=1.0)
     np.testing.assert_allclose(np.asarray(dwte), 0.5 + (d_dq.T @ x_dq)[:V], rtol=1e-6, atol=1e-9)
-    assert log["gemms"] == [CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F]
+    assert log["gemms"] == [CUDA_R_16BF if fwd else "bf16", CUDA_R_16BF, CUDA_R_32F]
     lnf_casts = [c for c in log["calls"] if c[0] == lnf.data.ptr]
-    if saved:                                      # one cast, both orientations, the transpose kept
+    if not fwd:                                    # the bf16 forward casts nothing: the transpose for dwte
+        assert [c[3:] for c in lnf_casts] == [(False, True)]
+    elif saved:                                    # one cast, both orientations, the transpose kept
         assert [c[3:] for c in lnf_casts] == [(True, True)]
     else:                                          # the forward's, then the transpose for dwte
         assert [c[3:] for c in lnf_casts] == [(True, False), (False, True)]
     if scaling == "delayed":
-        assert [c[1] for c in lnf_casts] == [0] and g._shadow == [(1, 0)]
+        assert [c[1] for c in lnf_casts] == [0] and g._shadow == ([(1, 0)] if fwd else [])
     g.check_pass()
     with pytest.raises(AndreaError, match="not taken by its weight gradient"):
         g.begin()

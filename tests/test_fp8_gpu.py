@@ -878,7 +878,9 @@ def test_delayed_scaling_counts_clipped_casts_and_its_scales_follow_a_jump(fc_e4
     and with the same batch and weights the count falls back to 0 within a few steps.
     fp8.FC_E4M3 (the default): the first step casts a bf16 h_act, later ones take the GEMM's E4M3 of
     the unrounded gelu, whose amax can lie a bf16 rounding above the first step's: step 2 may count
-    those sites (and what follows from them) as clipped, once; from step 3 the steps repeat."""
+    those sites (and what follows from them) as clipped, and the scales that follow may move the sites
+    after them once more (with the E4M3 head, fp8.FP8_HEAD, step 3 did: [0, 5, 3, 0] on the H200); once a
+    step clips nothing, the next one repeats it."""
     import andrea.cuda.fp8 as k8
     from andrea.cuda.backend import make_backend
 
@@ -895,10 +897,13 @@ def test_delayed_scaling_counts_clipped_casts_and_its_scales_follow_a_jump(fc_e4
         return res.loss
 
     if fc_e4m3:
-        l1, l2, l3, l4 = (step(t) for t in (1, 2, 3, 4))
-        assert counts[0] == 0 and counts[3] == 0 and l4 == l3 and abs(l2 - l1) <= 1e-3 * abs(l1), (counts, l1, l2)
+        ls = [step(t) for t in range(1, 7)]
+        assert counts[0] == 0 and abs(ls[1] - ls[0]) <= 1e-3 * abs(ls[0]), (counts, ls)
+        # a step that clips nothing leaves every scale as it was, so the next step repeats it
+        settled = next((k for k in range(1, 5) if counts[k] == 0), None)
+        assert settled is not None and ls[settled + 1] == ls[settled], (counts, ls)
         print(f"fp8 delayed with FC_E4M3, clipped casts per step at lr 0: {counts}")
-        t0 = 4
+        t0 = 6
     else:
         l1, l2 = step(1), step(2)
         assert counts == [0, 0] and l1 == l2

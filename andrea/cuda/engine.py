@@ -439,7 +439,8 @@ class GpuEngine:
             e4m3_head = "w8_head" in a
             f8 = Fp8Gemm(a, self.WL, fp8_plan(mc)[0], head, self.blas, scaling=fp8_scaling,
                          n_sites=n_sites_for(mc.n_layer, e4m3_head), history=int(fp8_amax_history),
-                         ln_ptrs=(a["ln1"].data.ptr, a["ln2"].data.ptr) + ((a["lnf"].data.ptr,) if e4m3_head else ()))
+                         ln_ptrs=(a["ln1"].data.ptr, a["ln2"].data.ptr)
+                         + ((a["lnf"].data.ptr,) if e4m3_head and fp8_mod.FP8_HEAD_FWD else ()))
         self.f8 = f8
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)

@@ -99,12 +99,22 @@ ATTN_E4M3 = True
 LNB_E4M3 = True
 # The tied head's three GEMMs (logits = lnf wte^T, dlnf = dlogits wte, dwte += dlogits^T lnf) on E4M3 too
 # (``head_forward`` / ``head_backward``): lnf is one more activation site (its LayerNorm writes it in E4M3
-# under LN_E4M3, its transpose kept for dwte: HEAD_SITES), wte_pad is cast with the weights (current
+# under LN_E4M3, its transpose kept for dwte: head_sites()), wte_pad is cast with the weights (current
 # scaling), and the loss backward writes dlogits in E4M3 itself at the fixed scale 448 (|softmax - onehot|
 # <= 1: no amax, no site; loss.cu k_loss_bwd_e4m3), a byte transpose giving dwte's operand. False: the
 # head stays a bf16 cuBLASLt GEMM (``bf16_ptrs``), as before session 15.
 FP8_HEAD = True
-HEAD_SITES = 2                    # lnf's forward cast and its weight-gradient (shadow) site
+# With FP8_HEAD: the head's forward (the logits, hence the loss) on E4M3 too. False: the logits stay a bf16
+# GEMM of the bf16 lnf, and only the backward's two GEMMs take E4M3 (lnf cast for dwte at one site).
+FP8_HEAD_FWD = True
+
+
+def head_sites() -> int:
+    """Delayed scaling's sites of the head: lnf's forward cast and its weight-gradient (shadow) site, or
+    only the latter with the bf16 forward (FP8_HEAD_FWD off); none without FP8_HEAD."""
+    return (2 if FP8_HEAD_FWD else 1) if FP8_HEAD else 0
+
+
 DSCALE_AT = 4                     # the float of a site's slot holding its scale again, 16-byte aligned for cuBLASLt
 # The transposing casts: "smem" (a 64 x 64 tile per block through shared memory) or "warp" (a tile per
 # warp, transposed in registers; the GELU-backward cast keeps "smem", faster for it). The same bytes (gpu
@@ -123,8 +133,8 @@ def require_fp8(compute_capability) -> None:
 
 
 def n_sites_for(n_layer: int, head: bool) -> int:
-    """Delayed scaling's cast sites a step: SITES_PER_LAYER a layer, HEAD_SITES more with the E4M3 head."""
-    return SITES_PER_LAYER * n_layer + (HEAD_SITES if head else 0)
+    """Delayed scaling's cast sites a step: SITES_PER_LAYER a layer, ``head_sites()`` more with the E4M3 head."""
+    return SITES_PER_LAYER * n_layer + (head_sites() if head else 0)
 
 
 def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int, vp: int = 0) -> list:
@@ -140,7 +150,8 @@ def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int, vp: 
     both scalings."""
     head = FP8_HEAD and vp > 0
     n_sites, n_w = n_sites_for(n_layer, head), n_slots - 3
-    n_saved = (4 * n_layer + (1 if head else 0)) if SAVE_TRANSPOSES else 0
+    lnf_t = 1 if head and FP8_HEAD_FWD else 0          # lnf's kept transpose (an E4M3 forward keeps it)
+    n_saved = (4 * n_layer + lnf_t) if SAVE_TRANSPOSES else 0
     out = [("w8", (n_weight8,), np.uint8), ("f8_a", (N * 4 * C,), np.uint8), ("f8_at", (N * 4 * C,), np.uint8),
            ("f8_g", (N * 4 * C,), np.uint8), ("f8_gt", (N * 4 * C,), np.uint8),
            ("f8_part", (AMAX_BLOCKS,), np.float32),
@@ -148,7 +159,7 @@ def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int, vp: 
            ("f8_cur", (max(1, n_sites),), np.float32), ("lt_ws", (LT_WORKSPACE,), np.uint8),
            ("f8_wdesc", (max(1, n_w) * 8,), np.int64), ("f8_wamax", (max(1, n_w),), np.float32)]
     if SAVE_TRANSPOSES:
-        out.append(("f8_saved", ((n_layer * SAVED_COLS_PER_LAYER + (1 if head else 0)) * N * C,), np.uint8))
+        out.append(("f8_saved", ((n_layer * SAVED_COLS_PER_LAYER + lnf_t) * N * C,), np.uint8))
     if head:
         out += [("w8_head", (2 * vp * C,), np.uint8), ("f8_dlog", (N * vp,), np.uint8), ("f8_dwte", (vp, C), np.float32)]
     return out
@@ -619,7 +630,7 @@ class Fp8Gemm:
         d = self._dlog.get(key)
         st = self._stream()
         if d is None:
-            if B.data.ptr != wp.data.ptr or not tb or ta:
+            if B.data.ptr != wp.data.ptr or not tb or ta or not FP8_HEAD_FWD:
                 return False
             x8, x_inv = self._activation(A, False)
             self.lt.mm_nt(C, x8, h8, x_inv, self._slot(wslot), A.shape[0], Vp, Cm, CUDA_R_16BF, fast_accum=True,
