@@ -277,9 +277,10 @@ def test_a_row_has_the_same_bits_alone_or_with_others(op):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("B,T,H,D,block", [(3, 16, 2, 4, 64), (2, 13, 3, 8, 5), (2, 8, 1, 4, 1)])
+@pytest.mark.parametrize("B,T,H,D,block", [(3, 16, 2, 4, 64), (2, 13, 3, 8, 5), (2, 8, 1, 4, 1), (2, 37, 2, 4, 32)])
 def test_attention_forward_backward(monkeypatch, dt, B, T, H, D, block):
-    """Causal blocks of ``block`` queries (5 < T: ragged, the blocks above the diagonal skipped)."""
+    """Causal blocks of ``block`` queries (5 < T: ragged, the blocks above the diagonal skipped);
+    T = 37 crosses the softmax kernels' 16-query runs (ops_cpu._QALIGN) with a ragged last run."""
     monkeypatch.setattr(ref, "ATT_BLOCK", block)
     rng = np.random.default_rng(B * T + H)
     C = H * D

@@ -24,7 +24,9 @@ Conventions beyond the ops_numpy contract:
   dg/db) run in row order on one thread. Each fused pair runs the plain op's compiled loop, so
   it has the two ops' bits as the contract asks.
 - The attention keeps ops_numpy's causal blocks and BLAS products but reads q, k, v as strided
-  views of qkv and writes its outputs straight into their heads (no head copies).
+  views of qkv and writes its outputs straight into their heads; only q^T (forward) and dy^T
+  (backward) are copied, contiguous, for the key-major score products (k q^T, v dy^T): as strided
+  transposed views OpenBLAS ran those ~1.7x slower. Its softmax kernels skip the masked half.
 - Inputs the kernels do not take (a non-contiguous or read-only view, mixed dtypes) go to the
   ops_numpy op itself. Shapes are checked before any kernel runs: a mismatch is a one-line ValueError.
 """
@@ -56,6 +58,9 @@ ROW_BLOCK = 1024
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693359375            # ln 2 split so n * LN2_HI is exact for |n| < 2^11
 LN2_LO = -2.12194440054690583e-4
+# An index at a run offset, i + j0, is cast to this unsigned type: Numba wraps a signed index
+# that may be negative (a select per access), which keeps LLVM from vectorizing the loop.
+_U = np.uint64
 
 
 def _fast(*arrays) -> bool:
@@ -291,14 +296,20 @@ def _xent_grad_rows(probs, targets, dloss):
         probs[r, t] = (pt - probs.dtype.type(1.0)) * dloss
 
 
+# The attention softmax kernels skip the masked half: along one key row k and head, the queries
+# q < q0 = k rounded down to a multiple of _QALIGN are never read (P and dS there are written as
+# zeros), and the run q0 <= q < T is whole vectors, its entries q < k selected away as the plain
+# loop over every query did (same bits: a skipped entry only ever added an exact zero or -inf).
+_QALIGN = 16
+
+
 @numba.njit(**_JIT)
-def _attn_softmax(att, mt, qi, scale):
+def _attn_softmax(att, mt, scale):
     """att (n, T, H, T) key-major products s[b, k, h, q] = k . q -> P = softmax over keys k <= q of
-    scale s + mask, with mt (T, H*T) the mask key-major per head (mt[k, h*T + q] = mask[q, k]) and qi (H*T,)
-    the query of each column (q); P = 0 exactly for k > q, whatever att held there (the block
-    products leave it unwritten). Each loop runs across the H*T queries of one key row
-    (full-length vector loops; the entries k > q are selected away), so the reductions over
-    keys are element-wise, in key order."""
+    scale s + mask, with mt (T, H*T) the mask key-major per head (mt[k, h*T + q] = mask[q, k]);
+    P = 0 exactly for k > q, whatever att held there (the block products leave it unwritten).
+    Each loop runs along the queries of one key row and head (``_QALIGN``), so the reductions
+    over keys are element-wise, in key order."""
     n, T, H, _ = att.shape
     HT = H * T
     dt = att.dtype.type
@@ -306,38 +317,59 @@ def _attn_softmax(att, mt, qi, scale):
     a3 = att.reshape(n, T, HT)
     mx = np.empty(HT, att.dtype)
     sm = np.empty(HT, att.dtype)
-    scr = np.empty(HT, att.dtype)
+    scr = np.empty(T, att.dtype)
+    si = scr.view(np.int32)
     for b in range(n):
         for j in range(HT):
             mx[j] = ninf
             sm[j] = dt(0.0)
         for k in range(T):                           # per query, the max over its keys
             row, mk = a3[b, k], mt[k]
-            for j in range(HT):
-                v = row[j] * scale + mk[j] if qi[j] >= k else ninf
-                mx[j] = v if v > mx[j] else mx[j]
+            q0 = k - k % _QALIGN
+            F, lo = _U(T - q0), _U(k - q0)           # the run's length and its first q >= k
+            for h in range(H):
+                j0 = _U(h * T + q0)
+                for j in range(F):
+                    v = row[j0 + j] * scale + mk[j0 + j] if j >= lo else ninf
+                    mx[j0 + j] = v if v > mx[j0 + j] else mx[j0 + j]
         for k in range(T):                           # exp and the key sums
             row, mk = a3[b, k], mt[k]
-            for j in range(HT):
-                row[j] = row[j] * scale + mk[j] - mx[j]
-            _exp_row_parts(row, scr)
-            for j in range(HT):
-                p = row[j] * scr[j] if qi[j] >= k else dt(0.0)
-                row[j] = p
-                sm[j] += p
+            q0 = k - k % _QALIGN
+            F, lo = _U(T - q0), _U(k - q0)
+            for h in range(H):
+                jz, j0 = _U(h * T), _U(h * T + q0)
+                for j in range(_U(q0)):
+                    row[jz + j] = dt(0.0)
+                for j in range(F):
+                    row[j0 + j] = row[j0 + j] * scale + mk[j0 + j] - mx[j0 + j]
+                if att.itemsize != 4:                # exp: as _exp_row_parts, inline (a call runs slower)
+                    for j in range(F):
+                        row[j0 + j] = np.exp(row[j0 + j])
+                        scr[j] = dt(1.0)
+                else:
+                    for j in range(F):
+                        row[j0 + j], si[j] = _exp_parts(row[j0 + j])
+                for j in range(F):
+                    p = row[j0 + j] * scr[j] if j >= lo else dt(0.0)
+                    row[j0 + j] = p
+                    sm[j0 + j] += p
         for j in range(HT):
             sm[j] = dt(1.0) / sm[j]
         for k in range(T):
             row = a3[b, k]
-            for j in range(HT):
-                row[j] *= sm[j]
+            q0 = k - k % _QALIGN
+            F = _U(T - q0)
+            for h in range(H):
+                j0 = _U(h * T + q0)
+                for j in range(F):
+                    row[j0 + j] *= sm[j0 + j]
 
 
 @numba.njit(**_JIT)
-def _attn_softmax_bwd(datt, att, qi, scale):
+def _attn_softmax_bwd(datt, att, scale):
     """datt (n, T, H, T) key-major dL/dP -> dS * scale, dS = P (dP - sum_keys(dP P)), for keys
-    k <= q and 0 for k > q (whatever datt held there), across the H*T queries of a key row as
-    _attn_softmax."""
+    k <= q and 0 for k > q (whatever datt held there), along the queries of each key row and
+    head as _attn_softmax."""
     n, T, H, _ = att.shape
     HT = H * T
     dt = att.dtype.type
@@ -349,12 +381,22 @@ def _attn_softmax_bwd(datt, att, qi, scale):
             rd[j] = dt(0.0)
         for k in range(T):
             d, p = d3[b, k], p3[b, k]
-            for j in range(HT):
-                rd[j] += d[j] * p[j] if qi[j] >= k else dt(0.0)
+            q0 = k - k % _QALIGN
+            F, lo = _U(T - q0), _U(k - q0)
+            for h in range(H):
+                j0 = _U(h * T + q0)
+                for j in range(F):
+                    rd[j0 + j] += d[j0 + j] * p[j0 + j] if j >= lo else dt(0.0)
         for k in range(T):
             d, p = d3[b, k], p3[b, k]
-            for j in range(HT):
-                d[j] = p[j] * (d[j] - rd[j]) * scale if qi[j] >= k else dt(0.0)
+            q0 = k - k % _QALIGN
+            F, lo = _U(T - q0), _U(k - q0)
+            for h in range(H):
+                jz, j0 = _U(h * T), _U(h * T + q0)
+                for j in range(_U(q0)):
+                    d[jz + j] = dt(0.0)
+                for j in range(F):
+                    d[j0 + j] = p[j0 + j] * (d[j0 + j] - rd[j0 + j]) * scale if j >= lo else dt(0.0)
 
 
 @numba.njit(**_JIT)
@@ -607,9 +649,9 @@ def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: i
 
 def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
                  n_head: int, work: np.ndarray) -> None:
-    """ops_numpy.attn_forward with the same causal blocks, but the block products read q, k, v as
-    strided views of qkv and write y straight into out's heads (no head copies: BLAS packs its
-    operands anyway), and the softmax kernel takes the scale: P = softmax(scale (k . q) + mask).
+    """ops_numpy.attn_forward with the same causal blocks, but the block products read k, v as
+    strided views of qkv (q^T as a contiguous copy) and write y straight into out's heads, and the
+    softmax kernel takes the scale: P = softmax(scale (k . q) + mask).
     mask must be the causal one ops_numpy documents: it is added for keys k <= q, and P = 0
     exactly for k > q."""
     if out.ndim != 3 or not _fast(out, att, qkv, mask, work):
@@ -622,22 +664,22 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
     _shape("attn_forward", "qkv", qkv, (B, T, 3 * C))
     if mask.ndim != 2 or mask.shape[0] < T or mask.shape[1] < T:
         raise ValueError(f"attn_forward: mask has shape {mask.shape}, expected at least ({T}, {T})")
-    MT, QI = ref._carve(work, (T, H, T), (H, T))
+    MT, QT = ref._carve(work, (T, H, T), (B, H, D, T))
     np.copyto(MT, mask[:T, :T].T[:, None, :])          # the mask key-major, once per head
-    QI = QI.view(np.int32 if QI.itemsize == 4 else np.int64)
-    QI[:] = np.arange(T)                               # each column's query
     blocks = ref._causal_blocks(T)
     scale = out.dtype.type(1.0 / math.sqrt(D))
 
     def part(b0: int, b1: int) -> None:
         n = b1 - b0
         q, k, v = ref._heads(qkv[b0:b1], n, T, H)      # (n, H, T, D) views
+        qt = QT[b0:b1]                                 # q^T (n, H, D, T), contiguous (the NN product is ~2x faster)
+        np.copyto(qt, q.swapaxes(-1, -2))
         y = out[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3)
         a4 = att[b0:b1]
         s4 = a4.transpose(0, 2, 1, 3)                  # (n, H, keys, queries)
         for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
-            np.matmul(k[:, :, :i1], q[:, :, i0:i1].swapaxes(-1, -2), out=s4[:, :, :i1, i0:i1])
-        _attn_softmax(a4, MT.reshape(T, H * T), QI.reshape(H * T), scale)
+            np.matmul(k[:, :, :i1], qt[:, :, :, i0:i1], out=s4[:, :, :i1, i0:i1])
+        _attn_softmax(a4, MT.reshape(T, H * T), scale)
         p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
         for i0, i1 in blocks:
             np.matmul(p4[:, :, i0:i1, :i1], v[:, :, :i1], out=y[:, :, i0:i1])
@@ -648,8 +690,8 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
 def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.ndarray, y: np.ndarray,
                   n_head: int, work: np.ndarray) -> None:
     """ops_numpy.attn_backward with the same causal blocks; the products read q, k, v, dout as
-    strided views and write dq, dk, dv straight into dqkv's heads; the softmax backward kernel
-    writes ds * scale, the factor both dq = ds k scale and dk = ds^T q scale need."""
+    strided views (dout^T as a contiguous copy) and write dq, dk, dv straight into dqkv's heads;
+    the softmax backward kernel writes ds * scale, the factor both dq = ds k scale and dk = ds^T q scale need."""
     if dout.ndim != 3 or not _fast(dqkv, dout, qkv, att, work):
         return ref.attn_backward(dqkv, dout, qkv, att, y, n_head, work)
     B, T, C = dout.shape
@@ -659,9 +701,7 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         raise ValueError(f"attn_backward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
     _shape("attn_backward", "qkv", qkv, (B, T, 3 * C))
     _shape("attn_backward", "dqkv", dqkv, (B, T, 3 * C))
-    DATT, QI = ref._carve(work, (B, T, H, T), (H, T))
-    QI = QI.view(np.int32 if QI.itemsize == 4 else np.int64)
-    QI[:] = np.arange(T)                               # each column's query
+    DATT, DYT = ref._carve(work, (B, T, H, T), (B, H, D, T))
     blocks = ref._causal_blocks(T)
     scale = dout.dtype.type(1.0 / math.sqrt(D))
 
@@ -670,14 +710,16 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         q, k, v = ref._heads(qkv[b0:b1], n, T, H)      # (n, H, T, D) views
         dq, dk, dv = ref._heads(dqkv[b0:b1], n, T, H)
         dy = dout[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3)
+        dyt = DYT[b0:b1]                               # dy^T (n, H, D, T), contiguous as q^T forward
+        np.copyto(dyt, dy.swapaxes(-1, -2))
         d4, p4 = DATT[b0:b1], att[b0:b1]
         pkq, dkq = p4.transpose(0, 2, 1, 3), d4.transpose(0, 2, 1, 3)   # (n, H, keys, queries)
         dqk = d4.transpose(0, 2, 3, 1)                                  # (n, H, queries, keys)
         for i0, i1 in blocks:                          # datt^T = v dy^T, keys [0, i1)
-            np.matmul(v[:, :, :i1], dy[:, :, i0:i1].swapaxes(-1, -2), out=dkq[:, :, :i1, i0:i1])
+            np.matmul(v[:, :, :i1], dyt[:, :, :, i0:i1], out=dkq[:, :, :i1, i0:i1])
         for j0, j1 in blocks:                          # dv = P^T dy, queries [j0, T)
             np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=dv[:, :, j0:j1])
-        _attn_softmax_bwd(d4, p4, QI.reshape(H * T), scale)   # d4 = ds^T * scale
+        _attn_softmax_bwd(d4, p4, scale)               # d4 = ds^T * scale
         for i0, i1 in blocks:                          # dq = ds k scale, keys [0, i1)
             np.matmul(dqk[:, :, i0:i1, :i1], k[:, :, :i1], out=dq[:, :, i0:i1])
         for j0, j1 in blocks:                          # dk = ds^T q scale, queries [j0, T)
