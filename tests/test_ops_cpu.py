@@ -277,10 +277,12 @@ def test_a_row_has_the_same_bits_alone_or_with_others(op):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("B,T,H,D,block", [(3, 16, 2, 4, 64), (2, 13, 3, 8, 5), (2, 8, 1, 4, 1), (2, 37, 2, 4, 32)])
+@pytest.mark.parametrize("B,T,H,D,block", [(3, 16, 2, 4, 64), (2, 13, 3, 8, 5), (2, 8, 1, 4, 1), (2, 37, 2, 4, 32),
+                                            (2, 20, 2, 2, 8)])
 def test_attention_forward_backward(monkeypatch, dt, B, T, H, D, block):
     """Causal blocks of ``block`` queries (5 < T: ragged, the blocks above the diagonal skipped);
-    T = 37 crosses the softmax kernels' 16-query runs (ops_cpu._QALIGN) with a ragged last run."""
+    T = 37 crosses the softmax kernels' 16-query runs (ops_cpu._QALIGN) with a ragged last run;
+    D = 2 leaves too little scratch for attn_backward's padded dP rows (ops_cpu._ATT_PAD): unpadded."""
     monkeypatch.setattr(ref, "ATT_BLOCK", block)
     rng = np.random.default_rng(B * T + H)
     C = H * D

@@ -54,6 +54,9 @@ _JIT = dict(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "
 # 256-row blocks (the chain's intermediates in L2) measured 2.8% slower per step (paired, 30
 # repeats, 1 thread): smaller GEMMs that re-pack the weights per block.
 ROW_BLOCK = 1024
+# attn_backward's dP scratch pads each head's run of queries in a key row by _ATT_PAD floats: rows
+# H T floats apart (2 KiB at the tiny shapes) fall into a few cache sets (a few % of the op)
+_ATT_PAD = 16
 
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693359375            # ln 2 split so n * LN2_HI is exact for |n| < 2^11
@@ -300,27 +303,28 @@ def _xent_grad_rows(probs, targets, dloss):
 # q < q0 = k rounded down to a multiple of _QALIGN are never read (P and dS there are written as
 # zeros), and the run q0 <= q < T is whole vectors, its entries q < k selected away as the plain
 # loop over every query did (same bits: a skipped entry only ever added an exact zero or -inf).
+# Their arrays are key rows (n, T, H * S): head h's T queries at columns [h S, h S + T), S >= T
+# (S > T: padded rows, _ATT_PAD).
 _QALIGN = 16
 
 
 @numba.njit(**_JIT)
-def _attn_softmax(att, mt, scale):
-    """att (n, T, H, T) key-major products s[b, k, h, q] = k . q -> P = softmax over keys k <= q of
-    scale s + mask, with mt (T, H*T) the mask key-major per head (mt[k, h*T + q] = mask[q, k]);
-    P = 0 exactly for k > q, whatever att held there (the block products leave it unwritten).
+def _attn_softmax(a3, mt, H, scale):
+    """a3 (n, T, H * S) key-major products s[b, k, h S + q] = k . q -> P = softmax over keys k <= q
+    of scale s + mask, with mt (T, H * Sm) the mask key-major per head (mt[k, h Sm + q] = mask[q, k]);
+    P = 0 exactly for k > q, whatever a3 held there (the block products leave it unwritten).
     Each loop runs along the queries of one key row and head (``_QALIGN``), so the reductions
     over keys are element-wise, in key order."""
-    n, T, H, _ = att.shape
-    HT = H * T
-    dt = att.dtype.type
+    n, T, W = a3.shape
+    S, Sm = W // H, mt.shape[1] // H
+    dt = a3.dtype.type
     ninf = dt(-np.inf)
-    a3 = att.reshape(n, T, HT)
-    mx = np.empty(HT, att.dtype)
-    sm = np.empty(HT, att.dtype)
-    scr = np.empty(T, att.dtype)
+    mx = np.empty(W, a3.dtype)
+    sm = np.empty(W, a3.dtype)
+    scr = np.empty(T, a3.dtype)
     si = scr.view(np.int32)
     for b in range(n):
-        for j in range(HT):
+        for j in range(W):
             mx[j] = ninf
             sm[j] = dt(0.0)
         for k in range(T):                           # per query, the max over its keys
@@ -328,21 +332,21 @@ def _attn_softmax(att, mt, scale):
             q0 = k - k % _QALIGN
             F, lo = _U(T - q0), _U(k - q0)           # the run's length and its first q >= k
             for h in range(H):
-                j0 = _U(h * T + q0)
+                j0, jm = _U(h * S + q0), _U(h * Sm + q0)
                 for j in range(F):
-                    v = row[j0 + j] * scale + mk[j0 + j] if j >= lo else ninf
+                    v = row[j0 + j] * scale + mk[jm + j] if j >= lo else ninf
                     mx[j0 + j] = v if v > mx[j0 + j] else mx[j0 + j]
         for k in range(T):                           # exp and the key sums
             row, mk = a3[b, k], mt[k]
             q0 = k - k % _QALIGN
             F, lo = _U(T - q0), _U(k - q0)
             for h in range(H):
-                jz, j0 = _U(h * T), _U(h * T + q0)
+                jz, j0, jm = _U(h * S), _U(h * S + q0), _U(h * Sm + q0)
                 for j in range(_U(q0)):
                     row[jz + j] = dt(0.0)
                 for j in range(F):
-                    row[j0 + j] = row[j0 + j] * scale + mk[j0 + j] - mx[j0 + j]
-                if att.itemsize != 4:                # exp: as _exp_row_parts, inline (a call runs slower)
+                    row[j0 + j] = row[j0 + j] * scale + mk[jm + j] - mx[j0 + j]
+                if a3.itemsize != 4:                 # exp: as _exp_row_parts, inline (a call runs slower)
                     for j in range(F):
                         row[j0 + j] = np.exp(row[j0 + j])
                         scr[j] = dt(1.0)
@@ -353,50 +357,50 @@ def _attn_softmax(att, mt, scale):
                     p = row[j0 + j] * scr[j] if j >= lo else dt(0.0)
                     row[j0 + j] = p
                     sm[j0 + j] += p
-        for j in range(HT):
-            sm[j] = dt(1.0) / sm[j]
+        for h in range(H):
+            j0 = _U(h * S)
+            for j in range(_U(T)):
+                sm[j0 + j] = dt(1.0) / sm[j0 + j]
         for k in range(T):
             row = a3[b, k]
             q0 = k - k % _QALIGN
             F = _U(T - q0)
             for h in range(H):
-                j0 = _U(h * T + q0)
+                j0 = _U(h * S + q0)
                 for j in range(F):
                     row[j0 + j] *= sm[j0 + j]
 
 
 @numba.njit(**_JIT)
-def _attn_softmax_bwd(datt, att, scale):
-    """datt (n, T, H, T) key-major dL/dP -> dS * scale, dS = P (dP - sum_keys(dP P)), for keys
-    k <= q and 0 for k > q (whatever datt held there), along the queries of each key row and
-    head as _attn_softmax."""
-    n, T, H, _ = att.shape
-    HT = H * T
-    dt = att.dtype.type
-    d3 = datt.reshape(n, T, HT)
-    p3 = att.reshape(n, T, HT)
-    rd = np.empty(HT, att.dtype)
+def _attn_softmax_bwd(d3, p3, H, scale):
+    """d3 (n, T, H * Sd) key-major dL/dP -> dS * scale, dS = P (dP - sum_keys(dP P)), with p3
+    (n, T, H * Sp) the saved P, for keys k <= q and 0 for k > q (whatever d3 held there), along
+    the queries of each key row and head as _attn_softmax."""
+    n, T, Wd = d3.shape
+    Sd, Sp = Wd // H, p3.shape[2] // H
+    dt = p3.dtype.type
+    rd = np.empty(H * T, p3.dtype)
     for b in range(n):
-        for j in range(HT):
+        for j in range(H * T):
             rd[j] = dt(0.0)
         for k in range(T):
             d, p = d3[b, k], p3[b, k]
             q0 = k - k % _QALIGN
             F, lo = _U(T - q0), _U(k - q0)
             for h in range(H):
-                j0 = _U(h * T + q0)
+                jd, jp, jr = _U(h * Sd + q0), _U(h * Sp + q0), _U(h * T + q0)
                 for j in range(F):
-                    rd[j0 + j] += d[j0 + j] * p[j0 + j] if j >= lo else dt(0.0)
+                    rd[jr + j] += d[jd + j] * p[jp + j] if j >= lo else dt(0.0)
         for k in range(T):
             d, p = d3[b, k], p3[b, k]
             q0 = k - k % _QALIGN
             F, lo = _U(T - q0), _U(k - q0)
             for h in range(H):
-                jz, j0 = _U(h * T), _U(h * T + q0)
+                jz, jd, jp, jr = _U(h * Sd), _U(h * Sd + q0), _U(h * Sp + q0), _U(h * T + q0)
                 for j in range(_U(q0)):
                     d[jz + j] = dt(0.0)
                 for j in range(F):
-                    d[j0 + j] = p[j0 + j] * (d[j0 + j] - rd[j0 + j]) * scale if j >= lo else dt(0.0)
+                    d[jd + j] = p[jp + j] * (d[jd + j] - rd[jr + j]) * scale if j >= lo else dt(0.0)
 
 
 @numba.njit(**_JIT)
@@ -675,11 +679,11 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
         qt = QT[b0:b1]                                 # q^T (n, H, D, T), contiguous (the NN product is ~2x faster)
         np.copyto(qt, q.swapaxes(-1, -2))
         y = out[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3)
-        a4 = att[b0:b1]
+        a4 = att[b0:b1]                                # (n, keys, H, queries)
         s4 = a4.transpose(0, 2, 1, 3)                  # (n, H, keys, queries)
         for i0, i1 in blocks:                          # queries [i0, i1) see keys [0, i1)
             np.matmul(k[:, :, :i1], qt[:, :, :, i0:i1], out=s4[:, :, :i1, i0:i1])
-        _attn_softmax(a4, MT.reshape(T, H * T), scale)
+        _attn_softmax(a4.reshape(n, T, H * T), MT.reshape(T, H * T), H, scale)
         p4 = a4.transpose(0, 2, 3, 1)                  # (n, H, queries, keys)
         for i0, i1 in blocks:
             np.matmul(p4[:, :, i0:i1, :i1], v[:, :, :i1], out=y[:, :, i0:i1])
@@ -701,7 +705,10 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         raise ValueError(f"attn_backward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
     _shape("attn_backward", "qkv", qkv, (B, T, 3 * C))
     _shape("attn_backward", "dqkv", dqkv, (B, T, 3 * C))
-    DATT, DYT = ref._carve(work, (B, T, H, T), (B, H, D, T))
+    # dP rows padded (_ATT_PAD) where the scratch allows
+    pad = _ATT_PAD if work.size >= B * T * H * (T + _ATT_PAD) + B * H * D * T else 0
+    DATTP, DYT = ref._carve(work, (B, T, H, T + pad), (B, H, D, T))
+    DATT = DATTP[..., :T]
     blocks = ref._causal_blocks(T)
     scale = dout.dtype.type(1.0 / math.sqrt(D))
 
@@ -712,14 +719,14 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
         dy = dout[b0:b1].reshape(n, T, H, D).transpose(0, 2, 1, 3)
         dyt = DYT[b0:b1]                               # dy^T (n, H, D, T), contiguous as q^T forward
         np.copyto(dyt, dy.swapaxes(-1, -2))
-        d4, p4 = DATT[b0:b1], att[b0:b1]
+        d4, p4 = DATT[b0:b1], att[b0:b1]                                # (n, keys, H, queries)
         pkq, dkq = p4.transpose(0, 2, 1, 3), d4.transpose(0, 2, 1, 3)   # (n, H, keys, queries)
         dqk = d4.transpose(0, 2, 3, 1)                                  # (n, H, queries, keys)
         for i0, i1 in blocks:                          # datt^T = v dy^T, keys [0, i1)
             np.matmul(v[:, :, :i1], dyt[:, :, :, i0:i1], out=dkq[:, :, :i1, i0:i1])
         for j0, j1 in blocks:                          # dv = P^T dy, queries [j0, T)
             np.matmul(pkq[:, :, j0:j1, j0:], dy[:, :, j0:], out=dv[:, :, j0:j1])
-        _attn_softmax_bwd(d4, p4, scale)               # d4 = ds^T * scale
+        _attn_softmax_bwd(DATTP[b0:b1].reshape(n, T, -1), p4.reshape(n, T, H * T), H, scale)  # d4 = ds^T scale
         for i0, i1 in blocks:                          # dq = ds k scale, keys [0, i1)
             np.matmul(dqk[:, :, i0:i1, :i1], k[:, :, :i1], out=dq[:, :, i0:i1])
         for j0, j1 in blocks:                          # dk = ds^T q scale, queries [j0, T)
