@@ -96,19 +96,33 @@ __device__ __forceinline__ float bf16_absf(unsigned h) {
     return bf16_finite(h) ? __uint_as_float((h & 0x7fffu) << 16) : 0.0f;
 }
 
-// Two E4M3 codes in one 16-bit word: `lo` (bf16 bits of the first element) in the low byte.
-__device__ __forceinline__ unsigned fp8_pair(unsigned lo, unsigned hi, float s) {
-    const float a = __uint_as_float(lo << 16) * s, b = __uint_as_float(hi << 16) * s;
+// Two floats -> two E4M3 codes in one 16-bit word, `lo` in the low byte: round to nearest even,
+// saturating at +-448 (an infinity too); the callers below turn a non-finite input into NaN 0x7F.
+__device__ __forceinline__ unsigned e4m3x2(float lo, float hi) {
     unsigned short r;
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));   // first operand -> high byte
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));   // first operand -> high byte
 #else
     r = 0x7f7f;   // no FP8 conversion before sm_89 (the fp8 engine refuses those GPUs: fp8.require_fp8)
 #endif
-    unsigned w = r;
-    if (!bf16_finite(lo)) w = (w & 0xff00u) | 0x7fu;
-    if (!bf16_finite(hi)) w = (w & 0x00ffu) | 0x7f00u;
+    return r;
+}
+__device__ __forceinline__ unsigned nan_where(unsigned w, bool lo_ok, bool hi_ok) {
+    if (!lo_ok) w = (w & 0xff00u) | 0x7fu;
+    if (!hi_ok) w = (w & 0x00ffu) | 0x7f00u;
     return w;
+}
+
+// Two E4M3 codes of bf16 values times s: `lo` (bf16 bits of the first element) in the low byte; a
+// non-finite bf16 gives NaN (a finite one that overflows by the scale saturates).
+__device__ __forceinline__ unsigned fp8_pair(unsigned lo, unsigned hi, float s) {
+    return nan_where(e4m3x2(__uint_as_float(lo << 16) * s, __uint_as_float(hi << 16) * s), bf16_finite(lo),
+                     bf16_finite(hi));
+}
+
+// Two E4M3 codes of fp32 values (the fp8 head's dlogits, loss.cu): a non-finite value gives NaN.
+__device__ __forceinline__ unsigned fp8_pair_f(float lo, float hi) {
+    return nan_where(e4m3x2(lo, hi), isfinite(lo), isfinite(hi));
 }
 
 // The MLP's GELU (tanh form) and its derivative, shared by the training kernels (elementwise.cu),

@@ -119,20 +119,6 @@ __device__ void loss_bwd(const T* logits, const int* __restrict__ targets, const
         dlogits[base + j] = from_f<T>((expf(to_f(logits[base + j]) - l) - (j == t ? 1.0f : 0.0f)) * dscale);
 }
 
-// Two floats -> two E4M3 codes (lo in the low byte), round to nearest even, saturating; non-finite -> 0x7F.
-__device__ __forceinline__ unsigned e4m3_pair(float lo, float hi) {
-    unsigned short r;
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));   // first operand -> high byte
-#else
-    r = 0x7f7f;   // no FP8 conversion before sm_89 (the fp8 engine refuses those GPUs: fp8.require_fp8)
-#endif
-    unsigned w = r;
-    if (!isfinite(lo)) w = (w & 0xff00u) | 0x7fu;
-    if (!isfinite(hi)) w = (w & 0x00ffu) | 0x7f00u;
-    return w;
-}
-
 extern "C" __global__ void k_loss_bwd_e4m3(const bf16_t* __restrict__ logits, const int* __restrict__ targets,
                                            const float* __restrict__ lse, unsigned char* __restrict__ d8,
                                            float* __restrict__ inv, float dscale, int N, int V, int ld) {
@@ -152,8 +138,8 @@ extern "C" __global__ void k_loss_bwd_e4m3(const bf16_t* __restrict__ logits, co
         for (int i = 0; i < 8; ++i)
             f[i] = j0 + i < V ? (expf(f[i] - l) - (j0 + i == t ? 1.0f : 0.0f)) * 448.0f : 0.0f;
         uint2 o;
-        o.x = e4m3_pair(f[0], f[1]) | (e4m3_pair(f[2], f[3]) << 16);
-        o.y = e4m3_pair(f[4], f[5]) | (e4m3_pair(f[6], f[7]) << 16);
+        o.x = fp8_pair_f(f[0], f[1]) | (fp8_pair_f(f[2], f[3]) << 16);
+        o.y = fp8_pair_f(f[4], f[5]) | (fp8_pair_f(f[6], f[7]) << 16);
         dst[k] = o;
     }
 }
