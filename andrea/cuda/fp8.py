@@ -98,11 +98,12 @@ ATTN_E4M3 = True
 # backwards (k_layernorm_bwd(e4m3=)): E4M3 at its site's scale instead of bf16 for a cast, same bytes.
 LNB_E4M3 = True
 # The tied head's three GEMMs (logits = lnf wte^T, dlnf = dlogits wte, dwte += dlogits^T lnf) on E4M3 too
-# (``mm`` takes them first, ``_head_mm``; ``head_dlogits`` is the loss backward): lnf is one more activation site (its LayerNorm writes it in E4M3
-# under LN_E4M3, its transpose kept for dwte: head_sites()), wte_pad is cast with the weights (current
-# scaling), and the loss backward writes dlogits in E4M3 itself at the fixed scale 448 (|softmax - onehot|
-# <= 1: no amax, no site; loss.cu k_loss_bwd_e4m3), a byte transpose giving dwte's operand. False: the
-# head stays a bf16 cuBLASLt GEMM (``bf16_ptrs``), as before session 15.
+# (``mm`` takes them first, ``_head_mm``; ``head_dlogits`` is the loss backward): lnf is one more
+# activation site (its LayerNorm writes it in E4M3 under LN_E4M3, its transpose kept for dwte:
+# head_sites()), wte_pad is cast with the weights (current scaling), and the loss backward writes dlogits
+# in E4M3 itself at the fixed scale 448 (|softmax - onehot| <= 1: no amax, no site; loss.cu
+# k_loss_bwd_e4m3), a byte transpose giving dwte's operand. False: the head stays a bf16 cuBLASLt GEMM
+# (``bf16_ptrs``), as before session 15.
 FP8_HEAD = True
 # With FP8_HEAD: the head's forward (the logits, hence the loss) on E4M3 too. False: the logits stay a bf16
 # GEMM of the bf16 lnf, and only the backward's two GEMMs take E4M3 (lnf cast for dwte at one site).
