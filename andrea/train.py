@@ -281,10 +281,10 @@ class Trainer:
                 if load is None:
                     raise ValueError("no load_extra_state")
                 load(extra)
-            except ValueError:
+            except ValueError as e:
                 raise AndreaError(f"{folder.state}: holds engine state ({', '.join(sorted(extra))}) that the "
-                                  f"{self.engine.be.name} engine cannot restore (made with another train.precision "
-                                  "or backend?)") from None
+                                  f"{self.engine.be.name} engine cannot restore: {e} (made with another "
+                                  "train.precision, backend or version?)") from None
         return state, step
 
     def _slices(self) -> int:

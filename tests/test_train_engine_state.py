@@ -62,3 +62,23 @@ def test_a_state_with_engine_state_the_engine_cannot_load_is_refused(data, tmp_p
     plain = Trainer(cfg, "warmup", tok, tokens, w, console=Console(stderr=True))   # no load_extra_state
     with pytest.raises(AndreaError, match="engine state .*good_steps, loss_scale.* cannot restore"):
         plain.run()
+
+
+def test_the_refusal_says_why_the_engine_could_not_restore_its_state(data, tmp_path):
+    """The engine's own reason (here an fp8 amax history of another site count, as a delayed-scaling run
+    saved before the E4M3 head has) reaches the one-line refusal, which names the state file."""
+    cfg = micro_cfg(4, 4)
+    w = tmp_path / "w"
+    tr = _trainer(cfg, "warmup", data, w)
+    tr.end = 2
+    assert tr.run() == 0
+    tok, tokens = data
+    again = Trainer(cfg, "warmup", tok, tokens, w, console=Console(stderr=True))
+
+    def load(d):
+        raise ValueError("fp8 amax history of shape (16, 26), this engine's is (16, 28)")
+
+    again.engine.load_extra_state = load
+    with pytest.raises(AndreaError, match=r"model\.state\.json: holds engine state .* cannot restore: fp8 amax "
+                                          r"history of shape \(16, 26\), this engine's is \(16, 28\)"):
+        again.run()

@@ -218,6 +218,7 @@ class AmaxHistory:
         h = np.asarray(d["amax_history"], dtype=np.float32)
         if h.shape != self.hist.shape:
             raise ValueError(f"fp8 amax history of shape {h.shape}, this engine's is {self.hist.shape} "
-                             "(another model or train.fp8_amax_history?)")
+                             "(another model or train.fp8_amax_history? or saved before the E4M3 head's 2 sites, "
+                             "andrea/cuda/fp8.py FP8_HEAD)")
         self.hist = h.copy()
         self.steps, self.clipped_total = int(d["steps"]), int(d["clipped_total"])
