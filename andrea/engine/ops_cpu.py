@@ -651,6 +651,16 @@ def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, n_decay: i
 
 
 
+def _attn_dims(op: str, x: np.ndarray, att: np.ndarray, qkv: np.ndarray, n_head: int) -> tuple:
+    """(B, T, C, H, D) of an attention op whose (B, T, C) tensor is ``x``; att and qkv checked against them."""
+    B, T, C = x.shape
+    H = n_head
+    if att.shape != att_shape(B, H, T):
+        raise ValueError(f"{op}: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
+    _shape(op, "qkv", qkv, (B, T, 3 * C))
+    return B, T, C, H, C // H
+
+
 def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.ndarray,
                  n_head: int, work: np.ndarray) -> None:
     """ops_numpy.attn_forward with the same causal blocks, but the block products read k, v as
@@ -660,12 +670,7 @@ def attn_forward(out: np.ndarray, att: np.ndarray, qkv: np.ndarray, mask: np.nda
     exactly for k > q."""
     if out.ndim != 3 or not _fast(out, att, qkv, mask, work):
         return ref.attn_forward(out, att, qkv, mask, n_head, work)
-    B, T, C = out.shape
-    H = n_head
-    D = C // H
-    if att.shape != att_shape(B, H, T):
-        raise ValueError(f"attn_forward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
-    _shape("attn_forward", "qkv", qkv, (B, T, 3 * C))
+    B, T, C, H, D = _attn_dims("attn_forward", out, att, qkv, n_head)
     if mask.ndim != 2 or mask.shape[0] < T or mask.shape[1] < T:
         raise ValueError(f"attn_forward: mask has shape {mask.shape}, expected at least ({T}, {T})")
     MT, QT = ref._carve(work, (T, H, T), (B, H, D, T))
@@ -698,12 +703,7 @@ def attn_backward(dqkv: np.ndarray, dout: np.ndarray, qkv: np.ndarray, att: np.n
     the softmax backward kernel writes ds * scale, the factor both dq = ds k scale and dk = ds^T q scale need."""
     if dout.ndim != 3 or not _fast(dqkv, dout, qkv, att, work):
         return ref.attn_backward(dqkv, dout, qkv, att, y, n_head, work)
-    B, T, C = dout.shape
-    H = n_head
-    D = C // H
-    if att.shape != att_shape(B, H, T):
-        raise ValueError(f"attn_backward: att has shape {att.shape}, expected att_shape(B, H, T) = {att_shape(B, H, T)}")
-    _shape("attn_backward", "qkv", qkv, (B, T, 3 * C))
+    B, T, C, H, D = _attn_dims("attn_backward", dout, att, qkv, n_head)
     _shape("attn_backward", "dqkv", dqkv, (B, T, 3 * C))
     # dP rows padded (_ATT_PAD) where the scratch allows
     pad = _ATT_PAD if work.size >= B * T * H * (T + _ATT_PAD) + B * H * D * T else 0
