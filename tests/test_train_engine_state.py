@@ -52,14 +52,20 @@ def test_engine_extra_state_is_saved_and_restored(data, tmp_path):
     assert json.loads((tmp_path / "m" / "model.state.json").read_text())["engine"]["good_steps"] == 8
 
 
-def test_a_state_with_engine_state_the_engine_cannot_load_is_refused(data, tmp_path):
+def _resumer(data, tmp_path):
+    """A warmup run with engine state stopped at step 2, and a fresh Trainer on its folder (no fake
+    extra state) that will resume it."""
     cfg = micro_cfg(4, 4)
     w = tmp_path / "w"
     tr = _trainer(cfg, "warmup", data, w)
     tr.end = 2
     assert tr.run() == 0
     tok, tokens = data
-    plain = Trainer(cfg, "warmup", tok, tokens, w, console=Console(stderr=True))   # no load_extra_state
+    return Trainer(cfg, "warmup", tok, tokens, w, console=Console(stderr=True))
+
+
+def test_a_state_with_engine_state_the_engine_cannot_load_is_refused(data, tmp_path):
+    plain = _resumer(data, tmp_path)                   # no load_extra_state
     with pytest.raises(AndreaError, match="engine state .*good_steps, loss_scale.* cannot restore"):
         plain.run()
 
@@ -67,13 +73,7 @@ def test_a_state_with_engine_state_the_engine_cannot_load_is_refused(data, tmp_p
 def test_the_refusal_says_why_the_engine_could_not_restore_its_state(data, tmp_path):
     """The engine's own reason (here an fp8 amax history of another site count, as a delayed-scaling run
     saved before the E4M3 head has) reaches the one-line refusal, which names the state file."""
-    cfg = micro_cfg(4, 4)
-    w = tmp_path / "w"
-    tr = _trainer(cfg, "warmup", data, w)
-    tr.end = 2
-    assert tr.run() == 0
-    tok, tokens = data
-    again = Trainer(cfg, "warmup", tok, tokens, w, console=Console(stderr=True))
+    again = _resumer(data, tmp_path)
 
     def load(d):
         raise ValueError("fp8 amax history of shape (16, 26), this engine's is (16, 28)")
