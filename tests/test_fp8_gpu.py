@@ -784,6 +784,23 @@ def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scal
     assert all(np.isfinite(x).all() for x in acc[1:4])
 
 
+def test_queued_amax_copy_gives_the_synchronous_bytes(monkeypatch):
+    """Delayed scaling's history update after the optimizer is queued (Fp8Gemm.queue_amax: the amaxes
+    copied to pinned memory before the update, the new scales uploaded from pinned memory, no sync of
+    its own) against the synchronous read-back and pageable upload: w, m, v and the history the same
+    bytes after 6 steps, with and without gradient accumulation."""
+    import andrea.cuda.fp8 as k8
+
+    for accum in (1, 2):
+        queued = _run(6, accum=accum, scaling="delayed")
+        with monkeypatch.context() as m:
+            m.setattr(k8.Fp8Gemm, "queue_amax", lambda self, stream: None)
+            sync = _run(6, accum=accum, scaling="delayed")
+        for x, y in zip(queued[1:4], sync[1:4]):
+            assert x.tobytes() == y.tobytes()
+        assert queued[4] == sync[4] and queued[4]["steps"] == 6
+
+
 @pytest.mark.parametrize("scaling,gemms,kernel", [("current", "", "smem"), ("delayed", "", "smem"),
                                                   ("delayed", "fwd", "smem"), ("current", "", "warp"),
                                                   ("delayed", "fwd", "warp")])

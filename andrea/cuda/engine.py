@@ -452,7 +452,7 @@ class GpuEngine:
         # pinned staging for the batch's uploads: copies that do not hold the host, so the host
         # sorts the next segments while the GPU runs (_load_segments)
         self.staged = {}
-        for name in ("idx", "targets", "seg_order", "seg_start", "seg_tok", "seg_n"):
+        for name in ("idx", "targets", "seg_order", "seg_start", "seg_tok", "seg_n", "hp"):
             dst = self.a[name]
             mem = xp.cuda.alloc_pinned_memory(dst.nbytes)
             self.staged[name] = np.frombuffer(mem, dtype=dst.dtype, count=dst.size).reshape(dst.shape)
@@ -657,7 +657,9 @@ class GpuEngine:
         a, n = self.a, self.n_params
         inv = 1.0 / (self.loss_scale * n_micro * (1 if self.comm is None else self.comm.size))
         with self.stream:
-            a["hp"].set(adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay), stream=self.stream)
+            if self.f8 is not None:
+                self.f8.queue_amax(self.stream)              # delayed: the amaxes' copy, before the update
+            self._upload("hp", adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay))
             part = None                                      # the sharded step keeps the amax pass
             if self.comm is not None:
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)

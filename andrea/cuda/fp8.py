@@ -317,6 +317,8 @@ class Fp8Gemm:
         self.hist = AmaxHistory(self.n_sites, history) if scaling == "delayed" else None
         self.site = 0                              # the next delayed site of this pass (``begin`` resets it)
         self.last_clipped = 0
+        self._cur_host = self._fac_host = None     # delayed: pinned amax / factor staging (queue_amax makes them)
+        self._cur_event, self._cur_queued = None, False
         self.saved = a.get("f8_saved")             # SAVE_TRANSPOSES: the forward activations' E4M3 transposes
         self.save_t = False                        # this pass saves them (``begin``: a backward follows)
         self._saved: dict = {}                     # activation (ptr, shape) -> stack of (X^T E4M3, slot, site)
@@ -400,24 +402,49 @@ class Fp8Gemm:
         if self.hist is not None:
             self.a["f8_cur"].fill(0)
 
+    def queue_amax(self, stream) -> None:
+        """Delayed, once the step's last backward is queued: its site amaxes start on their way to pinned
+        host memory, so ``after_step`` waits for them alone and not for the optimizer queued after this:
+        the history's rule then runs on the host while the GPU runs the update, with no sync of its own."""
+        if self.hist is None or not self.n_sites:
+            return
+        cuda = self.blas.cp.cuda
+        if self._cur_host is None:
+            self._cur_event = cuda.Event(disable_timing=True)
+            self._cur_host = np.frombuffer(cuda.alloc_pinned_memory(4 * self.n_sites), np.float32, self.n_sites)
+            self._fac_host = np.frombuffer(cuda.alloc_pinned_memory(4 * SLOT * self.n_sites), np.float32,
+                                           SLOT * self.n_sites).reshape(self.n_sites, SLOT)
+        cuda.runtime.memcpyAsync(self._cur_host.ctypes.data, self.a["f8_cur"].data.ptr, 4 * self.n_sites,
+                                 cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._cur_event.record(stream)
+        self._cur_queued = True
+
     def after_step(self, stream) -> int:
         """Delayed: this step's amaxes into the history (a skipped step's too: the scales follow
-        what overflowed), the new scales to the device; returns how many sites clipped."""
+        what overflowed), the new scales to the device (queued on ``stream``, from pinned memory when
+        ``queue_amax`` ran: the host does not wait for the GPU there); returns how many sites clipped."""
         if self.hist is None:
             return 0
-        cur = self.a["f8_cur"][:self.n_sites].get(stream=stream)
+        if self._cur_queued:                       # queue_amax's copy: wait for it, not for the stream
+            self._cur_event.synchronize()
+            cur, self._cur_queued, staged = self._cur_host.copy(), False, True
+        else:
+            cur, staged = self.a["f8_cur"][:self.n_sites].get(stream=stream), False
         for t, f in self._shadow:                  # a saved transpose's site: its forward cast's amax
             cur[t] = cur[f]
         self.last_clipped = self.hist.push(cur)
-        self.write_scales(stream)
+        self.write_scales(stream, staged=staged)
         return self.last_clipped
 
-    def write_scales(self, stream=None) -> None:
-        """Every site's (inv, scale) from the history into its factor slot (inv first, for cuBLASLt)."""
+    def write_scales(self, stream=None, staged: bool = False) -> None:
+        """Every site's (inv, scale) from the history into its factor slot (inv first, for cuBLASLt);
+        ``staged``: through the pinned staging (asynchronous on ``stream``; the caller syncs ``stream``
+        before the next step rewrites it), else from pageable memory."""
         if self.hist is None or self.hist.empty or not self.n_sites:
             return
         scale, inv = self.hist.scales()
-        host = np.zeros((self.n_sites, SLOT), dtype=np.float32)
+        host = self._fac_host if staged else np.zeros((self.n_sites, SLOT), dtype=np.float32)
+        host.fill(0)
         host[:, 0], host[:, 1], host[:, DSCALE_AT] = inv, scale, scale
         dst = self.inv[SLOT * self.site_base:SLOT * (self.site_base + self.n_sites)]
         dst.set(host.reshape(-1), stream=stream)
