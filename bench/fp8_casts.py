@@ -11,6 +11,8 @@ calls after one untimed call) of:
               each kernel K of fp8.CAST_T: smem (k_fp8_cast_t_bf16) and warp (k_fp8_cast_t_w_bf16);
 - dgelu K:    the same over dL/dh_act and h_pre (k_fp8_dgelu_cast_t*: 2 + 2 + 1 + 1), 4C columns only;
 - flat:       k_fp8_cast_bf16, the natural copy only (2 + 1);
+- transpose:  k_fp8_t_u8, the byte transpose of that E4M3 copy (1 + 1; the kept transpose of a tensor its
+              producer wrote in E4M3: the shared-memory kernel where cols % 256 == 0, else the per-warp one);
 and, once per variant, the two-launch weight casts (k_fp8_wamax + k_fp8_wcast: 2 + 2 + 1 + 1) against
 the weight-by-weight casts. Before any timing every kernel's output is checked against the NumPy twin
 (andrea/engine/fp8_numpy.py) on the first 64 rows: bit-exact. The ratio column is the cast's GB/s over
@@ -66,6 +68,12 @@ def shape_rows(cp, k8, N: int, cols: int, reps: int, dgelu: bool) -> dict:
     row = {"copy": median_ms(lambda: cp.copyto(out, x), reps),
            "flat": median_ms(lambda: k8.quantize(flat, None, x, part, inv, scale=sc, rec=rec), reps)}
     moved = {"copy": 4, "flat": 3}
+    codes = flat.reshape(N, cols)                   # the byte transpose of E4M3 a producer wrote (k_fp8_t_u8)
+    tr.fill(0)
+    k8.k_fp8_t_u8(codes, tr, N, cols, part[:1], None)
+    check("transpose", cp.asnumpy(tr[:, :64]).T, cp.asnumpy(codes[:64]))
+    row["transpose"] = median_ms(lambda: k8.k_fp8_t_u8(codes, tr, N, cols, part[:1], None), reps)
+    moved["transpose"] = 2
     if dgelu:
         from andrea.cuda.kernels import k_gelu_bwd
 

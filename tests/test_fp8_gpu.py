@@ -439,14 +439,15 @@ def test_fp8_gelu_gemm_writes_e4m3_with_its_amax_and_saturates():
         assert abs(amax_d - np.abs(g).max()) <= bound.max(), (amax_d, np.abs(g).max())
 
 
-def test_e4m3_transpose_kernel_and_its_amax_fold():
-    """k_fp8_t_u8: out_t = in^T byte for byte (more tiles than a block's warps, a non-square matrix),
-    prefilled; the GEMM's amax atomicMax-ed into the site (a smaller one leaves it, a NaN or inf counts
-    as 0); with out_t None only the fold. Tolerance: none."""
+@pytest.mark.parametrize("R,C", [(192, 640), (192, 768), (320, 512)])
+def test_e4m3_transpose_kernel_and_its_amax_fold(R, C):
+    """k_fp8_t_u8: out_t = in^T byte for byte (more tiles than a block's warps, a non-square matrix;
+    C = 640 the per-warp kernel, C a multiple of 256 the shared-memory one, k_fp8_t_u8_s, over
+    several 64 x 256 tiles), prefilled; the GEMM's amax atomicMax-ed into the site (a smaller one
+    leaves it, a NaN or inf counts as 0); with out_t None only the fold. Tolerance: none."""
     from andrea.cuda import fp8 as k8
 
     rng = np.random.default_rng(5)
-    R, C = 192, 640
     x = rng.integers(0, 256, (R, C), dtype=np.uint8)
     out_t = cp.full((C, R), 0xAA, dtype=np.uint8)
     rec, am = cp.asarray(np.array([1.5], np.float32)), cp.asarray(np.array([2.25], np.float32))

@@ -136,12 +136,13 @@ __device__ __forceinline__ float gelu_f(float x) {
 }
 // d gelu / dx = s + x s (1 - s) 2 u', s = sigmoid(2u), u' = k (1 + 3a x^2). The exponential is the
 // hardware one (__expf: MUFU.EX2 after one multiply, relative error ~1e-6 for |2u| < 10, far under a
-// bf16 ULP; expf's range reduction is ~8 more instructions); __frcp_rn is 1 / y correctly rounded, as
-// 1.0f / y is, without the division's slow-path check. The fp8 GELU-backward cast runs this on every
-// element of dL/dh and was instruction-bound with expf (H200, 32768 x 3072: 214 -> 193 us, the bytes'
-// floor 157; scratch sweep of session 13, docs/FP8.md).
+// bf16 ULP; expf's range reduction is ~8 more instructions), and so is the reciprocal (__fdividef(1, y):
+// MUFU.RCP, within 2 ulp; 0 for y > 2^126, where s < 1e-38 and gelu' rounds to 0 in bf16 anyway). The fp8
+// GELU-backward cast runs this on every element of dL/dh and is instruction-bound (H200, 32768 x 3072:
+// expf 214 us, __expf 193 (session 13), __frcp_rn -> __fdividef 216 -> 202 us in the engine's launch with
+// no E4M3 code changed on 100M random inputs (session 16); the bytes' floor 157; docs/FP8.md).
 __device__ __forceinline__ float gelu_grad_f(float x) {
     const float u = GELU_K * (x + GELU_C * x * x * x);
-    const float s = __frcp_rn(1.0f + __expf(-2.0f * u));
+    const float s = __fdividef(1.0f, 1.0f + __expf(-2.0f * u));
     return s + x * s * (1.0f - s) * 2.0f * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
 }

@@ -70,6 +70,7 @@ from andrea.errors import AndreaError
 AMAX_BLOCKS = 264                 # 2 per SM on an H100/H200; any count gives the same amax
 LT_WORKSPACE = 32 << 20           # cuBLASLt's recommended workspace on Hopper
 TILE = 64                         # k_fp8_cast_t_bf16's tile: rows and columns multiples of 64
+T_U8_COLS = 256                   # k_fp8_t_u8_s's tile width: wider byte matrices (C % 256) take it
 SLOT = 64                         # floats between dequantization factors (256 bytes): cuBLASLt wants aligned scales
 SITES_PER_LAYER = 12              # delayed scaling's casts a layer: 4 forward activations, their 4 transposes
                                   # (weight gradients) and 4 output gradients
@@ -247,6 +248,10 @@ def k_fp8_t_u8(x8, out_t, R: int, C: int, am, rec) -> None:
     GEMM's amax) atomicMax-ed into rec[0], a non-finite one as 0."""
     if R % TILE or C % TILE:
         raise AndreaError(f"fp8 transpose: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
+    if out_t is not None and C % T_U8_COLS == 0:     # 64 x 256 tiles through shared memory, 16 blocks an SM
+        grid = min((R // TILE) * (C // T_U8_COLS), 8 * AMAX_BLOCKS)
+        kernel("fp8.cu", "k_fp8_t_u8_s")((grid,), (256,), (x8, i32(R), i32(C), am, _ptr(rec), out_t))
+        return
     grid = 1 if out_t is None else min(-(-(R // TILE) * (C // TILE) // 8), 4 * AMAX_BLOCKS)
     kernel("fp8.cu", "k_fp8_t_u8")((grid,), (256,), (x8, i32(R), i32(C), am, _ptr(rec), _ptr(out_t)))
 
