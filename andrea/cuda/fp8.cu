@@ -274,18 +274,23 @@ extern "C" __global__ void k_fp8_cast_t_w_bf16(const unsigned short* __restrict_
     cast_t_warps(x, R, C, part, P, sc, rec, out, out_t, inv);
 }
 
-// k_fp8_t_u8: the transpose of an E4M3 matrix that a GEMM wrote itself (the fc forward's h_act under
-// delayed scaling, fp8.py FC_E4M3): in (R, C) -> out_t (C, R), R and C multiples of 64, a 64 x 64
-// tile per warp transposed in registers as in cast_t_warps (lane c8 = lane % 8, rg = lane / 8: rows
-// 16 rg .. 16 rg + 15 of the tile's 8-byte column chunk c8). Block 0's thread 0 also atomicMax-es the
-// GEMM's amax *am (cuBLASLt's AMAX_D, which each GEMM overwrites) into the site's *rec, a non-finite one
-// as 0 (that step is non-finite: the guard skips it). out_t null: only that.
-extern "C" __global__ void k_fp8_t_u8(const unsigned char* __restrict__ in, int R, int C, const float* __restrict__ am,
-                                      float* __restrict__ rec, unsigned char* __restrict__ out_t) {
+// Block 0's thread 0 atomicMax-es a GEMM's amax *am (cuBLASLt's AMAX_D, which each GEMM overwrites) into
+// the site's *rec (unless rec is null), a non-finite one as 0 (that step is non-finite: the guard skips it).
+__device__ __forceinline__ void fold_amax(const float* __restrict__ am, float* __restrict__ rec) {
     if (blockIdx.x == 0 && threadIdx.x == 0 && rec) {
         const float a = *am;
         atomicMax(reinterpret_cast<int*>(rec), __float_as_int(a <= 3.402823466e38f ? a : 0.0f));   // NaN, inf: 0
     }
+}
+
+// k_fp8_t_u8: the transpose of an E4M3 matrix that a GEMM wrote itself (the fc forward's h_act under
+// delayed scaling, fp8.py FC_E4M3): in (R, C) -> out_t (C, R), R and C multiples of 64, a 64 x 64
+// tile per warp transposed in registers as in cast_t_warps (lane c8 = lane % 8, rg = lane / 8: rows
+// 16 rg .. 16 rg + 15 of the tile's 8-byte column chunk c8); it also folds the GEMM's amax (fold_amax).
+// out_t null: only that.
+extern "C" __global__ void k_fp8_t_u8(const unsigned char* __restrict__ in, int R, int C, const float* __restrict__ am,
+                                      float* __restrict__ rec, unsigned char* __restrict__ out_t) {
+    fold_amax(am, rec);
     if (out_t == nullptr) return;
     warp_tiles_t(R, C, out_t, [&](int r0, int c0, uint2 (&q)[16]) {
 #pragma unroll
@@ -303,10 +308,7 @@ extern "C" __global__ void __launch_bounds__(256) k_fp8_t_u8_s(const unsigned ch
                                                                const float* __restrict__ am, float* __restrict__ rec,
                                                                unsigned char* __restrict__ out_t) {
     __shared__ __align__(16) unsigned tile[64 * 64];
-    if (blockIdx.x == 0 && threadIdx.x == 0 && rec) {
-        const float a = *am;
-        atomicMax(reinterpret_cast<int*>(rec), __float_as_int(a <= 3.402823466e38f ? a : 0.0f));   // NaN, inf: 0
-    }
+    fold_amax(am, rec);
     const int tc = C / 256, n_tiles = tc * (R / 64), g = threadIdx.x >> 2, seg = threadIdx.x & 3;
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
         const int r0 = (t / tc) * 64, c0 = (t % tc) * 256;

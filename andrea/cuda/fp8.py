@@ -419,6 +419,7 @@ class Fp8Gemm:
             self._cur_host = np.frombuffer(cuda.alloc_pinned_memory(4 * self.n_sites), np.float32, self.n_sites)
             self._fac_host = np.frombuffer(cuda.alloc_pinned_memory(4 * SLOT * self.n_sites), np.float32,
                                            SLOT * self.n_sites).reshape(self.n_sites, SLOT)
+            self._fac_host.fill(0)                 # write_scales sets the same three floats of each slot
         cuda.runtime.memcpyAsync(self._cur_host.ctypes.data, self.a["f8_cur"].data.ptr, 4 * self.n_sites,
                                  cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._cur_event.record(stream)
@@ -449,7 +450,6 @@ class Fp8Gemm:
             return
         scale, inv = self.hist.scales()
         host = self._fac_host if staged else np.zeros((self.n_sites, SLOT), dtype=np.float32)
-        host.fill(0)
         host[:, 0], host[:, 1], host[:, DSCALE_AT] = inv, scale, scale
         dst = self.inv[SLOT * self.site_base:SLOT * (self.site_base + self.n_sites)]
         dst.set(host.reshape(-1), stream=stream)
