@@ -514,16 +514,27 @@ def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: 
                 step()
             torch.cuda.synchronize()
         by: dict[str, float] = {}
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None)
-            if t is None:
-                t = getattr(ev, "cuda_time_total", 0.0)
-            if t and ev.key and not ev.key.startswith(("ProfilerStep", "cudaGraph")):
-                by[torch_class(ev.key)] = by.get(torch_class(ev.key), 0.0) + t / 1e3 / 2
+        for name, (ms_step, _) in kernel_times(prof, 2).items():
+            by[torch_class(name)] = by.get(torch_class(name), 0.0) + ms_step
         res["breakdown_ms"] = by
     del model, opt, fwd, xs
     torch.cuda.empty_cache()
     return res
+
+
+def kernel_times(prof, steps: int) -> dict[str, list]:
+    """{kernel name: [device ms a step, calls a step]} of a torch.profiler run over ``steps`` steps (its
+    own bookkeeping rows, ProfilerStep and cudaGraph launches, left out)."""
+    out: dict[str, list] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        if t and ev.key and not ev.key.startswith(("ProfilerStep", "cudaGraph")):
+            a = out.setdefault(ev.key, [0.0, 0.0])
+            a[0] += t / 1e3 / steps
+            a[1] += ev.count / steps
+    return out
 
 
 def parse_variants(items: list[str], batch: int) -> list[tuple[str, int]]:

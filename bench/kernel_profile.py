@@ -68,20 +68,14 @@ def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: in
         for _ in range(steps):
             step()
         cp.cuda.Device().synchronize()
-    by: dict[str, list] = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if t and ev.key and not ev.key.startswith(("ProfilerStep", "cudaGraph")):
-            a = by.setdefault(ev.key[:110], [0.0, 0.0])
-            a[0] += t / 1e3 / steps
-            a[1] += ev.count / steps
+    by = eg.kernel_times(prof, steps)
     del eng
     cp.get_default_memory_pool().free_all_blocks()
     total = sum(v[0] for v in by.values())
     print(f"== {name} B={B} {spec}{'' if fp8_gelu is None else ' fp8-gelu ' + (','.join(fp8_gelu) or 'none')}: "
           f"step {ms:.2f} ms, kernels {total:.2f} ms", flush=True)
     for k, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  {t:8.3f} ms {n:6.1f}x  {t / max(n, 1) * 1e3:8.1f} us  {k}", flush=True)
+        print(f"  {t:8.3f} ms {n:6.1f}x  {t / max(n, 1) * 1e3:8.1f} us  {k[:110]}", flush=True)
     return {"ms": ms, "kernels_ms": total, "by": by}
 
 

@@ -135,3 +135,19 @@ def test_lt_first_times_every_precision_without_the_algorithm_table_and_restores
     assert ltm.USE_CHOICES is True
     got = json.loads(out.read_text())["andrea-12m:B8"]
     assert {"ours-bf16-heuristic", "ours-fp8:delayed-heuristic"} <= set(got)
+
+
+def test_kernel_times_averages_per_step_and_drops_the_profilers_own_rows(eg):
+    """kernel_times (the torch.profiler reading both benches share): device us -> ms a step, calls a
+    step, ProfilerStep / cudaGraph rows and zero-time rows left out, the older cuda_time_total read
+    where device_time_total is missing."""
+    from types import SimpleNamespace as E
+
+    class Old:                                        # an event from a torch without device_time_total
+        key, count, cuda_time_total = "k_old", 6, 3000.0
+
+    prof = E(key_averages=lambda: [E(key="k_a", count=6, device_time_total=1500.0),
+                                   E(key="ProfilerStep#1", count=3, device_time_total=9e6),
+                                   E(key="cudaGraphLaunch", count=3, device_time_total=5.0),
+                                   E(key="k_zero", count=3, device_time_total=0.0), Old()])
+    assert eg.kernel_times(prof, 3) == {"k_a": [0.5, 2.0], "k_old": [1.0, 2.0]}
