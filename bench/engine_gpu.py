@@ -41,7 +41,7 @@ flipped alone (FC_E4M3: h_act cast from bf16 instead of written in E4M3 by the f
 fast accumulation in the backward GEMMs too; ATTN_E4M3: dqkv cast from bf16 instead of written in E4M3
 by the attention backward; LNB_E4M3: the same for the residual LayerNorm backwards' branch gradient;
 FP8_HEAD: the tied head's GEMMs in bf16 instead of E4M3; FP8_HEAD_FWD: its forward in bf16, its backward
-on E4M3), same run.
+on E4M3; HPRE_E4M3: the fc GEMM's aux h_pre in bf16 instead of E4M3), same run.
 ``--attn-sweep``: one layer's attention forward and backward kernels alone, for each rows-per-block
 choice of the tensor-core kernels, mma.sync and (on a compute capability 9.0 device) wgmma
 (andrea.cuda.kernels.ATTN_MMA_ROWS / ATTN_WG_ROWS pick one per kernel and D, ATTN_HOPPER the kernels).
@@ -185,7 +185,7 @@ OUR_CLASSES = {"k_attn_fwd": "attention fwd", "k_attn_bwd": "attention bwd", "k_
                "k_residual_add": "elementwise", "k_cast": "elementwise", "k_loss_fwd": "loss", "k_loss_bwd": "loss",
                "k_loss_mean": "loss", "k_embed_fwd": "embed", "k_embed_bwd": "embed"}
 FP8_SWITCHES = ("FC_E4M3", "LN_E4M3", "SAVE_TRANSPOSES", "DGELU_CAST", "FAST_ACCUM_BWD",  # --fp8-flip: fp8.py's booleans
-                "ATTN_E4M3", "LNB_E4M3", "FP8_HEAD", "FP8_HEAD_FWD")
+                "ATTN_E4M3", "LNB_E4M3", "FP8_HEAD", "FP8_HEAD_FWD", "HPRE_E4M3")
 CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "fp8 cast", "layernorm", "elementwise", "loss", "embed",
                "optimizer", "other"]
 # fp8: the E4M3 casts Fp8Gemm runs inside each GEMM call (andrea.cuda.fp8's launchers) are their own class,

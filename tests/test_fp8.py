@@ -502,14 +502,17 @@ def test_an_amax_equal_to_its_history_does_not_count_as_clipped():
 
 # ----------------------------------------------------------------------------- what a step casts, and when
 def _twin_quantize(log):
-    """Fp8Gemm's ``quantize`` as the NumPy twin (both scalings, the GELU-backward input ``hp``),
-    logging (source ptr, site or None, had hp, wrote the natural copy, wrote the transpose)."""
+    """Fp8Gemm's ``quantize`` as the NumPy twin (both scalings, the GELU-backward input ``hp``, bf16 or
+    E4M3), logging (source ptr, site or None, had hp, wrote the natural copy, wrote the transpose)."""
+    import andrea.cuda.fp8 as k8
     from andrea.engine import ops_numpy as ops
 
     def quantize(out, out_t, x, part, inv, R=None, C=None, scale=None, rec=None, hp=None):
         xf = f8.bf16_to_f32(np.asarray(x))
         if hp is not None:                                     # bf16(dL/dh_act * gelu'(h_pre)), as k_gelu_bwd
-            u = f8.bf16_to_f32(np.asarray(hp)).astype(np.float64)
+            log.setdefault("hp", []).append(hp.dtype)          # uint8: E4M3 at HPRE_SCALE (HPRE_E4M3)
+            u = (f8.decode(np.asarray(hp)).astype(np.float64) / k8.HPRE_SCALE if hp.dtype == np.uint8
+                 else f8.bf16_to_f32(np.asarray(hp)).astype(np.float64))
             th = np.tanh(ops.GELU_K * (u + ops.GELU_A * u ** 3))
             d = xf * (0.5 * (1 + th) + 0.5 * u * (1 - th ** 2) * ops.GELU_K * (1 + 3 * ops.GELU_A * u ** 2))
             xf = f8.bf16_to_f32((d.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
@@ -731,20 +734,24 @@ def test_transposing_cast_kernel_follows_cast_t(monkeypatch, choice):
     assert launched == [plain, ("k_fp8_dgelu_cast_t_bf16", tiles)]
 
 
-@pytest.mark.parametrize("e4m3", [False, True])
-def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_transpose(monkeypatch, e4m3):
+@pytest.mark.parametrize("e4m3,hpre", [(False, "on"), (True, "on"), (True, "off"), (True, "epilogue")])
+def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_transpose(monkeypatch, e4m3, hpre):
     """FC_E4M3 (delayed scaling, after the first step, transposes kept): the fc forward's GELU_AUX GEMM
     gets an E4M3 D at h_act's site scale (the slot's DSCALE_AT float) and its AMAX_D; k_fp8_t_u8 folds
     that amax into the site and writes the transpose the proj weight gradient takes; the proj forward
     takes the GEMM's own E4M3 copy and h_act is never cast; the sites keep their numbers (the weight
-    gradients' shadows too). The first (calibrating) step, and every step with FC_E4M3 off, keep the bf16
-    h_act and its cast."""
+    gradients' shadows too). HPRE_E4M3: the same GEMM writes its aux h_pre in E4M3 at HPRE_SCALE (the
+    slot's AUX_AT float) into h_pre's first bytes, and the deferred GELU-backward cast of dh takes those
+    bytes. The first (calibrating) step, and every step with FC_E4M3 off, keep the bf16 h_act, h_pre and
+    the casts; so does h_pre with HPRE_E4M3 off (``hpre`` "off") or a DGELU proj dgrad to read it
+    (``hpre_to_cast`` False: "epilogue"), which refuses an E4M3 h_pre."""
     from types import SimpleNamespace
 
     import andrea.cuda.fp8 as k8
-    from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, CUDA_R_16BF, EPILOGUE_GELU_AUX
+    from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, CUDA_R_16BF, EPILOGUE_DGELU, EPILOGUE_GELU_AUX
 
     monkeypatch.setattr(k8, "FC_E4M3", e4m3)
+    monkeypatch.setattr(k8, "HPRE_E4M3", hpre != "off")
     rng = np.random.default_rng(12)
     N, C = 128, 64
     bf = lambda shape, s=1.0: _dev((rng.standard_normal(shape).astype(np.float32) * s).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
@@ -764,13 +771,14 @@ def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_
     trunc = lambda v: (np.asarray(v, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
 
     def mm_nt(D, X8, Y8, x_inv, y_inv, M, N_, K, d_type, beta=0.0, fast_accum=False, epilogue=1, stream=0,
-              aux=None, d_scale=None, amax_d=None):
+              aux=None, d_scale=None, amax_d=None, aux_scale=None):
         P = f8.gemm_nt(X8, val(x_inv), Y8, val(y_inv))
         log["gemms"].append((np.array(X8), val(x_inv), np.array(Y8), val(y_inv), d_type,
                              None if d_scale is None else val(d_scale)))
         if epilogue == EPILOGUE_GELU_AUX:
             g = _gelu64(P)[0]
-            aux[:] = trunc(P)
+            log["aux"] = (aux.dtype, aux.data.ptr, None if aux_scale is None else val(aux_scale))
+            aux[:] = f8.encode(P * val(aux_scale)) if aux.dtype == np.uint8 else trunc(P)
             if d_type == CUDA_R_8F_E4M3:
                 assert amax_d == a["f8_part"].data.ptr and D.data.ptr == a["f8_g"].data.ptr
                 D[:] = f8.encode(g * val(d_scale))
@@ -791,6 +799,7 @@ def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_
     g8 = k8.Fp8Gemm(a, {"h.0.mlp.w_fc": Wfc, "h.0.mlp.w_proj": Wp}, plan, set(), None, lt=lt, scaling="delayed",
                     n_sites=n_sites, history=4)
     g8._stream = lambda: 0
+    g8.hpre_to_cast = hpre != "epilogue"
     monkeypatch.setattr(k8, "k_fp8_weights", lambda *a_: None)
     X, dout = _dev(bf((N, C))), _dev(bf((N, C), 1e-2))
     h_act, h_pre, out = (_dev(np.zeros((N, 4 * C), np.uint16)), _dev(np.zeros((N, 4 * C), np.uint16)),
@@ -807,17 +816,25 @@ def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_
         g8.mm(dh, dout, Wp, tb=True)                                # site 2: dout
         g8.mm(dWp, h_act, dout, ta=True, beta=1.0)                  # site 3: h_act^T (kept)
         dh[...] = trunc(f8.bf16_to_f32(np.asarray(dh)))
+        g8.defer_dgelu(dh, h_pre)                                   # dh's cast takes gelu'(h_pre)
         g8.mm(dWfc, X, dh, ta=True, beta=1.0)                       # sites 4 (X^T kept), 5 (dh)
         g8.mm(dX, dh, Wfc, tb=True)
         g8.check_pass()
-        steps.append(([c[:2] for c in log["calls"]], list(log["gemms"]), list(transposes), np.array(cur)))
+        steps.append(([c[:2] for c in log["calls"]], list(log["gemms"]), list(transposes), np.array(cur),
+                      log.pop("aux"), log.pop("hp")))
         g8.after_step(None)
-    (calls1, gemms1, t1, _), (calls2, gemms2, t2, cur2), _ = steps
+    (calls1, gemms1, t1, _, aux1, hp1), (calls2, gemms2, t2, cur2, aux2, hp2), _ = steps
     assert gemms1[0][4] == CUDA_R_16BF and t1 == []                 # calibrating: the bf16 h_act and its cast
     assert (h_act.data.ptr, 1) in calls1
+    assert aux1 == (np.uint16, h_pre.data.ptr, None) and hp1 == [np.uint16]
     if not e4m3:
         assert gemms2[0][4] == CUDA_R_16BF and (h_act.data.ptr, 1) in calls2 and t2 == []
+        assert aux2 == aux1 and hp2 == [np.uint16]
         return
+    if hpre == "on":
+        assert aux2 == (np.uint8, h_pre.data.ptr, k8.HPRE_SCALE) and hp2 == [np.uint8]     # HPRE_E4M3
+    else:
+        assert aux2 == aux1 and hp2 == [np.uint16]
     scale1 = float(inv_arr[k8.SLOT * (g8.site_base + 1) + 1])
     assert gemms2[0][4] == CUDA_R_8F_E4M3 and gemms2[0][5] == scale1 == float(f8.scale_of(steps[0][3][1])[0])
     assert [p for p, _ in calls2] == [X.data.ptr, dout.data.ptr, dh.data.ptr]   # h_act is never cast
@@ -835,6 +852,9 @@ def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_
     g8.mm(h_act, X, Wfc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre)
     g8.mm(out, h_act, Wp)
     assert transposes == [(a["f8_g"].data.ptr, None)] and not g8._saved
+    if hpre == "on":                                                # the DGELU epilogue cannot read E4M3 bytes
+        with pytest.raises(AndreaError, match="HPRE_E4M3"):
+            g8.mm(dh, dout, Wp, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre)
 
 
 def test_a_layernorm_written_in_e4m3_gives_its_gemms_the_cast_operands_and_sites(monkeypatch):

@@ -200,6 +200,34 @@ def test_gelu_backward_cast_is_bit_exact_with_k_gelu_bwd_then_the_cast(delayed, 
     assert (outs[0][0] == 0x7F).any()                          # the specials reached the codes
 
 
+def test_gelu_backward_cast_of_an_e4m3_h_pre_is_bit_exact_with_its_bf16_value():
+    """HPRE_E4M3: k_fp8_dgelu8_cast_t_bf16 reads h_pre as E4M3 codes at HPRE_SCALE. decode(code) /
+    HPRE_SCALE is a bf16 value (3 mantissa bits, a power-of-two scale), so the codes, amax and
+    factor equal k_fp8_dgelu_cast_t_bf16's over that bf16 h_pre (tolerance: none). Every code 0..255
+    appears (NaN 0x7F / 0xFF too: its gradient's code is NaN), dL/dh_act with the specials."""
+    k8 = _engine_modules()
+    R, C = 256, 320
+    rng = np.random.default_rng(23)
+    codes = rng.integers(0, 256, R * C).astype(np.uint8)
+    codes[:256] = np.arange(256, dtype=np.uint8)
+    hp_bf16 = to_bf16((f8.decode(codes) / np.float32(k8.HPRE_SCALE)).astype(np.float32))
+    assert np.array_equal(f8.bf16_to_f32(hp_bf16)[np.isfinite(f8.decode(codes))],
+                          (f8.decode(codes) / np.float32(k8.HPRE_SCALE))[np.isfinite(f8.decode(codes))])
+    dy = gpu(special_tensor(R * C, 24, 0.01))
+    sc = gpu(np.array([f8.scale_of(np.float32(0.05))[0]], np.float32))
+    outs = []
+    for h in (gpu(hp_bf16), gpu(codes)):
+        inv, rec = cp.full(1, np.nan, dtype=np.float32), cp.zeros(1, dtype=np.float32)
+        nat, tr = cp.full((R, C), 0xAA, dtype=np.uint8), cp.full((C, R), 0xAA, dtype=np.uint8)
+        k8.quantize(nat, tr, dy, None, inv, R, C, scale=sc, rec=rec, hp=h)
+        outs.append([cp.asnumpy(v) for v in (nat, tr, rec)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    nan_rows = np.isnan(f8.decode(codes)).reshape(R, C)
+    assert nan_rows.any() and (outs[1][0][nan_rows] == 0x7F).all()
+    assert len(np.unique(outs[1][0])) > 100                     # the gradient spans the code range
+
+
 def test_weight_casts_in_two_launches_are_bit_exact():
     """cast_weights (k_fp8_wamax + k_fp8_wcast over the weight table) against the weight-by-weight
     casts and against their NumPy twin (fp8_numpy.cast_weights_table): w8 and every weight's factor
@@ -391,6 +419,49 @@ def test_fp8_gelu_epilogues_match_numpy_and_the_separate_passes():
     with pytest.raises(AndreaError, match="needs a bf16 or E4M3 D, beta 0 and a bf16 aux"):
         lt.mm_nt(cp.zeros((M, F), np.float32), X, W, slot(0), slot(1), M, F, C, CUDA_R_32F,
                  epilogue=EPILOGUE_GELU_AUX, aux=h_pre[0])
+
+
+def test_fp8_gelu_gemm_writes_an_e4m3_aux_at_its_fixed_scale_and_saturates():
+    """HPRE_E4M3's GEMM (Lt.mm_nt with an E4M3 D, GELU_AUX and a uint8 aux with aux_scale): the aux is
+    E4M3(aux_scale * P), satfinite. Against the float64 twin P, elementwise where |P| < 448 / 64 / 1.1:
+        2^-4 |P| (E4M3 rounding) + 2^-12 |X||Y|^T (the accumulation) + 2^-10 / 64 (half the subnormal step);
+    beyond 448 / 64 * 1.1 the code is 0x7E / 0xFE (+-448), never NaN. D and amax_d as with a bf16 aux
+    (the same bits), the same bits on a repeat; D and aux prefilled with NaN codes."""
+    from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, EPILOGUE_GELU_AUX
+    from andrea.errors import AndreaError
+
+    rng = np.random.default_rng(41)
+    M, C = 512, 256
+    F = 4 * C
+    (qx, ix), (qw, iw) = (f8.quantize(rng.standard_normal((M, C)).astype(np.float32)),
+                          f8.quantize(rng.normal(0, 4.0 / np.sqrt(C), (F, C)).astype(np.float32)))
+    P = f8.gemm_nt(qx, ix, qw, iw)
+    m = np.abs(f8.dequantize(qx, ix)).astype(np.float64) @ np.abs(f8.dequantize(qw, iw)).T.astype(np.float64)
+    lt = _lt()
+    X, W = gpu(qx), gpu(qw)
+    hs = 64.0
+    s = np.float32(f8.scale_of(np.float32(np.abs(_gelu64(P)[0]).max()))[0])
+    inv = gpu(np.kron(np.array([ix, iw, s, hs], np.float32), np.eye(1, 16, dtype=np.float32)[0]))
+    slot = lambda i: inv.data.ptr + 64 * i                                 # noqa: E731
+    runs = []
+    for aux8 in (True, True, False):
+        D, am = cp.full((M, F), 0x7F, dtype=np.uint8), cp.full(4, np.nan, dtype=np.float32)
+        aux = cp.full((M, F), 0x7F, dtype=np.uint8) if aux8 else cp.full((M, F), 0x7FC0, dtype=np.uint16)
+        lt.mm_nt(D, X, W, slot(0), slot(1), M, F, C, CUDA_R_8F_E4M3, fast_accum=True, epilogue=EPILOGUE_GELU_AUX,
+                 aux=aux, d_scale=slot(2), amax_d=am.data.ptr, **({"aux_scale": slot(3)} if aux8 else {}))
+        runs.append((cp.asnumpy(D), cp.asnumpy(aux), float(cp.asnumpy(am)[0])))
+    assert runs[0][0].tobytes() == runs[1][0].tobytes() == runs[2][0].tobytes() and runs[0][2] == runs[2][2]
+    assert runs[0][1].tobytes() == runs[1][1].tobytes()
+    a8 = runs[0][1]
+    assert not np.isin(a8, (0x7F, 0xFF)).any(), "the E4M3 aux wrote NaN codes"
+    free, sat = np.abs(P) < 448 / hs / 1.1, np.abs(P) > 448 / hs * 1.1
+    assert free.mean() > 0.5 and sat.any()
+    bound = 2.0 ** -4 * np.abs(P) + 2.0 ** -12 * m + 2.0 ** -10 / hs
+    _within(np.where(free, f8.decode(a8) / hs, P), P, bound, "fp8 GELU_AUX E4M3 aux (h_pre at 64)")
+    np.testing.assert_array_equal(a8[sat], np.where(P[sat] < 0, 0xFE, 0x7E).astype(np.uint8))
+    with pytest.raises(AndreaError, match="aux_scale"):
+        lt.mm_nt(cp.zeros((M, F), np.uint16), X, W, slot(0), slot(1), M, F, C, 14, epilogue=EPILOGUE_GELU_AUX,
+                 aux=cp.zeros((M, F), np.uint8), aux_scale=slot(3))
 
 
 def test_fp8_gelu_gemm_writes_e4m3_with_its_amax_and_saturates():
@@ -778,8 +849,13 @@ def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scal
     eager = _run(6, graph=False, scaling=scaling)
     for x, y in zip(a[1:4], eager[1:4]):
         assert x.tobytes() == y.tobytes()
-    fresh = _run(6, memo=False, scaling=scaling)              # every operand cast afresh: the reuse is exact
-    for x, y in zip(a[1:4], fresh[1:4]):
+    import andrea.cuda.fp8 as k8
+
+    with monkeypatch.context() as m:      # without the reuse the GELU backward is k_gelu_bwd on a bf16 h_pre
+        m.setattr(k8, "HPRE_E4M3", False)
+        ref = _run(6, scaling=scaling)
+        fresh = _run(6, memo=False, scaling=scaling)         # every operand cast afresh: the reuse is exact
+    for x, y in zip(ref[1:4], fresh[1:4]):
         assert x.tobytes() == y.tobytes()
     acc = _run(3, accum=2, scaling=scaling)
     assert all(np.isfinite(x).all() for x in acc[1:4])

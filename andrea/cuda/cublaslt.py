@@ -33,7 +33,10 @@ D's shape, row stride a multiple of 8 elements) it fuses the GELU as ``mm`` does
 product of the dequantized E4M3 operands (the fp8 engine's fc forward and proj dgrad). cuBLAS's
 documentation (cublasLtMatmul, the FP8 table: E4M3 x E4M3 with C/D bf16, footnote: ReLU, dReLU,
 GELU, dGELU and bias epilogues, column-major D) lists both; the aux type is left unset, which is
-D's type (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE may differ from it only for an E4M3 D).
+D's type (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE may differ from it only for an E4M3 D). With an
+E4M3 D and GELU_AUX the aux is bf16 (set), or E4M3 (a uint8 aux, the type left unset: D's) at the
+fixed scale ``aux_scale`` points to: aux = E4M3(aux_scale * P), satfinite (the fp8 engine's h_pre,
+fp8.HPRE_E4M3).
 
 One algorithm per problem (shape, types, beta, accumulation mode, epilogue, alignments) is
 picked on first use and kept, so a given shape always runs the same kernel (cuBLAS is
@@ -70,7 +73,7 @@ OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
 DESC_EPILOGUE_AUX_POINTER, DESC_EPILOGUE_AUX_LD, DESC_EPILOGUE_AUX_DATA_TYPE = 11, 12, 22
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 17, 18, 25
-DESC_D_SCALE_POINTER, DESC_AMAX_D_POINTER = 20, 21
+DESC_D_SCALE_POINTER, DESC_AMAX_D_POINTER, DESC_EPILOGUE_AUX_SCALE_POINTER = 20, 21, 23
 PREF_MAX_WORKSPACE_BYTES = 1
 PREF_MIN_ALIGNMENT = {"A": 5, "B": 6, "C": 7, "D": 8}
 EPILOGUE_DEFAULT = 1
@@ -205,13 +208,15 @@ class Lt:
         self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "layout")
         return lay
 
-    def _plan(self, key: tuple, x_inv: int, y_inv: int, aux_ptr: int = 0, d_scale: int = 0, amax_d: int = 0):
+    def _plan(self, key: tuple, x_inv: int, y_inv: int, aux_ptr: int = 0, d_scale: int = 0, amax_d: int = 0,
+              aux_scale: int = 0):
         """Descriptors and up to N_ALGOS heuristic candidates of a problem (scale and aux pointers
         set first: an FP8 problem with scales is another problem to the heuristic)."""
         plan = self.plans.get(key)
         if plan is not None:
             return plan
-        M, N, K, d_type, beta, fast, epilogue, aligns, ld_aux, _ = key
+        M, N, K, d_type, beta, fast, epilogue, aligns, ld_aux = key[:9]
+        aux8 = len(key) > 10                                       # an E4M3 aux (mm_nt's key ends in "aux8")
         L = self.lib
         desc = _P()
         self._check(L.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
@@ -226,8 +231,11 @@ class Lt:
         if e4m3:                                                   # D's scale and amax, set per call (site)
             self._set(sd, desc, DESC_D_SCALE_POINTER, int(d_scale), ctypes.c_void_p)
             self._set(sd, desc, DESC_AMAX_D_POINTER, int(amax_d), ctypes.c_void_p)
-        # the aux type: unset (D's, bf16), or bf16 set beside an E4M3 D
-        self._set_aux(desc, epilogue, aux_ptr, ld_aux, CUDA_R_16BF if e4m3 else None)
+        # the aux type: unset (D's: bf16, or an E4M3 aux beside an E4M3 D, with its scale), or bf16 set
+        # beside an E4M3 D
+        self._set_aux(desc, epilogue, aux_ptr, ld_aux, CUDA_R_16BF if e4m3 and not aux8 else None)
+        if aux8:
+            self._set(sd, desc, DESC_EPILOGUE_AUX_SCALE_POINTER, int(aux_scale), ctypes.c_void_p)
         a_l = self._layout(CUDA_R_8F_E4M3, K, N, K)
         b_l = self._layout(CUDA_R_8F_E4M3, K, M, K)
         d_l = self._layout(d_type, N, M, N)
@@ -284,13 +292,14 @@ class Lt:
 
     def mm_nt(self, D, X8, Y8, x_inv, y_inv, M: int, N: int, K: int, d_type: int, beta: float = 0.0,
               fast_accum: bool = False, epilogue: int = EPILOGUE_DEFAULT, stream: int = 0, aux=None,
-              d_scale=None, amax_d=None) -> None:
+              d_scale=None, amax_d=None, aux_scale=None) -> None:
         """D (M, N) = (x_inv X8) @ (y_inv Y8)^T + beta D; x_inv / y_inv device pointers (ints); with
         ``epilogue`` GELU_AUX or DGELU and ``aux`` (bf16, D's shape) the fused GELU (module docstring).
         ``d_type`` CUDA_R_8F_E4M3 (D uint8, beta 0; ``d_scale`` and ``amax_d`` device pointers to one
         float each): D = E4M3(d_scale[0] * result), cuBLASLt's rounding, and amax_d[0] = max |result|
         (before the scale, after the epilogue), overwritten; the aux stays bf16 (the fp8 engine's
-        fc forward under delayed scaling)."""
+        fc forward under delayed scaling), or, a uint8 aux with GELU_AUX and ``aux_scale`` (a 16-byte
+        aligned device pointer to one float), aux = E4M3(aux_scale[0] * P), saturating."""
         if beta not in (0.0, 1.0):
             raise AndreaError("cuBLASLt fp8 gemm: beta must be 0 or 1")
         if K % 16 or M % 16 or N % 16:
@@ -301,14 +310,18 @@ class Lt:
             raise AndreaError(f"cuBLASLt fp8 gemm: an E4M3 D needs beta 0, a uint8 D and 16-byte aligned d_scale "
                               f"and amax_d pointers (got beta {beta}, D {D.dtype}, d_scale {d_scale}, amax_d {amax_d})")
         epilogue = int(epilogue)
-        fits = aux is not None and aux.ndim == 2 and aux.shape == (M, N) and aux.dtype == np.uint16 \
-            and aux.strides[1] == aux.itemsize and (aux.strides[0] // aux.itemsize) % 8 == 0 \
-            and aux.data.ptr % 16 == 0 and d_type in (CUDA_R_16BF, CUDA_R_8F_E4M3) and beta == 0.0
+        aux8 = aux is not None and aux.dtype == np.uint8       # an E4M3 aux: E4M3 D, GELU_AUX, its scale
+        fits = aux is not None and aux.ndim == 2 and aux.shape == (M, N) and aux.dtype in (np.uint16, np.uint8) \
+            and aux.strides[1] == aux.itemsize and aux.strides[0] % 16 == 0 \
+            and aux.data.ptr % 16 == 0 and d_type in (CUDA_R_16BF, CUDA_R_8F_E4M3) and beta == 0.0 \
+            and (not aux8 or (e4m3 and epilogue == EPILOGUE_GELU_AUX and aux_scale is not None
+                              and int(aux_scale) % 16 == 0))
         aux_ptr, ld_aux, aux_align = self._epilogue_aux(
             epilogue, aux, fits, "cuBLASLt fp8 gemm",
-            lambda: f"a bf16 or E4M3 D, beta 0 and a bf16 aux matrix of D's shape ({M}, {N}), unit column stride, "
-                    f"row stride a multiple of 8 elements, 16-byte aligned (got D type {d_type}, beta {beta}, aux "
-                    f"{None if aux is None else (aux.shape, aux.dtype, aux.strides)})")
+            lambda: f"a bf16 or E4M3 D, beta 0 and a bf16 aux matrix of D's shape ({M}, {N}) (or, with an E4M3 D and "
+                    f"GELU_AUX, a uint8 one and a 16-byte aligned aux_scale), unit column stride, row stride a "
+                    f"multiple of 16 bytes, 16-byte aligned (got D type {d_type}, beta {beta}, aux "
+                    f"{None if aux is None else (aux.shape, aux.dtype, aux.strides)}, aux_scale {aux_scale})")
         # an E4M3 D's C (bf16, unread at beta 0) is pointed at the aux, or at D when there is none
         c_ptr = aux_ptr if e4m3 and aux_ptr else D.data.ptr
         ptrs = (Y8.data.ptr, X8.data.ptr, c_ptr, D.data.ptr)
@@ -316,14 +329,17 @@ class Lt:
         if min(aligns) < 16 or int(x_inv) % 16 or int(y_inv) % 16:
             raise AndreaError(f"cuBLASLt fp8 gemm: buffers and scale pointers must be 16-byte aligned "
                               f"(alignments {aligns}, scales at {int(x_inv) % 16} and {int(y_inv) % 16} mod 16)")
-        key = (M, N, K, d_type, float(beta), bool(fast_accum), epilogue, aligns, ld_aux, aux_align)
-        plan = self._plan(key, x_inv, y_inv, aux_ptr, d_scale or 0, amax_d or 0)
+        key = (M, N, K, d_type, float(beta), bool(fast_accum), epilogue, aligns, ld_aux, aux_align) \
+            + (("aux8",) if aux8 else ())
+        plan = self._plan(key, x_inv, y_inv, aux_ptr, d_scale or 0, amax_d or 0, aux_scale or 0)
         sd = self.lib.cublasLtMatmulDescSetAttribute
         self._set(sd, plan[0], DESC_A_SCALE_POINTER, int(y_inv), ctypes.c_void_p)
         self._set(sd, plan[0], DESC_B_SCALE_POINTER, int(x_inv), ctypes.c_void_p)
         if e4m3:
             self._set(sd, plan[0], DESC_D_SCALE_POINTER, int(d_scale), ctypes.c_void_p)
             self._set(sd, plan[0], DESC_AMAX_D_POINTER, int(amax_d), ctypes.c_void_p)
+        if aux8:
+            self._set(sd, plan[0], DESC_EPILOGUE_AUX_SCALE_POINTER, int(aux_scale), ctypes.c_void_p)
         self._point_aux(plan, aux_ptr)
         self._run(plan, Y8.data.ptr, X8.data.ptr, D.data.ptr, beta, stream,
                   lambda: f"{M}x{N}x{K} (D type {d_type}, beta {beta}, fast accumulation {fast_accum}, "

@@ -113,6 +113,8 @@ class FastOps:
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
         self.fused, self.fused_bwd = fused_gelu("fp8" if f8 is not None else prec if lt is not None else "fp32")
+        if f8 is not None:                                      # fp8.HPRE_E4M3: only without the DGELU epilogue
+            f8.hpre_to_cast = not self.fused_bwd
 
     def _mm(self, C, A, B, ta=False, tb=False, beta=0.0, tag="gemm", epilogue=EPILOGUE_DEFAULT, aux=None):
         """One GEMM (Blas.mm's contract); ``tag`` names it for bench/engine_gpu.py --breakdown (a

@@ -21,6 +21,9 @@
 // k_fp8_amax_dgelu_bf16 / k_fp8_dgelu_cast_t_bf16: the same two kernels over bf16(x * gelu'(hp)), the
 // MLP's dL/dh_pre exactly as k_gelu_bwd_bf16 rounds it, so the fp8 backward casts the output gradient
 // of the fc GEMM straight from the GELU backward and never stores it in bf16 (Fp8Gemm.cast_dgelu).
+// k_fp8_dgelu8_cast_t_bf16: the same cast with h_pre in E4M3 at the fixed scale 1 / hinv (the fc GEMM's aux,
+// fp8.py HPRE_E4M3): gelu' of decode(hp) * hinv, which is a bf16 value (3 mantissa bits, hinv a power of
+// two), so the codes are those of k_fp8_dgelu_cast_t_bf16 over that bf16 h_pre.
 // k_fp8_t_u8 / k_fp8_t_u8_s: the byte transpose of an E4M3 matrix a producer wrote, folding the GEMM's amax
 // into its site (k_fp8_t_u8_s: through shared memory, C a multiple of 256).
 // k_fp8_wamax + k_fp8_wcast: every matmul weight's two E4M3 copies (current scaling) in two launches
@@ -79,6 +82,33 @@ __device__ __forceinline__ uint4 dgelu8(uint4 v, uint4 h) {
     return pack16<bf16_t>(d);
 }
 
+// Two E4M3 codes (the low byte first) -> two floats, exactly (through f16).
+__device__ __forceinline__ void e4m3x2_to_f(unsigned short c, float& lo, float& hi) {
+    unsigned h2;
+    unsigned short a, b;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(c));                   // low byte -> low half
+#else
+    h2 = 0x7fff7fffu;                                                          // no FP8 before sm_89: NaN
+#endif
+    a = (unsigned short)(h2 & 0xffffu);
+    b = (unsigned short)(h2 >> 16);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+}
+
+// bf16(x * gelu'(decode(h) * hinv)) of 8 consecutive elements, h their E4M3 h_pre codes (one uint2).
+__device__ __forceinline__ uint4 dgelu8_h8(uint4 v, uint2 h, float hinv) {
+    float d[8], f[8];
+    unpack16<bf16_t>(v, d);
+    const unsigned w[2] = {h.x, h.y};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) e4m3x2_to_f((unsigned short)(w[j >> 1] >> (16 * (j & 1))), f[2 * j], f[2 * j + 1]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d[j] *= gelu_grad_f(f[j] * hinv);
+    return pack16<bf16_t>(d);
+}
+
 // 8 consecutive inputs of a cast from element at on, as bf16 bits: x itself, or (DG) bf16(x * gelu'(hp)).
 template <bool DG>
 __device__ __forceinline__ uint4 cast_in(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
@@ -126,25 +156,29 @@ extern "C" __global__ void k_fp8_cast_bf16(const uint4* __restrict__ x, long lon
 // One 64 x 64 tile (rows r0.., columns c0..) of x (R, C) bf16 row-major (or DG: of bf16(x * gelu'(hp))):
 // E4M3 at scale s into out_t (C, R) and, unless out is null, out (R, C); m: the running max |input|
 // of the finite entries (delayed). 256 threads; every thread passes the two barriers.
-template <bool DG>
-__device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
+// H8: hp holds E4M3 codes (bytes) at the scale 1 / hinv instead of bf16 (k_fp8_dgelu8_cast_t_bf16).
+template <bool DG, bool H8 = false>
+__device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, const void* __restrict__ hp,
                                           int R, int C, int r0, int c0, float s, bool delayed, float& m,
                                           unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
-                                          unsigned char (*tile)[72]) {
+                                          unsigned char (*tile)[72], float hinv = 1.0f) {
     uint4 xv[2], hv[2];                                         // 64 rows x 8 chunks of 8 columns: 2 a thread,
-#pragma unroll                                                  // every load in flight before any use
+    uint2 h8[2];                                                // every load in flight before any use
+#pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int k = threadIdx.x + 256 * u;
         const size_t at = (size_t)(r0 + (k >> 3)) * C + c0 + (k & 7) * 8;
         xv[u] = *reinterpret_cast<const uint4*>(x + at);
-        if constexpr (DG) hv[u] = *reinterpret_cast<const uint4*>(hp + at);
+        if constexpr (DG && H8) h8[u] = *reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(hp) + at);
+        else if constexpr (DG) hv[u] = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(hp) + at);
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int k = threadIdx.x + 256 * u, rr = k >> 3, cc = (k & 7) * 8;
         const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
         uint4 v = xv[u];
-        if constexpr (DG) v = dgelu8(v, hv[u]);
+        if constexpr (DG && H8) v = dgelu8_h8(v, h8[u], hinv);
+        else if constexpr (DG) v = dgelu8(v, hv[u]);
         if (delayed) m = fmaxf(m, amax8(v));
         const uint2 q = fp8_pack8(v, s);
         if (out) *reinterpret_cast<uint2*>(out + at) = q;
@@ -164,12 +198,12 @@ __device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, 
 // x (R, C) bf16 row-major, R and C multiples of 64 -> out_t (C, R) E4M3 and, unless out is null,
 // out (R, C) E4M3. 256 threads a block, 64 x 64 tiles in grid-stride order (fewer blocks than tiles
 // keep the delayed path's atomics few).
-template <bool DG>
-__device__ __forceinline__ void cast_t_body(const unsigned short* __restrict__ x, const unsigned short* __restrict__ hp,
+template <bool DG, bool H8 = false>
+__device__ __forceinline__ void cast_t_body(const unsigned short* __restrict__ x, const void* __restrict__ hp,
                                             int R, int C, const float* __restrict__ part, int P,
                                             const float* __restrict__ sc, float* __restrict__ rec,
                                             unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
-                                            float* __restrict__ inv) {
+                                            float* __restrict__ inv, float hinv = 1.0f) {
     __shared__ float buf[32];
     __shared__ __align__(16) unsigned char tile[64][72];
     float m_cur = 0.0f, m = 0.0f;
@@ -177,7 +211,7 @@ __device__ __forceinline__ void cast_t_body(const unsigned short* __restrict__ x
     const bool delayed = part == nullptr;
     const int tc = C / 64, n_tiles = tc * (R / 64);
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
-        cast_tile<DG>(x, hp, R, C, (t / tc) * 64, (t % tc) * 64, s, delayed, m, out, out_t, tile);
+        cast_tile<DG, H8>(x, hp, R, C, (t / tc) * 64, (t % tc) * 64, s, delayed, m, out, out_t, tile, hinv);
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
 extern "C" __global__ void k_fp8_cast_t_bf16(const unsigned short* __restrict__ x, int R, int C,
@@ -192,6 +226,13 @@ extern "C" __global__ void k_fp8_dgelu_cast_t_bf16(const unsigned short* __restr
                                                    float* __restrict__ rec, unsigned char* __restrict__ out,
                                                    unsigned char* __restrict__ out_t, float* __restrict__ inv) {
     cast_t_body<true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv);
+}
+extern "C" __global__ void k_fp8_dgelu8_cast_t_bf16(const unsigned short* __restrict__ x,
+                                                    const unsigned char* __restrict__ hp, float hinv, int R, int C,
+                                                    const float* __restrict__ part, int P, const float* __restrict__ sc,
+                                                    float* __restrict__ rec, unsigned char* __restrict__ out,
+                                                    unsigned char* __restrict__ out_t, float* __restrict__ inv) {
+    cast_t_body<true, true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv, hinv);
 }
 
 // The same cast (k_fp8_cast_t_w_bf16) with a 64 x 64 tile per warp and no shared memory or barrier:

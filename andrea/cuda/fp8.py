@@ -54,7 +54,9 @@ scaling once it has a history, SAVE_TRANSPOSES) the fc GEMM writes h_act in E4M3
 scale that the proj forward's cast would have used, with cuBLASLt's AMAX_D as the site's amax; the
 proj forward takes that copy and the proj weight gradient its transpose (``k_fp8_t_u8``): h_act is
 never stored in bf16. Otherwise h_act is bf16 and the proj forward and weight gradient cast it at
-their own sites, as without the fusion.
+their own sites, as without the fusion. With ``HPRE_E4M3`` the same GEMM writes its aux h_pre in E4M3
+too, at the fixed scale ``HPRE_SCALE`` (no site, no amax: gelu' is flat beyond the +-448 / HPRE_SCALE
+where it saturates), and the GELU-backward cast reads those bytes (``k_fp8_dgelu8_cast_t_bf16``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,15 @@ DGELU_CAST = True                 # the GELU backward inside the cast of dL/dh (
 # k_fp8_t_u8 writes the kept transpose: h_act is never stored in bf16. Not the same bytes as False: E4M3
 # is rounded once from cuBLASLt's fp32 gelu, not from bf16(gelu).
 FC_E4M3 = True
+# With FC_E4M3 and DGELU_CAST: that GEMM writes its aux h_pre in E4M3 at the fixed scale HPRE_SCALE (cuBLASLt's
+# aux scale, read from the float AUX_AT of the fc site's slot; satfinite), into the first half of h_pre's bytes,
+# and the GELU-backward cast takes gelu' of decode(h_pre) / HPRE_SCALE: 4 N C bytes a layer less written by
+# the GEMM and read by the cast. 64 keeps +-7 (448 / 64) unsaturated, where gelu' is 1 or 0 in fp32 beyond,
+# and resolves 2^-15 near 0; decode / 64 is a bf16 value, so the cast's codes are those of a bf16 h_pre that
+# E4M3-rounded. Not the same bytes as False (h_pre's rounding: 3 mantissa bits instead of 8).
+HPRE_E4M3 = True
+HPRE_SCALE = 64.0
+AUX_AT = 8                        # the float of a delayed site's slot holding HPRE_SCALE (16-byte aligned)
 # The same conditions: the LayerNorms before the QKV and fc GEMMs write their output in E4M3 at its site's
 # scale with its amax (k_layernorm_fwd_e4m3: bf16 rounding then the cast's own conversion, so the same
 # bytes as False), and a byte transpose keeps its copy: the bf16 LayerNorm output is never stored.
@@ -205,8 +216,9 @@ def k_fp8_amax(x, part, hp=None) -> None:
     """part[AMAX_BLOCKS] = per-block max |x| over the finite entries of bf16 x (size % 8 == 0);
     with ``hp`` (bf16, x's shape) of bf16(x * gelu'(hp)) instead."""
     n = x.size
-    if n % 8 or x.data.ptr % 16 or (hp is not None and (hp.size != n or hp.data.ptr % 16)):
-        raise AndreaError(f"fp8 cast: a tensor of {n} elements (needs a multiple of 8, 16-byte aligned)")
+    if n % 8 or x.data.ptr % 16 or (hp is not None and (hp.size != n or hp.data.ptr % 16 or hp.dtype != np.uint16)):
+        raise AndreaError(f"fp8 cast: a tensor of {n} elements (needs a multiple of 8, 16-byte aligned; "
+                          f"a bf16 h_pre: an E4M3 one takes delayed scaling)")
     if hp is None:
         kernel("fp8.cu", "k_fp8_amax_bf16")((AMAX_BLOCKS,), (256,), (x, np.int64(n // 8), part))
     else:
@@ -230,12 +242,21 @@ def k_fp8_cast(out, x, part, inv, scale=None, rec=None) -> None:
 
 def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None, hp=None) -> None:
     """out_t (C, R) E4M3 of x (R, C) transposed and, unless out is None, out (R, C) E4M3; the
-    scale as in ``k_fp8_cast``; with ``hp`` (bf16 (R, C)) of bf16(x * gelu'(hp)) instead of x."""
+    scale as in ``k_fp8_cast``; with ``hp`` (bf16 (R, C)) of bf16(x * gelu'(hp)) instead of x; an hp of
+    uint8 holds E4M3 codes at the scale HPRE_SCALE (HPRE_E4M3; delayed scaling only)."""
     if R % TILE or C % TILE:
         raise AndreaError(f"fp8 cast: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
     tiles = (R // TILE) * (C // TILE)
     args = (i32(R), i32(C), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec), _ptr(out), out_t, inv)
     name = "k_fp8_cast_t" if hp is None else "k_fp8_dgelu_cast_t"
+    if hp is not None and hp.dtype == np.uint8:
+        if part is not None or hp.size != R * C or hp.data.ptr % 8:
+            raise AndreaError(f"fp8 cast: an E4M3 h_pre needs delayed scaling and ({R}, {C}) 8-byte aligned codes "
+                              f"(got {hp.size} at {hp.data.ptr % 8} mod 8)")
+        grid = min(tiles, 16 * AMAX_BLOCKS)
+        kernel("fp8.cu", "k_fp8_dgelu8_cast_t_bf16")((grid,), (256,),
+                                                     (x, hp, np.float32(1.0 / HPRE_SCALE), *args))
+        return
     if CAST_T == "warp" and hp is None:        # 8 tiles a block of 8 warps
         name, grid = name + "_w", min(-(-tiles // 8), 4 * AMAX_BLOCKS)
     else:                                      # a 64 x 64 tile a block; the GELU-backward cast measured fastest
@@ -275,7 +296,7 @@ def quantize(out, out_t, x, part, inv, R: int | None = None, C: int | None = Non
     Current scaling (``scale`` None): an amax pass into ``part``, then the cast, which writes
     inv[0] = 1 / scale (and, with ``rec``, atomicMax-es the amax into rec[0]). Delayed
     (``scale`` a 1-element fp32 view): the cast alone, at scale[0], atomicMax-ing x's amax into rec[0].
-    ``hp``: cast bf16(x * gelu'(hp)) instead (both orientations only)."""
+    ``hp``: cast bf16(x * gelu'(hp)) instead (both orientations only; an E4M3 hp: delayed only)."""
     if hp is not None and out_t is None:
         raise AndreaError("fp8 cast: the GELU-backward cast writes both orientations (out_t is required)")
     if scale is None:
@@ -331,6 +352,9 @@ class Fp8Gemm:
         self._shadow: list = []                    # delayed: (weight-gradient site, forward site) of this pass
         self._dgelu: dict = {}                     # gradient (ptr, shape) -> h_pre: its cast applies gelu'
         self._ready: dict = {}                     # FC_E4M3: activation (ptr, shape) -> (its E4M3 copy, slot)
+        self._h8: dict = {}                        # HPRE_E4M3: h_pre's data.ptr -> its E4M3 bytes (M, N) this pass
+        self.hpre_to_cast = True                   # the proj dgrad has no DGELU epilogue (FastOps sets it), so h_pre
+                                                   # goes to the GELU-backward cast alone (HPRE_E4M3 may apply)
         self._produced: dict = {}                  # ATTN/LNB_E4M3: gradient (ptr, shape) -> the site it took ahead
         self.ln_ptrs = set(ln_ptrs)                # LN_E4M3: the LayerNorm outputs that go to E4M3 GEMMs
         self._inv_end = self.inv.size // SLOT      # the factor slots sites and saved transposes may take
@@ -386,7 +410,7 @@ class Fp8Gemm:
         self.site, self._memo = 0, {}
         self.save_t = backward and self.saved is not None
         self._saved, self._saved_off, self._n_saved, self._shadow, self._dgelu, self._ready = {}, 0, 0, [], {}, {}
-        self._produced, self._dlog = {}, {}
+        self._produced, self._dlog, self._h8 = {}, {}, {}
 
     @property
     def defers_dgelu(self) -> bool:
@@ -450,7 +474,7 @@ class Fp8Gemm:
             return
         scale, inv = self.hist.scales()
         host = self._fac_host if staged else np.zeros((self.n_sites, SLOT), dtype=np.float32)
-        host[:, 0], host[:, 1], host[:, DSCALE_AT] = inv, scale, scale
+        host[:, 0], host[:, 1], host[:, DSCALE_AT], host[:, AUX_AT] = inv, scale, scale, HPRE_SCALE
         dst = self.inv[SLOT * self.site_base:SLOT * (self.site_base + self.n_sites)]
         dst.set(host.reshape(-1), stream=stream)
 
@@ -609,11 +633,19 @@ class Fp8Gemm:
     def _gelu_e4m3(self, H, x8, x_inv, y8, y_inv, M: int, N: int, K: int, aux) -> None:
         """FC_E4M3's fc forward: h_act H (M, N) = gelu(x W) straight into E4M3 (``f8_g``, free in the
         forward; ``f8_a`` holds x) at its site's scale (the slot's DSCALE_AT float, 16-byte aligned for
-        cuBLASLt), h_pre bf16 into ``aux``; cuBLASLt's AMAX_D into f8_part[0], folded into the site."""
+        cuBLASLt), h_pre bf16 into ``aux`` (HPRE_E4M3 with the GELU backward in the cast: E4M3 at
+        HPRE_SCALE into aux's first M N bytes, for that cast alone); cuBLASLt's AMAX_D into f8_part[0],
+        folded into the site."""
+        hp = aux
+        if HPRE_E4M3 and self.hpre_to_cast and self.defers_dgelu and aux is not None and aux.flags.c_contiguous:
+            hp = aux.view(np.uint8).reshape(-1)[:M * N].reshape(M, N)
+            self._h8[aux.data.ptr] = hp
+
         def gemm(nat, scale, am):
             self.lt.mm_nt(nat, x8, y8, x_inv, y_inv, M, N, K, CUDA_R_8F_E4M3, fast_accum=True,
-                          epilogue=EPILOGUE_GELU_AUX, stream=self._stream(), aux=aux,
-                          d_scale=scale.data.ptr + 4 * (DSCALE_AT - 1), amax_d=am.data.ptr)
+                          epilogue=EPILOGUE_GELU_AUX, stream=self._stream(), aux=hp,
+                          d_scale=scale.data.ptr + 4 * (DSCALE_AT - 1), amax_d=am.data.ptr,
+                          **({"aux_scale": scale.data.ptr + 4 * (AUX_AT - 1)} if hp is not aux else {}))
 
         self.produce(H, gemm, buf="f8_g", folds=True)
 
@@ -629,8 +661,10 @@ class Fp8Gemm:
         if hit is None or not self.memo_enabled:
             R, C = G.shape
             nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
-            slot, site = self._cast(nat, tr, G, R, C, current_slot=2, site=None if hit is None else hit[3],
-                                    hp=self._dgelu.pop(key, None))
+            hp = self._dgelu.pop(key, None)
+            if hp is not None:                             # HPRE_E4M3: the GEMM wrote h_pre's E4M3 bytes
+                hp = self._h8.pop(hp.data.ptr, hp)
+            slot, site = self._cast(nat, tr, G, R, C, current_slot=2, site=None if hit is None else hit[3], hp=hp)
             hit = (nat, tr, slot, site)
         self._memo[key] = hit
         return (hit[1] if transposed else hit[0]), self._slot(hit[2])
@@ -725,6 +759,9 @@ class Fp8Gemm:
             raise AndreaError("fp8 gemm: beta=1 needs an fp32 C")
         if self._dgelu:
             raise AndreaError("fp8: a deferred GELU-backward cast (defer_dgelu) was not taken by the next GEMM")
+        if aux is not None and aux.data.ptr in self._h8 and int(epilogue) != EPILOGUE_GELU_AUX:
+            raise AndreaError("fp8: h_pre holds E4M3 bytes (HPRE_E4M3) that only the GELU-backward cast reads; "
+                              "set fp8.HPRE_E4M3 = False to run the DGELU epilogue")
         if int(epilogue) == EPILOGUE_GELU_AUX and d_type == CUDA_R_16BF and self.e4m3_gelu:
             self._gelu_e4m3(C, x8, x_inv, y8, y_inv, M, N, K, aux)
             return
