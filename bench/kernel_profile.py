@@ -9,7 +9,9 @@ over ``--steps`` steps: per kernel name its device ms a step, calls a step and u
 largest printed. Unlike ``bench/engine_gpu.py --breakdown`` (CUDA events around each launcher, eager
 launches) nothing is added between the kernels, so the sum is what the graph runs; the profiler's own
 overhead can still stretch it by ~1-2% against the step time. ``--fp8-gelu none`` runs fp8 with
-engine.FUSE_GELU_FP8 empty (the fc GEMM plain, GELU passes of their own) for comparison.
+engine.FUSE_GELU_FP8 empty (the fc GEMM plain, GELU passes of their own) for comparison; ``--fp8-flip
+SWITCH ...`` runs fp8 again with each of those andrea/cuda/fp8.py booleans flipped alone
+(bench/engine_gpu.py's FP8_SWITCHES).
 Needs CuPy and PyTorch with CUDA.
 """
 
@@ -84,9 +86,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=["andrea-120m:32", "andrea-480m:8"])
     ap.add_argument("--precision", nargs="+", default=["bf16", "fp8:delayed"])
     ap.add_argument("--fp8-gelu", default=None, help="'none' (or e.g. 'fwd'): fp8 again with that FUSE_GELU_FP8")
+    ap.add_argument("--fp8-flip", nargs="*", default=[], choices=list(eg.FP8_SWITCHES),
+                    help="fp8 again with each of these andrea/cuda/fp8.py switches flipped alone")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    import andrea.cuda.fp8 as k8
+
     out = {}
     for v, B in eg.parse_variants(args.variants, 8):
         for p in args.precision:
@@ -94,6 +100,10 @@ def main(argv=None) -> int:
             if args.fp8_gelu is not None and p.startswith("fp8"):
                 g = frozenset(args.fp8_gelu.split(",")) - {"none", ""}
                 out[f"{v}:{B}:{p}:gelu-{args.fp8_gelu}"] = profile(v, B, p, args.steps, fp8_gelu=g)
+            for sw in args.fp8_flip if p.startswith("fp8") else ():
+                with eg.patched(k8, **{sw: not getattr(k8, sw)}):
+                    print(f"(fp8.{sw} = {getattr(k8, sw)})", flush=True)
+                    out[f"{v}:{B}:{p}:flip-{sw}"] = profile(v, B, p, args.steps)
             if args.json:
                 atomic_write_json(Path(args.json), out)
     return 0

@@ -511,8 +511,8 @@ def _twin_quantize(log):
         xf = f8.bf16_to_f32(np.asarray(x))
         if hp is not None:                                     # bf16(dL/dh_act * gelu'(h_pre)), as k_gelu_bwd
             log.setdefault("hp", []).append(hp.dtype)          # uint8: E4M3 at HPRE_SCALE (HPRE_E4M3)
-            u = (f8.decode(np.asarray(hp)).astype(np.float64) / k8.HPRE_SCALE if hp.dtype == np.uint8
-                 else f8.bf16_to_f32(np.asarray(hp)).astype(np.float64))
+            u = (f8.hpre_values(np.asarray(hp), k8.HPRE_SCALE) if hp.dtype == np.uint8
+                 else f8.bf16_to_f32(np.asarray(hp))).astype(np.float64)
             th = np.tanh(ops.GELU_K * (u + ops.GELU_A * u ** 3))
             d = xf * (0.5 * (1 + th) + 0.5 * u * (1 - th ** 2) * ops.GELU_K * (1 + 3 * ops.GELU_A * u ** 2))
             xf = f8.bf16_to_f32((d.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
@@ -778,7 +778,7 @@ def test_fc_forward_writes_h_act_in_e4m3_at_its_site_and_the_backward_takes_its_
         if epilogue == EPILOGUE_GELU_AUX:
             g = _gelu64(P)[0]
             log["aux"] = (aux.dtype, aux.data.ptr, None if aux_scale is None else val(aux_scale))
-            aux[:] = f8.encode(P * val(aux_scale)) if aux.dtype == np.uint8 else trunc(P)
+            aux[:] = f8.hpre_codes(P, val(aux_scale)) if aux.dtype == np.uint8 else trunc(P)
             if d_type == CUDA_R_8F_E4M3:
                 assert amax_d == a["f8_part"].data.ptr and D.data.ptr == a["f8_g"].data.ptr
                 D[:] = f8.encode(g * val(d_scale))

@@ -210,9 +210,9 @@ def test_gelu_backward_cast_of_an_e4m3_h_pre_is_bit_exact_with_its_bf16_value():
     rng = np.random.default_rng(23)
     codes = rng.integers(0, 256, R * C).astype(np.uint8)
     codes[:256] = np.arange(256, dtype=np.uint8)
-    hp_bf16 = to_bf16((f8.decode(codes) / np.float32(k8.HPRE_SCALE)).astype(np.float32))
-    assert np.array_equal(f8.bf16_to_f32(hp_bf16)[np.isfinite(f8.decode(codes))],
-                          (f8.decode(codes) / np.float32(k8.HPRE_SCALE))[np.isfinite(f8.decode(codes))])
+    hv = f8.hpre_values(codes, k8.HPRE_SCALE)                  # the NumPy twin: decode / HPRE_SCALE
+    hp_bf16 = to_bf16(hv)
+    assert np.array_equal(f8.bf16_to_f32(hp_bf16)[np.isfinite(hv)], hv[np.isfinite(hv)])   # bf16 values
     dy = gpu(special_tensor(R * C, 24, 0.01))
     sc = gpu(np.array([f8.scale_of(np.float32(0.05))[0]], np.float32))
     outs = []
@@ -457,7 +457,9 @@ def test_fp8_gelu_gemm_writes_an_e4m3_aux_at_its_fixed_scale_and_saturates():
     free, sat = np.abs(P) < 448 / hs / 1.1, np.abs(P) > 448 / hs * 1.1
     assert free.mean() > 0.5 and sat.any()
     bound = 2.0 ** -4 * np.abs(P) + 2.0 ** -12 * m + 2.0 ** -10 / hs
-    _within(np.where(free, f8.decode(a8) / hs, P), P, bound, "fp8 GELU_AUX E4M3 aux (h_pre at 64)")
+    _within(np.where(free, f8.hpre_values(a8, hs), P), P, bound, "fp8 GELU_AUX E4M3 aux (h_pre at 64)")
+    twin = f8.hpre_codes(P, hs)                                 # where P is not near a rounding tie: the twin's code
+    assert (a8 == twin).mean() > 0.95, (a8 == twin).mean()
     np.testing.assert_array_equal(a8[sat], np.where(P[sat] < 0, 0xFE, 0x7E).astype(np.uint8))
     with pytest.raises(AndreaError, match="aux_scale"):
         lt.mm_nt(cp.zeros((M, F), np.uint16), X, W, slot(0), slot(1), M, F, C, 14, epilogue=EPILOGUE_GELU_AUX,

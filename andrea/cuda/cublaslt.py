@@ -27,16 +27,16 @@ E4M3 (uint8 payloads), both K-contiguous: the "TN" form Hopper's FP8 tensor core
 x_inv / y_inv are device pointers to one float each (per-tensor dequantization factors). D is
 bf16 (beta 0), fp32 (beta 0 or 1: the weight-gradient accumulation) or E4M3 (beta 0, with a D scale
 and an AMAX_D pointer: D = E4M3(d_scale * result), satfinite on the H200, amax of the result before
-the scale; its C is a bf16 layout, unread). Compute and scale type fp32. In cuBLASLt's column-major terms D^T (N, M) = op(A) op(B) with A = Y8 (K x N, transa T),
+the scale; its C is a bf16 layout, unread; fp16 beside an E4M3 aux). Compute and scale type fp32. In cuBLASLt's column-major terms D^T (N, M) = op(A) op(B) with A = Y8 (K x N, transa T),
 B = X8 (K x M, transb N). With a bf16 D, beta 0, ``epilogue`` GELU_AUX or DGELU and ``aux`` (bf16,
 D's shape, row stride a multiple of 8 elements) it fuses the GELU as ``mm`` does, from the fp32
 product of the dequantized E4M3 operands (the fp8 engine's fc forward and proj dgrad). cuBLAS's
 documentation (cublasLtMatmul, the FP8 table: E4M3 x E4M3 with C/D bf16, footnote: ReLU, dReLU,
 GELU, dGELU and bias epilogues, column-major D) lists both; the aux type is left unset, which is
 D's type (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE may differ from it only for an E4M3 D). With an
-E4M3 D and GELU_AUX the aux is bf16 (set), or E4M3 (a uint8 aux, the type left unset: D's) at the
-fixed scale ``aux_scale`` points to: aux = E4M3(aux_scale * P), satfinite (the fp8 engine's h_pre,
-fp8.HPRE_E4M3).
+E4M3 D and GELU_AUX the aux is bf16, or E4M3 (a uint8 aux) at the fixed scale ``aux_scale`` points
+to: aux = E4M3(aux_scale * P), satfinite (the fp8 engine's h_pre, fp8.HPRE_E4M3); cuBLASLt takes that
+aux type only beside an fp16 C (the H200 returned no algorithm with a bf16 one; C is unread at beta 0).
 
 One algorithm per problem (shape, types, beta, accumulation mode, epilogue, alignments) is
 picked on first use and kept, so a given shape always runs the same kernel (cuBLAS is
@@ -67,7 +67,7 @@ import numpy as np
 from andrea.errors import AndreaError
 
 # library_types.h / cublasLt.h enums
-CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 14, 28, 29
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 2, 14, 28, 29
 CUBLAS_COMPUTE_32F = 68
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE = 3, 4, 7
@@ -233,13 +233,15 @@ class Lt:
             self._set(sd, desc, DESC_AMAX_D_POINTER, int(amax_d), ctypes.c_void_p)
         # the aux type: unset (D's: bf16, or an E4M3 aux beside an E4M3 D, with its scale), or bf16 set
         # beside an E4M3 D
-        self._set_aux(desc, epilogue, aux_ptr, ld_aux, CUDA_R_16BF if e4m3 and not aux8 else None)
+        self._set_aux(desc, epilogue, aux_ptr, ld_aux, CUDA_R_8F_E4M3 if aux8 else CUDA_R_16BF if e4m3 else None)
         if aux8:
             self._set(sd, desc, DESC_EPILOGUE_AUX_SCALE_POINTER, int(aux_scale), ctypes.c_void_p)
         a_l = self._layout(CUDA_R_8F_E4M3, K, N, K)
         b_l = self._layout(CUDA_R_8F_E4M3, K, M, K)
         d_l = self._layout(d_type, N, M, N)
-        c_l = self._layout(CUDA_R_16BF, N, M, N) if e4m3 else d_l   # an E4M3 D takes a bf16 C (beta 0: unread)
+        # an E4M3 D takes a 16-bit C (beta 0: unread): fp16 beside an E4M3 aux (cuBLASLt allows that aux type
+        # only with an fp16 C), else bf16
+        c_l = self._layout(CUDA_R_16F if aux8 else CUDA_R_16BF, N, M, N) if e4m3 else d_l
         plan = self._candidates(desc, a_l, b_l, d_l, aligns,
                                 f"FP8 D {M}x{N} (type {d_type}) K={K} beta={beta} epilogue {epilogue}",
                                 "; M, N, K must be multiples of 16", c_l=c_l)

@@ -77,6 +77,19 @@ def decode(q: np.ndarray) -> np.ndarray:
     return np.where(q & 0x80, -mag, mag).astype(np.float32)
 
 
+def hpre_codes(p: np.ndarray, hscale) -> np.ndarray:
+    """The fp8 engine's E4M3 h_pre (andrea/cuda/fp8.py HPRE_E4M3): the fc GEMM's fp32 pre-activation p
+    at the fixed scale ``hscale``, saturating at +-448 / hscale (cuBLASLt's aux scale)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return encode(np.asarray(p, dtype=np.float32) * np.float32(hscale))
+
+
+def hpre_values(codes: np.ndarray, hscale) -> np.ndarray:
+    """What the GELU-backward cast takes gelu' of (fp8.cu k_fp8_dgelu8_cast_t_bf16): decode(codes) /
+    hscale, exact in float32 and, hscale a power of two, a bf16 value."""
+    return decode(codes) * np.float32(1.0 / float(hscale))
+
+
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
     """The engine's cast of one tensor: (E4M3 bits of x * scale, inv) with current scaling."""
     x = np.asarray(x, dtype=np.float32)
