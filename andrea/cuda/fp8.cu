@@ -23,7 +23,8 @@
 // of the fc GEMM straight from the GELU backward and never stores it in bf16 (Fp8Gemm.cast_dgelu).
 // k_fp8_dgelu8_cast_t_bf16: the same cast with h_pre in E4M3 at the fixed scale 1 / hinv (the fc GEMM's aux,
 // fp8.py HPRE_E4M3): gelu' of decode(hp) * hinv, which is a bf16 value (3 mantissa bits, hinv a power of
-// two), so the codes are those of k_fp8_dgelu_cast_t_bf16 over that bf16 h_pre.
+// two), so the codes are those of k_fp8_dgelu_cast_t_bf16 over that bf16 h_pre; gelu' comes from a
+// 256-entry table per block (hpre_lut).
 // k_fp8_t_u8 / k_fp8_t_u8_s: the byte transpose of an E4M3 matrix a producer wrote, folding the GEMM's amax
 // into its site (k_fp8_t_u8_s: through shared memory, C a multiple of 256).
 // k_fp8_wamax + k_fp8_wcast: every matmul weight's two E4M3 copies (current scaling) in two launches
@@ -97,16 +98,26 @@ __device__ __forceinline__ void e4m3x2_to_f(unsigned short c, float& lo, float& 
     asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
 }
 
-// bf16(x * gelu'(decode(h) * hinv)) of 8 consecutive elements, h their E4M3 h_pre codes (one uint2).
-__device__ __forceinline__ uint4 dgelu8_h8(uint4 v, uint2 h, float hinv) {
-    float d[8], f[8];
+// bf16(x * gelu'(decode(h) * hinv)) of 8 consecutive elements, h their E4M3 h_pre codes (one uint2), the
+// derivative looked up in lut (256 entries: gelu_grad_f of every code's value, hpre_lut): a code has 256
+// values, so the table replaces the decode and gelu' (about 20 instructions an element) by a load.
+__device__ __forceinline__ uint4 dgelu8_h8(uint4 v, uint2 h, const float* lut) {
+    float d[8];
     unpack16<bf16_t>(v, d);
-    const unsigned w[2] = {h.x, h.y};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) e4m3x2_to_f((unsigned short)(w[j >> 1] >> (16 * (j & 1))), f[2 * j], f[2 * j + 1]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) d[j] *= gelu_grad_f(f[j] * hinv);
+    for (int j = 0; j < 8; ++j) d[j] *= lut[((j < 4 ? h.x : h.y) >> (8 * (j & 3))) & 0xffu];
     return pack16<bf16_t>(d);
+}
+
+// A block's gelu' table of the 256 E4M3 codes at the scale 1 / hinv (blockDim.x >= 256), the same fp32
+// values as gelu_grad_f(decode(code) * hinv) computed per element; NaN for the NaN codes.
+__device__ __forceinline__ void hpre_lut(float* lut, float hinv) {
+    if (threadIdx.x < 256) {
+        float lo, hi;
+        e4m3x2_to_f((unsigned short)threadIdx.x, lo, hi);
+        lut[threadIdx.x] = gelu_grad_f(lo * hinv);
+    }
+    __syncthreads();
 }
 
 // 8 consecutive inputs of a cast from element at on, as bf16 bits: x itself, or (DG) bf16(x * gelu'(hp)).
@@ -161,7 +172,7 @@ template <bool DG, bool H8 = false>
 __device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, const void* __restrict__ hp,
                                           int R, int C, int r0, int c0, float s, bool delayed, float& m,
                                           unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
-                                          unsigned char (*tile)[72], float hinv = 1.0f) {
+                                          unsigned char (*tile)[72], const float* lut = nullptr) {
     uint4 xv[2], hv[2];                                         // 64 rows x 8 chunks of 8 columns: 2 a thread,
     uint2 h8[2];                                                // every load in flight before any use
 #pragma unroll
@@ -177,7 +188,7 @@ __device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, 
         const int k = threadIdx.x + 256 * u, rr = k >> 3, cc = (k & 7) * 8;
         const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
         uint4 v = xv[u];
-        if constexpr (DG && H8) v = dgelu8_h8(v, h8[u], hinv);
+        if constexpr (DG && H8) v = dgelu8_h8(v, h8[u], lut);
         else if constexpr (DG) v = dgelu8(v, hv[u]);
         if (delayed) m = fmaxf(m, amax8(v));
         const uint2 q = fp8_pack8(v, s);
@@ -206,12 +217,14 @@ __device__ __forceinline__ void cast_t_body(const unsigned short* __restrict__ x
                                             float* __restrict__ inv, float hinv = 1.0f) {
     __shared__ float buf[32];
     __shared__ __align__(16) unsigned char tile[64][72];
+    __shared__ float lut[H8 ? 256 : 1];
+    if constexpr (H8) hpre_lut(lut, hinv);
     float m_cur = 0.0f, m = 0.0f;
     const float s = fp8_scale(part, P, sc, buf, &m_cur);
     const bool delayed = part == nullptr;
     const int tc = C / 64, n_tiles = tc * (R / 64);
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
-        cast_tile<DG, H8>(x, hp, R, C, (t / tc) * 64, (t % tc) * 64, s, delayed, m, out, out_t, tile, hinv);
+        cast_tile<DG, H8>(x, hp, R, C, (t / tc) * 64, (t % tc) * 64, s, delayed, m, out, out_t, tile, lut);
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
 extern "C" __global__ void k_fp8_cast_t_bf16(const unsigned short* __restrict__ x, int R, int C,
