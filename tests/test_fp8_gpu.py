@@ -421,6 +421,19 @@ def test_fp8_gelu_epilogues_match_numpy_and_the_separate_passes():
                  epilogue=EPILOGUE_GELU_AUX, aux=h_pre[0])
 
 
+def _fc_gemm_problem(seed: int, gain: float):
+    """An fc GEMM's E4M3 operands (X (512, 256) standard normal, W (1024, 256) of std gain / sqrt(256),
+    each quantized with its factor), their float64 product P and |X||W|^T (the accumulation bound)."""
+    rng = np.random.default_rng(seed)
+    M, C = 512, 256
+    F = 4 * C
+    x, w = f8.quantize(rng.standard_normal((M, C)).astype(np.float32)), \
+        f8.quantize(rng.normal(0, gain / np.sqrt(C), (F, C)).astype(np.float32))
+    P = f8.gemm_nt(*x, *w)
+    m = np.abs(f8.dequantize(*x)).astype(np.float64) @ np.abs(f8.dequantize(*w)).T.astype(np.float64)
+    return M, C, F, x, w, P, m
+
+
 def test_fp8_gelu_gemm_writes_an_e4m3_aux_at_its_fixed_scale_and_saturates():
     """HPRE_E4M3's GEMM (Lt.mm_nt with an E4M3 D, GELU_AUX and a uint8 aux with aux_scale): the aux is
     E4M3(aux_scale * P), satfinite. Against the float64 twin P, elementwise where |P| < 448 / 64 / 1.1:
@@ -430,13 +443,7 @@ def test_fp8_gelu_gemm_writes_an_e4m3_aux_at_its_fixed_scale_and_saturates():
     from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, EPILOGUE_GELU_AUX
     from andrea.errors import AndreaError
 
-    rng = np.random.default_rng(41)
-    M, C = 512, 256
-    F = 4 * C
-    (qx, ix), (qw, iw) = (f8.quantize(rng.standard_normal((M, C)).astype(np.float32)),
-                          f8.quantize(rng.normal(0, 4.0 / np.sqrt(C), (F, C)).astype(np.float32)))
-    P = f8.gemm_nt(qx, ix, qw, iw)
-    m = np.abs(f8.dequantize(qx, ix)).astype(np.float64) @ np.abs(f8.dequantize(qw, iw)).T.astype(np.float64)
+    M, C, F, (qx, ix), (qw, iw), P, m = _fc_gemm_problem(41, 4.0)
     lt = _lt()
     X, W = gpu(qx), gpu(qw)
     hs = 64.0
@@ -477,13 +484,7 @@ def test_fp8_gelu_gemm_writes_e4m3_with_its_amax_and_saturates():
     repeat; D, aux and amax prefilled with NaN."""
     from andrea.cuda.cublaslt import CUDA_R_8F_E4M3, EPILOGUE_GELU_AUX
 
-    rng = np.random.default_rng(37)
-    M, C = 512, 256
-    F = 4 * C
-    (qx, ix), (qw, iw) = (f8.quantize(rng.standard_normal((M, C)).astype(np.float32)),
-                          f8.quantize(rng.normal(0, 2.0 / np.sqrt(C), (F, C)).astype(np.float32)))
-    P = f8.gemm_nt(qx, ix, qw, iw)
-    m = np.abs(f8.dequantize(qx, ix)).astype(np.float64) @ np.abs(f8.dequantize(qw, iw)).T.astype(np.float64)
+    M, C, F, (qx, ix), (qw, iw), P, m = _fc_gemm_problem(37, 2.0)
     g = _gelu64(P)[0]
     lt = _lt()
     X, W = gpu(qx), gpu(qw)
