@@ -216,7 +216,7 @@ class Lt:
         if plan is not None:
             return plan
         M, N, K, d_type, beta, fast, epilogue, aligns, ld_aux = key[:9]
-        aux8 = len(key) > 10                                       # an E4M3 aux (mm_nt's key ends in "aux8")
+        aux8 = key[-1] == "aux8"                                   # an E4M3 aux (mm_nt's key ends in "aux8")
         L = self.lib
         desc = _P()
         self._check(L.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc")
@@ -231,8 +231,7 @@ class Lt:
         if e4m3:                                                   # D's scale and amax, set per call (site)
             self._set(sd, desc, DESC_D_SCALE_POINTER, int(d_scale), ctypes.c_void_p)
             self._set(sd, desc, DESC_AMAX_D_POINTER, int(amax_d), ctypes.c_void_p)
-        # the aux type: unset (D's: bf16, or an E4M3 aux beside an E4M3 D, with its scale), or bf16 set
-        # beside an E4M3 D
+        # the aux type: unset beside a bf16 D (D's), set beside an E4M3 D: E4M3 (with its scale) or bf16
         self._set_aux(desc, epilogue, aux_ptr, ld_aux, CUDA_R_8F_E4M3 if aux8 else CUDA_R_16BF if e4m3 else None)
         if aux8:
             self._set(sd, desc, DESC_EPILOGUE_AUX_SCALE_POINTER, int(aux_scale), ctypes.c_void_p)

@@ -248,20 +248,17 @@ def k_fp8_cast_t(out, out_t, x, R: int, C: int, part, inv, scale=None, rec=None,
         raise AndreaError(f"fp8 cast: a ({R}, {C}) matrix (rows and columns must be multiples of {TILE})")
     tiles = (R // TILE) * (C // TILE)
     args = (i32(R), i32(C), _ptr(part), i32(AMAX_BLOCKS), _ptr(scale), _ptr(rec), _ptr(out), out_t, inv)
-    name = "k_fp8_cast_t" if hp is None else "k_fp8_dgelu_cast_t"
-    if hp is not None and hp.dtype == np.uint8:
+    name, ins = ("k_fp8_cast_t", (x,)) if hp is None else ("k_fp8_dgelu_cast_t", (x, hp))
+    if hp is not None and hp.dtype == np.uint8:            # HPRE_E4M3's codes, read with their factor
         if part is not None or hp.size != R * C or hp.data.ptr % 8:
             raise AndreaError(f"fp8 cast: an E4M3 h_pre needs delayed scaling and ({R}, {C}) 8-byte aligned codes "
                               f"(got {hp.size} at {hp.data.ptr % 8} mod 8)")
-        grid = min(tiles, 16 * AMAX_BLOCKS)
-        kernel("fp8.cu", "k_fp8_dgelu8_cast_t_bf16")((grid,), (256,),
-                                                     (x, hp, np.float32(1.0 / HPRE_SCALE), *args))
-        return
+        name, ins = "k_fp8_dgelu8_cast_t", (x, hp, np.float32(1.0 / HPRE_SCALE))
     if CAST_T == "warp" and hp is None:        # 8 tiles a block of 8 warps
         name, grid = name + "_w", min(-(-tiles // 8), 4 * AMAX_BLOCKS)
     else:                                      # a 64 x 64 tile a block; the GELU-backward cast measured fastest
         grid = min(tiles, (16 if hp is not None else 8) * AMAX_BLOCKS)   # at 16 blocks an SM (session 13)
-    kernel("fp8.cu", name + "_bf16")((grid,), (256,), (x, *args) if hp is None else (x, hp, *args))
+    kernel("fp8.cu", name + "_bf16")((grid,), (256,), (*ins, *args))
 
 
 def k_fp8_t_u8(x8, out_t, R: int, C: int, am, rec) -> None:
@@ -443,7 +440,7 @@ class Fp8Gemm:
             self._cur_host = np.frombuffer(cuda.alloc_pinned_memory(4 * self.n_sites), np.float32, self.n_sites)
             self._fac_host = np.frombuffer(cuda.alloc_pinned_memory(4 * SLOT * self.n_sites), np.float32,
                                            SLOT * self.n_sites).reshape(self.n_sites, SLOT)
-            self._fac_host.fill(0)                 # write_scales sets the same three floats of each slot
+            self._fac_host.fill(0)                 # write_scales sets the same four floats of each slot
         cuda.runtime.memcpyAsync(self._cur_host.ctypes.data, self.a["f8_cur"].data.ptr, 4 * self.n_sites,
                                  cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._cur_event.record(stream)
