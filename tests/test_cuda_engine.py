@@ -199,6 +199,30 @@ def test_attention_backward_falls_back_where_the_logits_cannot_hold_ds(monkeypat
     assert got[0] == got[1]
 
 
+def test_attention_ds_tiles_split_over_logits_and_h_pre_keep_the_bytes(monkeypatch):
+    # "wgds" where the logits hold fewer heads' dS tiles than the batch has: the heads they cannot hold
+    # go into the layer's h_pre (dead by then), one launch pair instead of two; the same bytes as the
+    # launches over the logits alone
+    from andrea.cuda import engine as ce
+    from andrea.cuda import kernels as K
+    from andrea.cuda.backend import make_backend
+
+    mc = ModelConfig(vocab_size=1500, d_model=256, n_head=4, n_layer=2, context=1024)    # D = 64
+    attn_kernels(monkeypatch, WG_DS)
+    per, heads = K.attn_ds_bytes(mc.context), 2 * mc.n_head
+    got = []
+    for split in (True, False):
+        if not split:
+            monkeypatch.setattr(ce.FastOps, "_spare_h_pre", lambda self, qkv: None)
+        eng = make_backend().make_engine(mc, 2, precision="bf16", cuda_graph=False)
+        lg, hp = eng.a["logits"].nbytes // per, eng.a["h_pre"][0].nbytes // per
+        assert 1 <= lg < heads <= lg + hp
+        eng.init_weights(0)
+        assert eng.train_step([batch(6, mc, 2)], 3e-3, 1, HP).ok
+        got.append(eng.state_host()[0].tobytes())
+    assert got[0] == got[1]
+
+
 def test_fp16_resume_with_extra_state_is_bit_exact():
     """fp16's dynamic loss scale is engine state: N steps, save w, m, v and extra_state, restore
     into a fresh engine, M more steps == N + M straight steps, bit for bit. The run starts at a

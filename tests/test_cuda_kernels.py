@@ -316,20 +316,23 @@ def test_attention_mma_writes_dvec_and_accumulates(be, impl):
 
 def test_attention_ds_backward_in_head_groups_keeps_the_bytes(be):
     # "wgds" with a dS scratch that holds 2 of 6 heads runs three launches of each kernel: the same
-    # bytes as one launch over all heads; a scratch below one head is refused in one line
+    # bytes as one launch over all heads. So do two scratch buffers (a launch's first heads in the
+    # first): 2 + 4 heads (one launch), 1 + 2 (two launches), 4 + less than a head (the first alone,
+    # two launches). A scratch below one head is refused in one line.
     from andrea.cuda import kernels as K
 
     _need_wg("wgds")
     B, T, H, D = 2, 200, 3, 64
     C, N, qkv, dout, _, y, lse = _attn_inputs(be, np.random.default_rng(21), B, T, H, D, "wg")
+    scratch = lambda heads: cp.full(K.attn_ds_bytes(T, heads) + 100, 0xFF, np.uint8)  # noqa: E731
     got = []
-    for heads in (B * H, 2):
-        ds = cp.full(K.attn_ds_bytes(T, heads) + 100, 0xFF, np.uint8)
+    for ds in (scratch(B * H), scratch(2), (scratch(2), scratch(4)), (scratch(1), scratch(2)),
+               (scratch(4), cp.full(100, 0xFF, np.uint8))):
         d = empty((N, 3 * C), "bf16")
         be.k_attn_bwd("bf16", d, dout, y, lse, cp.full(B * H * T, np.nan, np.float32), qkv, B, T, C, H,
                       accumulate=False, impl="wgds", ds=ds)
         got.append(cp.asnumpy(d).tobytes())
-    assert got[0] == got[1]
+    assert all(g == got[0] for g in got[1:])
     with pytest.raises(AndreaError, match="dS scratch holds 100 bytes"):
         be.k_attn_bwd("bf16", d, dout, y, lse, cp.zeros(B * H * T, np.float32), qkv, B, T, C, H,
                       accumulate=False, impl="wgds", ds=cp.zeros(100, np.uint8))

@@ -1218,6 +1218,13 @@ __device__ void attn_bwd_dq_wg(const u16* __restrict__ q, const u16* __restrict_
 // launch, the causal tile pairs (query tile i, key tile j <= i) at i (i + 1) / 2 + j, each 64 x 64
 // 16-bit values as 8x8 core matrices with key rows: element (key r, query c) at
 // ((r / 8) 8 + c / 8) 64 + (r % 8) 8 + c % 8. A warp stores whole 128-byte core matrices.
+// The launch's heads 0 .. n1 - 1 keep their tiles in ds, the rest in ds2 (two scratch buffers, so that
+// one launch can take every head where neither buffer alone holds them).
+template <typename U>
+__device__ __forceinline__ U* ds_head(U* ds, U* ds2, int n1, int y, int ntiles) {
+    const long long per = (long long)(ntiles * (ntiles + 1) / 2) * 4096;
+    return y < n1 ? ds + y * per : ds2 + (y - n1) * per;
+}
 __device__ __forceinline__ void ds_store_t(u16* dst, const unsigned (*sa)[4], int warp, int g, int t4) {
     unsigned* d32 = reinterpret_cast<unsigned*>(dst);
 #pragma unroll
@@ -1236,7 +1243,8 @@ __device__ __forceinline__ void ds_store_t(u16* dst, const unsigned (*sa)[4], in
 template <bool BF, int D, int WG>
 __device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __restrict__ ds, u16* __restrict__ dq,
                                 int Tn, int H, float scale, int accumulate, int bh0,
-                                unsigned char* __restrict__ dq8, const float* __restrict__ sc, float* __restrict__ rec) {
+                                unsigned char* __restrict__ dq8, const float* __restrict__ sc, float* __restrict__ rec,
+                                const u16* __restrict__ ds2, int n1) {
     constexpr int ND = D / 8;
     __shared__ __align__(128) u16 Ks2[2][64 * D];
     __shared__ __align__(128) u16 Ds2[2][WG][64 * 64];
@@ -1246,7 +1254,7 @@ __device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __
     const long long rb = (long long)b * Tn;
     const int r0 = qt * 64 * WG + wgi * 64, ra = r0 + warp * 16 + g, rc = ra + 8;
     const int ntiles = (Tn + 63) / 64, nkt = (min(Tn, qt * 64 * WG + 64 * WG) - 1) / 64 + 1;
-    const u16* dsh = ds + (long long)blockIdx.y * (ntiles * (ntiles + 1) / 2) * 4096;
+    const u16* dsh = ds_head(ds, ds2, n1, blockIdx.y, ntiles);
     const u16* kh = k + h * D;
     auto issue = [&](int t) {  // K tile t, and each warpgroup's dS^T tile (its query tile, t) below the diagonal
         async_tile_cm<D>(kh, rb, t * 64, Tn, ld, Ks2[t & 1]);
@@ -1292,7 +1300,7 @@ __device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __
 
 // dK, dV per 64 key rows; query tiles (with dy, lse2, dvec) from the diagonal down.
 // DS: also store each tile's dS^T (16-bit, as the dK product rounds it) into ds, for the dQ kernel
-// attn_bwd_dqs_wg; bh0: the first head of this launch (ds holds the launch's heads only).
+// attn_bwd_dqs_wg; bh0: the first head of this launch (ds, then ds2 past its n1 heads: ds_head).
 template <bool BF, int D, int WG, bool DS = false>
 __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                 int ld, const u16* __restrict__ dy, int ldy, const float* __restrict__ lse2,
@@ -1300,7 +1308,8 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
                                 int H, float sl2, float scale, int accumulate, u16* __restrict__ ds = nullptr,
                                 int bh0 = 0, unsigned char* __restrict__ dk8 = nullptr,
                                 unsigned char* __restrict__ dv8 = nullptr, const float* __restrict__ sc = nullptr,
-                                float* __restrict__ rec = nullptr) {
+                                float* __restrict__ rec = nullptr, u16* __restrict__ ds2 = nullptr,
+                                int n1 = 0x7fffffff) {
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(128) u16 Qs2[2][64 * D];
     __shared__ __align__(128) u16 Os2[2][64 * D];
@@ -1379,7 +1388,7 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&dp[8 * kk], &dp[8 * kk + 4], sa[kk]);
         if constexpr (DS) {  // the tile (query tile qt, key tile k0 / 64) for the dQ kernel
-            u16* dst = ds + ((long long)blockIdx.y * (ntiles * (ntiles + 1) / 2) + qt * (qt + 1) / 2 + k0 / 64) * 4096;
+            u16* dst = ds_head(ds, ds2, n1, blockIdx.y, ntiles) + (long long)(qt * (qt + 1) / 2 + k0 / 64) * 4096;
             ds_store_t(dst, sa, warp, g, t4);
         }
         wg_fence();
@@ -1412,20 +1421,21 @@ ATTN_WG_FWD256_INST(bf16, true, 32) ATTN_WG_FWD256_INST(bf16, true, 64)
 ATTN_WG_FWD256_INST(f16, false, 32) ATTN_WG_FWD256_INST(f16, false, 64)
 
 // The dQ-from-dS pair (impl "wgds"): k_attn_bwd_dkvs_wg_* (the dK/dV kernel, also storing dS^T) then
-// k_attn_bwd_dqs_wg_*, for the heads bh0 .. bh0 + gridDim.y - 1 (ds: their tiles).
+// k_attn_bwd_dqs_wg_*, for the heads bh0 .. bh0 + gridDim.y - 1 (their tiles: the first n1 in ds, the
+// rest in ds2).
 // dk8/dv8/dq8 non-null (fp8, bf16 storage): the outputs in E4M3 at *sc there instead, amax into *rec.
 #define ATTN_WGDS_INST(SUF, BF, D, P, BM, NT)                                                                \
     extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkvs_wg_##SUF##_d##D##_r##BM(                \
         const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
         const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate, u16* ds, \
-        int bh0, unsigned char* dk8, unsigned char* dv8, const float* sc, float* rec) {                      \
+        int bh0, unsigned char* dk8, unsigned char* dv8, const float* sc, float* rec, u16* ds2, int n1) {    \
         attn_bwd_dkv_wg<BF, D, P, true>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale,          \
-                                        accumulate, ds, bh0, dk8, dv8, sc, rec);                             \
+                                        accumulate, ds, bh0, dk8, dv8, sc, rec, ds2, n1);                    \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dqs_wg_##SUF##_d##D##_r##BM(                 \
         const u16* k, int ld, const u16* ds, u16* dq, int Tn, int H, float scale, int accumulate, int bh0,   \
-        unsigned char* dq8, const float* sc, float* rec) {                                                   \
-        attn_bwd_dqs_wg<BF, D, P>(k, ld, ds, dq, Tn, H, scale, accumulate, bh0, dq8, sc, rec);               \
+        unsigned char* dq8, const float* sc, float* rec, const u16* ds2, int n1) {                           \
+        attn_bwd_dqs_wg<BF, D, P>(k, ld, ds, dq, Tn, H, scale, accumulate, bh0, dq8, sc, rec, ds2, n1);      \
     }
 ATTN_WGDS_INST(bf16, true, 32, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 32, 2, 128, 256)
 ATTN_WGDS_INST(bf16, true, 64, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 64, 2, 128, 256)

@@ -392,7 +392,8 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
     computes dvec (sum_d dy y per row) itself, before the dK/dV kernel reads it; simt and "wgds" run a
     dvec kernel first. ``rows``: (dq rows, dkv rows) overriding ATTN_MMA_ROWS; ``impl`` as k_attn_fwd's.
     "wgds" (dQ from the dS tiles the dK/dV kernel stores) needs ``ds``, a scratch device array of any
-    dtype: the heads go in as many launches as ``attn_ds_bytes`` says fit (None: allocated here).
+    dtype, or a pair of them (a head's tiles lie in one or the other): the heads go in as many launches
+    as ``attn_ds_bytes`` says fit (None: allocated here).
     ``e4m3`` (fp8, "wgds", bf16, accumulate off): (d8, sc, rec): dqkv is written as E4M3 bytes into d8
     (B*T, 3C) at scale sc[0] instead, its amax atomicMax-ed into rec[0] (the bytes of the bf16 dqkv
     followed by fp8.cu's cast at that scale)."""
@@ -438,20 +439,23 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
     per = attn_ds_bytes(T)
     if ds is None:
         ds = cp().empty(attn_ds_bytes(T, BH), dtype=cp().uint8)
-    nbh = min(BH, ds.nbytes // per)
-    if nbh < 1:
-        raise AndreaError(f"cuda attention: the dS scratch holds {ds.nbytes} bytes, one head needs {per}")
+    ds1, ds2 = ds if isinstance(ds, tuple) else (ds, None)
+    c1, c2 = ds1.nbytes // per, 0 if ds2 is None else ds2.nbytes // per       # heads each buffer holds
+    if c1 + c2 < 1:
+        raise AndreaError(f"cuda attention: the dS scratch holds {ds1.nbytes + (ds2.nbytes if c2 else 0)} bytes, "
+                          f"one head needs {per}")
     kernel("attention.cu", f"k_attn_dvec16_{SUFFIX[prec]}")((blocks(BH * T),), (256,),
                                                            (y, dy, i32(C), dvec, i32(B), i32(T), i32(H), i32(D)))
-    for bh0 in range(0, BH, nbh):
-        n = min(nbh, BH - bh0)
+    for bh0 in range(0, BH, c1 + c2):       # a launch: its first n1 heads' tiles in ds1, the rest in ds2
+        n = min(c1 + c2, BH - bh0)
+        n1, p2 = min(c1, n), ptr(ds2) if c2 else np.uint64(0)
         name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
                                                    ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
-                                                   ptr(ds), i32(bh0), dk8, dv8, sc, rec))
+                                                   ptr(ds1), i32(bh0), dk8, dv8, sc, rec, p2, i32(n1)))
         name, grid, block = _attn_launch("wgds", "dq", prec, D, T, n, dq_rows)
-        kernel("attention.cu", name)(grid, block, (k, i32(3 * C), ptr(ds), ptr(dqkv), i32(T), i32(H), f32(scale),
-                                                   acc, i32(bh0), dq8, sc, rec))
+        kernel("attention.cu", name)(grid, block, (k, i32(3 * C), ptr(ds1), ptr(dqkv), i32(T), i32(H), f32(scale),
+                                                   acc, i32(bh0), dq8, sc, rec, p2, i32(n1)))
 
 
 def _row_ld(op: str, x, N: int, V: int) -> int:
