@@ -654,6 +654,45 @@ def test_e4m3_attention_backward_is_the_bf16_backward_then_the_delayed_cast(head
                       impl="wg", e4m3=(d8, gpu(np.array([scale], np.float32)), rec))
 
 
+@pytest.mark.parametrize("T,D,rows,transposed", [(200, 64, 256, True), (1024, 64, 256, True), (520, 32, 128, True),
+                                                  (70, 64, 64, True), (1024, 32, 128, False)])
+def test_e4m3_attention_forward_is_the_bf16_forward_then_the_delayed_cast(T, D, rows, transposed):
+    """fp8.ATTN_FWD_E4M3's kernels (kernels.k_attn_fwd(impl="wg", e4m3=)) against the bf16 forward
+    followed by the NumPy twin of the delayed cast at one scale: y and lse2 byte-identical, the E4M3 y
+    bytes, their transpose (written through shared memory; T = 520 and 200 end inside a 16-byte run, 70
+    inside the block) and the amax (atomicMax-ed over blocks into a smaller start) bit-exact; the scale
+    4x too large so the top values saturate. Tolerance: none."""
+    from andrea.cuda import kernels as kk
+    from andrea.errors import AndreaError
+
+    if not kk.hopper():
+        pytest.skip("the wgmma attention forward needs a compute capability 9.0 device")
+    rng = np.random.default_rng(13)
+    Bq, H = 2, 2
+    C, N = H * D, Bq * T
+    qkv = _bf16_gpu(rng, (N, 3 * C))
+    y, lse = cp.full((N, C), 0x7FC0, np.uint16), cp.full(Bq * H * T, np.nan, np.float32)
+    kk.k_attn_fwd("bf16", y, lse, qkv, Bq, T, C, H, rows=rows, impl="wg")
+    yf = f8.bf16_to_f32(cp.asnumpy(y))
+    am = f8.amax(yf)
+    scale = np.float32(f8.scale_of(am)[0] * np.float32(4.0))
+    q_ref, am_ref, clipped = f8.quantize_delayed(yf, scale)
+    assert clipped and am_ref == am
+    y2, lse2 = cp.full((N, C), 0x7FC0, np.uint16), cp.full(Bq * H * T, np.nan, np.float32)
+    y8, y8t = cp.full((N, C), 0xAA, np.uint8), cp.full((C, N), 0xAA, np.uint8) if transposed else None
+    rec = cp.asarray(np.array([np.float32(am) / 2], np.float32))
+    kk.k_attn_fwd("bf16", y2, lse2, qkv, Bq, T, C, H, rows=rows, impl="wg",
+                  e4m3=(y8, y8t, gpu(np.array([scale], np.float32)), rec))
+    assert cp.asnumpy(y2).tobytes() == cp.asnumpy(y).tobytes()
+    assert cp.asnumpy(lse2).tobytes() == cp.asnumpy(lse).tobytes()
+    np.testing.assert_array_equal(cp.asnumpy(y8), q_ref.reshape(N, C))
+    if transposed:
+        np.testing.assert_array_equal(cp.asnumpy(y8t), q_ref.reshape(N, C).T)
+    assert float(rec[0]) == float(am_ref)
+    with pytest.raises(AndreaError, match="E4M3 y needs"):
+        kk.k_attn_fwd("bf16", y2, lse2, qkv, Bq, T, C, H, impl="mma", e4m3=(y8, y8t, gpu(np.array([scale])), rec))
+
+
 @pytest.mark.parametrize("C", [64, 768, 1536])
 def test_e4m3_layernorm_backward_is_the_bf16_backward_then_the_delayed_cast(C):
     """fp8.LNB_E4M3's kernel (kernels.k_layernorm_bwd(e4m3=)) against k_layernorm_bwd with a bf16 dlow
@@ -892,7 +931,8 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     E4M3) is on in the first. fp8.FC_E4M3 is off in both (it rounds h_act once from fp32, not the same
     bytes: test_e4m3_h_act_tracks_the_bf16_cast). On a compute capability 9.0 device both run the
     dS-storing attention backward, and fp8.ATTN_E4M3 (its dqkv written in E4M3) is on in the first only,
-    as is fp8.LNB_E4M3 (the residual LayerNorm backwards' branch gradient written in E4M3)."""
+    as are fp8.LNB_E4M3 (the residual LayerNorm backwards' branch gradient written in E4M3) and
+    fp8.ATTN_FWD_E4M3 (the attention forward's y written in E4M3, both orientations)."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
 
@@ -905,6 +945,7 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     monkeypatch.setattr(k8, "SAVE_TRANSPOSES", False)
     monkeypatch.setattr(k8, "DGELU_CAST", False)
     monkeypatch.setattr(k8, "ATTN_E4M3", False)
+    monkeypatch.setattr(k8, "ATTN_FWD_E4M3", False)
     monkeypatch.setattr(k8, "LNB_E4M3", False)
     monkeypatch.setattr(k8.Fp8Gemm, "cast_weights", k8.Fp8Gemm.cast_weights_each)
     off = _run(6, scaling=scaling)

@@ -374,9 +374,14 @@ __device__ __forceinline__ void store_rows_e4m3(unsigned char* d8, long long rb,
 
 // The forward's epilogue of rows ra / rc: y = o / l (16-bit, layout as store_rows) and lse2 = m + log2 l
 // (lse_bh: this head's lse2 row), l first summed over the 4 lanes that share a row.
+// y8 non-null (fp8, bf16 only): y also as E4M3 codes of those bf16 values at scale s (fp8.cu's cast, fp8_pair)
+// into y8 (ldy apart), m8 the running max |bf16 value|; t8 non-null: the codes also into the shared stage
+// t8 transposed, (column - col0) * rows + (row - row0) (attn_fwd_wg writes it out as y8^T).
 template <bool BF, int ND>
 __device__ __forceinline__ void fwd_store(u16* y, long long rb, int ra, int rc, int Tn, int ldy, int col, int t4,
-                                          const float* o, float m0, float m1, float l0, float l1, float* lse_bh) {
+                                          const float* o, float m0, float m1, float l0, float l1, float* lse_bh,
+                                          unsigned char* y8 = nullptr, float s8 = 1.0f, float* m8 = nullptr,
+                                          unsigned char* t8 = nullptr, int col0 = 0, int row0 = 0, int rows = 0) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -385,8 +390,23 @@ __device__ __forceinline__ void fwd_store(u16* y, long long rb, int ra, int rc, 
 #pragma unroll
     for (int n = 0; n < ND; ++n) {
         const int c = col + n * 8;
-        if (ra < Tn) *reinterpret_cast<unsigned*>(y + (rb + ra) * ldy + c) = pack2<BF>(o[4 * n] * i0, o[4 * n + 1] * i0);
-        if (rc < Tn) *reinterpret_cast<unsigned*>(y + (rb + rc) * ldy + c) = pack2<BF>(o[4 * n + 2] * i1, o[4 * n + 3] * i1);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = half ? rc : ra;
+            const float inv = half ? i1 : i0;
+            if (r >= Tn) continue;
+            const unsigned w = pack2<BF>(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
+            *reinterpret_cast<unsigned*>(y + (rb + r) * ldy + c) = w;
+            if (y8 != nullptr) {
+                const unsigned lo = w & 0xffffu, hi = w >> 16, q8 = fp8_pair(lo, hi, s8);
+                *m8 = fmaxf(*m8, fmaxf(bf16_absf(lo), bf16_absf(hi)));
+                *reinterpret_cast<unsigned short*>(y8 + (rb + r) * ldy + c) = (unsigned short)q8;
+                if (t8 != nullptr) {
+                    t8[(c - col0) * rows + (r - row0)] = (unsigned char)(q8 & 0xffu);
+                    t8[(c + 1 - col0) * rows + (r - row0)] = (unsigned char)(q8 >> 8);
+                }
+            }
+        }
     }
     if (t4 == 0) {
         if (ra < Tn) lse_bh[ra] = m0 + log2f(l0);
@@ -1011,9 +1031,14 @@ __device__ __forceinline__ void wg_next(Issue issue, int t, int nt) {
 // multiplied. Shared stage t holds K tile t and V tile t-1 (the pair one step uses), double-buffered:
 // stage t+2 is in flight while stage t+1 is used. Step j = -1 only starts S_0; a warpgroup is active
 // on key tiles 0 .. its diagonal (the block's other warpgroup may need one tile more).
+// y8 non-null (fp8: kernels.k_attn_fwd's e4m3, bf16 only): y also in E4M3 at *sc into y8 (ldy apart), and,
+// y8t non-null, transposed into y8t (C, ldt), through shared memory (Ks2, free after the last product);
+// the block's max |bf16 value| atomicMax-ed into *rec: the bytes of the bf16 y followed by fp8.cu's cast.
 template <bool BF, int D, int WG>
 __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, int ld,
-                            u16* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H, float sl2) {
+                            u16* __restrict__ y, int ldy, float* __restrict__ lse2, int Tn, int H, float sl2,
+                            unsigned char* __restrict__ y8 = nullptr, unsigned char* __restrict__ y8t = nullptr,
+                            long long ldt = 0, const float* __restrict__ sc = nullptr, float* __restrict__ rec = nullptr) {
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(128) u16 Ks2[2][64 * D];
     __shared__ __align__(128) u16 Vs2[2][64 * D];
@@ -1130,7 +1155,34 @@ __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k
     wg_wait<0>();
     wg_regs<ND * 4>(o);
     for (++j; j < nkt; ++j) top(j);
-    fwd_store<BF, ND>(y, rb, ra, rc, Tn, ldy, h * D + 2 * t4, t4, o, m0, m1, l0, l1, lse2 + (long long)bh * Tn);
+    if (y8 == nullptr) {
+        fwd_store<BF, ND>(y, rb, ra, rc, Tn, ldy, h * D + 2 * t4, t4, o, m0, m1, l0, l1, lse2 + (long long)bh * Tn);
+        return;
+    }
+    constexpr int ROWS = 64 * WG;                      // the block's rows; the stage: D x ROWS bytes <= Ks2's
+    static_assert(D * ROWS <= (int)sizeof(Ks2), "the transposed E4M3 stage must fit in Ks2");
+    unsigned char* t8 = y8t != nullptr ? reinterpret_cast<unsigned char*>(&Ks2[0][0]) : nullptr;
+    const int row0 = qt * ROWS;
+    if (t8 != nullptr) __syncthreads();                // every warpgroup's last product has read Ks2
+    float m8 = 0.0f;
+    fwd_store<BF, ND>(y, rb, ra, rc, Tn, ldy, h * D + 2 * t4, t4, o, m0, m1, l0, l1, lse2 + (long long)bh * Tn,
+                      y8, *sc, &m8, t8, h * D, row0, ROWS);
+    __shared__ float red8[32];
+    m8 = block_max(m8, red8);
+    if (tid == 0) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m8));
+    if (t8 == nullptr) return;
+    __syncthreads();
+    const int valid = min(ROWS, Tn - row0);            // rows of this block inside the sequence
+    for (int idx = tid; idx < D * (ROWS / 16); idx += blockDim.x) {
+        const int d = idx / (ROWS / 16), c16 = (idx % (ROWS / 16)) * 16;
+        unsigned char* dst = y8t + (long long)(h * D + d) * ldt + rb + row0 + c16;
+        const unsigned char* src = t8 + d * ROWS + c16;
+        if (c16 + 16 <= valid && ((size_t)dst & 15) == 0) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 16 && c16 + e < valid; ++e) dst[e] = src[e];
+        }
+    }
 }
 
 
@@ -1419,6 +1471,15 @@ ATTN_TC_ALL(wg, 128, 256)  // 128 threads per warpgroup
     }
 ATTN_WG_FWD256_INST(bf16, true, 32) ATTN_WG_FWD256_INST(bf16, true, 64)
 ATTN_WG_FWD256_INST(f16, false, 32) ATTN_WG_FWD256_INST(f16, false, 64)
+// The fp8 engine's forward (fp8.ATTN_FWD_E4M3): the wgmma forward also writing y in E4M3 (attn_fwd_wg's y8).
+#define ATTN_WG_FWD8_INST(D, WG, BM, NT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(NT) k_attn_fwd8_wg_bf16_d##D##_r##BM(                       \
+        const u16* q, const u16* k, const u16* v, int ld, u16* y, int ldy, float* lse2, int Tn, int H,       \
+        float sl2, unsigned char* y8, unsigned char* y8t, long long ldt, const float* sc, float* rec) {      \
+        attn_fwd_wg<true, D, WG>(q, k, v, ld, y, ldy, lse2, Tn, H, sl2, y8, y8t, ldt, sc, rec);               \
+    }
+ATTN_WG_FWD8_INST(32, 1, 64, 128) ATTN_WG_FWD8_INST(32, 2, 128, 256) ATTN_WG_FWD8_INST(32, 4, 256, 512)
+ATTN_WG_FWD8_INST(64, 1, 64, 128) ATTN_WG_FWD8_INST(64, 2, 128, 256) ATTN_WG_FWD8_INST(64, 4, 256, 512)
 
 // The dQ-from-dS pair (impl "wgds"): k_attn_bwd_dkvs_wg_* (the dK/dV kernel, also storing dS^T) then
 // k_attn_bwd_dqs_wg_*, for the heads bh0 .. bh0 + gridDim.y - 1 (their tiles: the first n1 in ds, the

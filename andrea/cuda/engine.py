@@ -188,7 +188,14 @@ class FastOps:
         self._mm(dx, dqkv, w_qkv, tb=True, tag="qkv dgrad")
 
     def attn_forward(self, out, att, qkv, mask, n_head, work):
+        """fp8 (ATTN_FWD_E4M3, the bf16 "wg" kernel): y also straight into E4M3, both orientations, for the
+        attention-out GEMM and its weight gradient (``Fp8Gemm.produce``)."""
         B, T, C = out.shape
+        if self.f8 is not None and self.p == "bf16" and self.f8.attn_e4m3 \
+                and attn_impl(self.p, C // n_head, 3 * C, "fwd") == "wg":
+            self.f8.produce(out.reshape(B * T, C), lambda y8, y8t, sc, rec: k_attn_fwd(
+                self.p, out, att, qkv, B, T, C, n_head, e4m3=(y8, y8t, sc, rec)), transposes=True)
+            return
         k_attn_fwd(self.p, out, att, qkv, B, T, C, n_head)
 
     def _spare_h_pre(self, qkv):

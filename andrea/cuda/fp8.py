@@ -106,6 +106,10 @@ FAST_ACCUM_BWD = True
 # dqkv in E4M3 at its site's scale with its amax (bf16 rounding then the cast's conversion: the same
 # bytes as False), a byte transpose makes the weight gradient's copy: dqkv is never stored in bf16.
 ATTN_E4M3 = True
+# The same conditions: the attention forward ("wg", kernels.k_attn_fwd(e4m3=)) writes y, the attention-out
+# GEMM's input, in E4M3 at its site's scale with its amax, both orientations (the transpose through shared
+# memory), besides the bf16 y the backward reads: no cast of y. The same bytes as False.
+ATTN_FWD_E4M3 = True
 # The same for the branch gradient the residual LayerNorm backwards hand to the attention-out and MLP-proj
 # backwards (k_layernorm_bwd(e4m3=)): E4M3 at its site's scale instead of bf16 for a cast, same bytes.
 LNB_E4M3 = True
@@ -582,27 +586,38 @@ class Fp8Gemm:
         """FC_E4M3 applies now."""
         return FC_E4M3 and self._written
 
+    @property
+    def attn_e4m3(self) -> bool:
+        """ATTN_FWD_E4M3 applies now (the engine also checks that the forward is the bf16 "wg" one)."""
+        return ATTN_FWD_E4M3 and self._written
+
     def ln_e4m3(self, out) -> bool:
         """LN_E4M3 applies now to a LayerNorm writing ``out`` (one of ``ln_ptrs``)."""
         return LN_E4M3 and self._written and out.data.ptr in self.ln_ptrs
 
-    def produce(self, A, write, buf: str = "f8_a", folds: bool = False) -> None:
+    def produce(self, A, write, buf: str = "f8_a", folds: bool = False, transposes: bool = False) -> None:
         """A (R, C), the activation the next GEMM would cast, is written in E4M3 by its producer instead:
         ``write(nat, scale, rec)`` puts it into ``buf`` at the next site's scale (scale: a 1-float view of
         the slot) and its amax into rec (the site's f8_cur entry), or, ``folds``, into f8_part[0] for
-        k_fp8_t_u8 to fold; the transpose is kept for the weight gradient when a backward follows. The
-        next ``_activation`` of A takes the copy instead of casting (same site, same factor)."""
+        k_fp8_t_u8 to fold; the transpose is kept for the weight gradient when a backward follows
+        (``transposes``: the producer writes it too, ``write(nat, out_t, scale, rec)``, out_t None when
+        none is kept). The next ``_activation`` of A takes the copy instead of casting (same site, same
+        factor)."""
         R, C = A.shape
         site = self._next_site()
         slot, key, rec = self.site_base + site, (A.data.ptr, A.shape), self.a["f8_cur"][site:site + 1]
         nat, am = self._buf(buf, R, C), self.a["f8_part"][:1]
-        write(nat, self.inv[SLOT * slot + 1:SLOT * slot + 2], am if folds else rec)
         out_t = None
         if self.save_t:
             out_t, _ = self._save_slot(R, C)
             self._keep(key, out_t, slot, site)
-        if out_t is not None or folds:
-            k_fp8_t_u8(nat, out_t, R, C, am, rec if folds else None)
+        scale = self.inv[SLOT * slot + 1:SLOT * slot + 2]
+        if transposes:
+            write(nat, out_t, scale, rec)
+        else:
+            write(nat, scale, am if folds else rec)
+            if out_t is not None or folds:
+                k_fp8_t_u8(nat, out_t, R, C, am, rec if folds else None)
         self._ready[key] = (nat, slot)
 
     def grad_e4m3(self, switch: bool) -> bool:

@@ -370,13 +370,23 @@ def _tensor_impl(prec: str, D: int, ld: int, impl: str | None, which: str) -> st
     return impl
 
 
-def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H, rows=None, impl=None):
-    """qkv (B*T, 3C) -> y (B*T, C), lse2 (B*H, T). ``impl``: "mma" or "wg" instead of attn_impl's pick."""
+def k_attn_fwd(prec, y, lse2, qkv, B, T, C, H, rows=None, impl=None, e4m3=None):
+    """qkv (B*T, 3C) -> y (B*T, C), lse2 (B*H, T). ``impl``: "mma" or "wg" instead of attn_impl's pick.
+    ``e4m3`` (fp8: the "wg" forward in bf16): (y8, y8t, sc, rec): y also as E4M3 bytes into y8 (B*T, C)
+    at scale sc[0] and, y8t not None, transposed into y8t (C, B*T); the amax into rec[0] (atomicMax): the
+    bytes of the bf16 y followed by fp8.cu's cast at that scale."""
     D = C // H
-    name, grid, block = _attn_launch(_tensor_impl(prec, D, 3 * C, impl, "fwd"), "fwd", prec, D, T, B * H, rows)
+    impl = _tensor_impl(prec, D, 3 * C, impl, "fwd")
+    name, grid, block = _attn_launch(impl, "fwd", prec, D, T, B * H, rows)
     sl2 = math.log2(math.e) / math.sqrt(D)
-    kernel("attention.cu", name)(
-        grid, block, (ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C), i32(3 * C), y, i32(C), lse2, i32(T), i32(H), f32(sl2)))
+    args = (ptr(qkv), ptr(qkv, C), ptr(qkv, 2 * C), i32(3 * C), y, i32(C), lse2, i32(T), i32(H), f32(sl2))
+    if e4m3 is not None:
+        if impl != "wg" or prec != "bf16":
+            raise AndreaError(f"cuda attention: an E4M3 y needs the \"wg\" forward in bf16 (got {impl}, {prec})")
+        y8, y8t, sc, rec = e4m3
+        name = name.replace("k_attn_fwd_wg_", "k_attn_fwd8_wg_")
+        args += (ptr(y8), np.uint64(0) if y8t is None else ptr(y8t), np.int64(B * T), ptr(sc), ptr(rec))
+    kernel("attention.cu", name)(grid, block, args)
 
 
 def attn_ds_bytes(T: int, heads: int = 1) -> int:
