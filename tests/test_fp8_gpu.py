@@ -615,13 +615,14 @@ def test_e4m3_layernorm_forward_is_the_bf16_forward_then_the_delayed_cast(C, res
         kk.k_layernorm_fwd_e4m3(y8[:60], m[:60], r[:60], gpu(x[:60]), gpu(g), gpu(b), 60, C, sc, rec)
 
 
-@pytest.mark.parametrize("heads_per_launch", [None, 1])
-def test_e4m3_attention_backward_is_the_bf16_backward_then_the_delayed_cast(heads_per_launch):
+@pytest.mark.parametrize("heads_per_launch,transposed", [(None, False), (1, False), (None, True), (1, True)])
+def test_e4m3_attention_backward_is_the_bf16_backward_then_the_delayed_cast(heads_per_launch, transposed):
     """fp8.ATTN_E4M3's kernels (kernels.k_attn_bwd(impl="wgds", e4m3=)) against the same backward in
     bf16 followed by the NumPy twin of the delayed cast at one scale: the E4M3 bytes of dq, dk and dv
-    and the amax (atomicMax-ed over warps and both kernels, into a smaller start) bit-exact; T = 200
-    is ragged against the 64-row tiles, the scale 4x too large so the top values saturate, and the
-    heads go in one launch or one per launch. Tolerance: none."""
+    (and, fp8.ATTN_BWD_T, their transpose, staged in shared memory) and the amax (atomicMax-ed over
+    warps and both kernels, into a smaller start) bit-exact; T = 200 is ragged against the 64-row
+    tiles, the scale 4x too large so the top values saturate, and the heads go in one launch or one
+    per launch. Tolerance: none."""
     from andrea.cuda import kernels as kk
 
     if not kk.hopper():
@@ -642,10 +643,14 @@ def test_e4m3_attention_backward_is_the_bf16_backward_then_the_delayed_cast(head
     q_ref, am_ref, clipped = f8.quantize_delayed(rf, scale)
     assert clipped and am_ref == am
     d8 = cp.full((N, 3 * C), 0xAA, np.uint8)
+    d8t = cp.full((3 * C, N), 0xAA, np.uint8) if transposed else None
     rec = cp.asarray(np.array([np.float32(am) / 2], np.float32))
     kk.k_attn_bwd("bf16", cp.full((N, 3 * C), 0x7FC0, np.uint16), dout, y, lse, cp.zeros(Bq * H * T, np.float32),
-                  qkv, Bq, T, C, H, False, impl="wgds", ds=ds, e4m3=(d8, gpu(np.array([scale], np.float32)), rec))
+                  qkv, Bq, T, C, H, False, impl="wgds", ds=ds,
+                  e4m3=(d8, gpu(np.array([scale], np.float32)), rec, d8t))
     np.testing.assert_array_equal(cp.asnumpy(d8), q_ref.reshape(N, 3 * C))
+    if transposed:
+        np.testing.assert_array_equal(cp.asnumpy(d8t), q_ref.reshape(N, 3 * C).T)
     assert float(rec[0]) == float(am_ref)
     from andrea.errors import AndreaError
 
@@ -931,8 +936,9 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     E4M3) is on in the first. fp8.FC_E4M3 is off in both (it rounds h_act once from fp32, not the same
     bytes: test_e4m3_h_act_tracks_the_bf16_cast). On a compute capability 9.0 device both run the
     dS-storing attention backward, and fp8.ATTN_E4M3 (its dqkv written in E4M3) is on in the first only,
-    as are fp8.LNB_E4M3 (the residual LayerNorm backwards' branch gradient written in E4M3) and
-    fp8.ATTN_FWD_E4M3 (the attention forward's y written in E4M3, both orientations)."""
+    as are fp8.LNB_E4M3 (the residual LayerNorm backwards' branch gradient written in E4M3),
+    fp8.ATTN_FWD_E4M3 (the attention forward's y written in E4M3, both orientations) and fp8.ATTN_BWD_T
+    (the attention backward writing dqkv's transpose too)."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
 
@@ -940,12 +946,14 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
     monkeypatch.setattr(k8, "FC_E4M3", False)
     monkeypatch.setattr(k8, "CAST_T", kernel)
+    monkeypatch.setattr(k8, "ATTN_FWD_E4M3", True)              # off by default (no faster), held to the bytes
     on = _run(6, scaling=scaling)
     monkeypatch.setattr(k8, "CAST_T", "smem")
     monkeypatch.setattr(k8, "SAVE_TRANSPOSES", False)
     monkeypatch.setattr(k8, "DGELU_CAST", False)
     monkeypatch.setattr(k8, "ATTN_E4M3", False)
     monkeypatch.setattr(k8, "ATTN_FWD_E4M3", False)
+    monkeypatch.setattr(k8, "ATTN_BWD_T", False)
     monkeypatch.setattr(k8, "LNB_E4M3", False)
     monkeypatch.setattr(k8.Fp8Gemm, "cast_weights", k8.Fp8Gemm.cast_weights_each)
     off = _run(6, scaling=scaling)

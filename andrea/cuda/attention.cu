@@ -344,13 +344,23 @@ __device__ __forceinline__ void store_rows(u16* dst, long long rb, int ra, int r
     }
 }
 
+// Two E4M3 codes (q8: column c in the low byte, c + 1 in the high) of row r into a transposing stage of
+// `rows` rows a column: byte (c, r) at c * rows + r.
+__device__ __forceinline__ void stage_pair(unsigned char* t8, int c, int r, int rows, unsigned q8) {
+    t8[c * rows + r] = (unsigned char)(q8 & 0xffu);
+    t8[(c + 1) * rows + r] = (unsigned char)(q8 >> 8);
+}
+
 // store_rows' E4M3 form (fp8 under delayed scaling: the dqkv gradient written by its producer, accumulate
 // off): each output rounded to bf16 exactly as store_rows rounds it (0 + a scale), then E4M3 at *sc into
 // the byte matrix d8 (leading dimension ld), and the warp's max |bf16| over the finite outputs
-// atomicMax-ed into *rec: the bytes of store_rows followed by fp8.cu's cast at that scale.
+// atomicMax-ed into *rec: the bytes of store_rows followed by fp8.cu's cast at that scale. t8 non-null:
+// the codes also into a transposing stage (stage_pair; columns from col0, rows from row0).
 template <int ND>
 __device__ __forceinline__ void store_rows_e4m3(unsigned char* d8, long long rb, int ra, int rc, int Tn, int ld,
-                                                int col, const float* acc, float scale, const float* sc, float* rec) {
+                                                int col, const float* acc, float scale, const float* sc, float* rec,
+                                                unsigned char* t8 = nullptr, int col0 = 0, int row0 = 0,
+                                                int rows = 0) {
     const float s = *sc;
     float m = 0.0f;
 #pragma unroll
@@ -362,14 +372,34 @@ __device__ __forceinline__ void store_rows_e4m3(unsigned char* d8, long long rb,
             if (r < Tn) {
                 const unsigned w = pack2<true>(0.0f + acc[4 * n + 2 * half] * scale,
                                                0.0f + acc[4 * n + 2 * half + 1] * scale);
-                const unsigned lo = w & 0xffffu, hi = w >> 16;
+                const unsigned lo = w & 0xffffu, hi = w >> 16, q8 = fp8_pair(lo, hi, s);
                 m = fmaxf(m, fmaxf(bf16_absf(lo), bf16_absf(hi)));
-                *reinterpret_cast<unsigned short*>(d8 + (rb + r) * ld + c) = (unsigned short)fp8_pair(lo, hi, s);
+                *reinterpret_cast<unsigned short*>(d8 + (rb + r) * ld + c) = (unsigned short)q8;
+                if (t8 != nullptr) stage_pair(t8, c - col0, r - row0, rows, q8);
             }
         }
     }
     m = warp_max(m);
     if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m));
+}
+
+// The block's staged codes (stage_pair: D columns x `rows` rows, column-major) -> out_t (the transposed
+// E4M3 matrix, ldt apart): its rows col0 .. col0 + D - 1, columns rb + row0 .. up to the sequence's end,
+// 16 bytes a store where aligned. After a __syncthreads that follows the staging.
+template <int D>
+__device__ __forceinline__ void stage_to_t(const unsigned char* t8, int rows, unsigned char* out_t, long long ldt,
+                                           long long rb, int row0, int Tn, int col0) {
+    const int valid = min(rows, Tn - row0);
+    for (int idx = threadIdx.x; idx < D * (rows / 16); idx += blockDim.x) {
+        const int d = idx / (rows / 16), c16 = (idx % (rows / 16)) * 16;
+        unsigned char* dst = out_t + (long long)(col0 + d) * ldt + rb + row0 + c16;
+        const unsigned char* src = t8 + d * rows + c16;
+        if (c16 + 16 <= valid && ((size_t)dst & 15) == 0) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 16 && c16 + e < valid; ++e) dst[e] = src[e];
+        }
+    }
 }
 
 // The forward's epilogue of rows ra / rc: y = o / l (16-bit, layout as store_rows) and lse2 = m + log2 l
@@ -401,10 +431,7 @@ __device__ __forceinline__ void fwd_store(u16* y, long long rb, int ra, int rc, 
                 const unsigned lo = w & 0xffffu, hi = w >> 16, q8 = fp8_pair(lo, hi, s8);
                 *m8 = fmaxf(*m8, fmaxf(bf16_absf(lo), bf16_absf(hi)));
                 *reinterpret_cast<unsigned short*>(y8 + (rb + r) * ldy + c) = (unsigned short)q8;
-                if (t8 != nullptr) {
-                    t8[(c - col0) * rows + (r - row0)] = (unsigned char)(q8 & 0xffu);
-                    t8[(c + 1 - col0) * rows + (r - row0)] = (unsigned char)(q8 >> 8);
-                }
+                if (t8 != nullptr) stage_pair(t8, c - col0, r - row0, rows, q8);
             }
         }
     }
@@ -1172,17 +1199,7 @@ __device__ void attn_fwd_wg(const u16* __restrict__ q, const u16* __restrict__ k
     if (tid == 0) atomicMax(reinterpret_cast<int*>(rec), __float_as_int(m8));
     if (t8 == nullptr) return;
     __syncthreads();
-    const int valid = min(ROWS, Tn - row0);            // rows of this block inside the sequence
-    for (int idx = tid; idx < D * (ROWS / 16); idx += blockDim.x) {
-        const int d = idx / (ROWS / 16), c16 = (idx % (ROWS / 16)) * 16;
-        unsigned char* dst = y8t + (long long)(h * D + d) * ldt + rb + row0 + c16;
-        const unsigned char* src = t8 + d * ROWS + c16;
-        if (c16 + 16 <= valid && ((size_t)dst & 15) == 0) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (int e = 0; e < 16 && c16 + e < valid; ++e) dst[e] = src[e];
-        }
-    }
+    stage_to_t<D>(t8, ROWS, y8t, ldt, rb, row0, Tn, h * D);
 }
 
 
@@ -1296,7 +1313,8 @@ template <bool BF, int D, int WG>
 __device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __restrict__ ds, u16* __restrict__ dq,
                                 int Tn, int H, float scale, int accumulate, int bh0,
                                 unsigned char* __restrict__ dq8, const float* __restrict__ sc, float* __restrict__ rec,
-                                const u16* __restrict__ ds2, int n1) {
+                                const u16* __restrict__ ds2, int n1, unsigned char* __restrict__ dq8t = nullptr,
+                                long long ldt = 0) {
     constexpr int ND = D / 8;
     __shared__ __align__(128) u16 Ks2[2][64 * D];
     __shared__ __align__(128) u16 Ds2[2][WG][64 * 64];
@@ -1343,8 +1361,16 @@ __device__ void attn_bwd_dqs_wg(const u16* __restrict__ k, int ld, const u16* __
         }
         __syncthreads();
     }
-    if (dq8 != nullptr) {
-        store_rows_e4m3<ND>(dq8, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, sc, rec);
+    if (dq8 != nullptr) {  // the loop ended on a barrier: Ks2 is free for the transposing stage
+        constexpr int ROWS = 64 * WG;
+        static_assert(D * ROWS <= (int)sizeof(Ks2), "the transposed E4M3 stage must fit in Ks2");
+        unsigned char* t8 = dq8t != nullptr ? reinterpret_cast<unsigned char*>(&Ks2[0][0]) : nullptr;
+        const int row0 = qt * ROWS;
+        store_rows_e4m3<ND>(dq8, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, sc, rec, t8, h * D, row0, ROWS);
+        if (t8 != nullptr) {
+            __syncthreads();
+            stage_to_t<D>(t8, ROWS, dq8t, ldt, rb, row0, Tn, h * D);
+        }
         return;
     }
     store_rows<BF, ND>(dq, rb, ra, rc, Tn, ld, h * D + 2 * t4, acc, scale, accumulate);
@@ -1361,7 +1387,8 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
                                 int bh0 = 0, unsigned char* __restrict__ dk8 = nullptr,
                                 unsigned char* __restrict__ dv8 = nullptr, const float* __restrict__ sc = nullptr,
                                 float* __restrict__ rec = nullptr, u16* __restrict__ ds2 = nullptr,
-                                int n1 = 0x7fffffff) {
+                                int n1 = 0x7fffffff, unsigned char* __restrict__ dk8t = nullptr,
+                                unsigned char* __restrict__ dv8t = nullptr, long long ldt = 0) {
     constexpr int KS = D / 16, ND = D / 8;
     __shared__ __align__(128) u16 Qs2[2][64 * D];
     __shared__ __align__(128) u16 Os2[2][64 * D];
@@ -1451,9 +1478,20 @@ __device__ void attn_bwd_dkv_wg(const u16* __restrict__ q, const u16* __restrict
         wg_regs<ND * 4>(dka);
         __syncthreads();
     }
-    if (dk8 != nullptr) {  // fp8: dK, dV in E4M3 (bf16 storage only: the launcher's check)
-        store_rows_e4m3<ND>(dk8, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, sc, rec);
-        store_rows_e4m3<ND>(dv8, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, sc, rec);
+    if (dk8 != nullptr) {  // fp8: dK, dV in E4M3 (bf16 storage only: the launcher's check); with dk8t (and
+        // dv8t) also transposed, staged in Qs2 (free: the loop ended on a barrier)
+        constexpr int ROWS = 64 * WG;
+        static_assert(2 * D * ROWS <= (int)sizeof(Qs2), "the transposed E4M3 stages must fit in Qs2");
+        unsigned char* t8 = dk8t != nullptr ? reinterpret_cast<unsigned char*>(&Qs2[0][0]) : nullptr;
+        const int row0 = kt * ROWS;
+        store_rows_e4m3<ND>(dk8, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, sc, rec, t8, h * D, row0, ROWS);
+        store_rows_e4m3<ND>(dv8, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, sc, rec,
+                            t8 == nullptr ? nullptr : t8 + D * ROWS, h * D, row0, ROWS);
+        if (t8 != nullptr) {
+            __syncthreads();
+            stage_to_t<D>(t8, ROWS, dk8t, ldt, rb, row0, Tn, h * D);
+            stage_to_t<D>(t8 + D * ROWS, ROWS, dv8t, ldt, rb, row0, Tn, h * D);
+        }
         return;
     }
     store_rows<BF, ND>(dk, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, accumulate);
@@ -1484,19 +1522,23 @@ ATTN_WG_FWD8_INST(64, 1, 64, 128) ATTN_WG_FWD8_INST(64, 2, 128, 256) ATTN_WG_FWD
 // The dQ-from-dS pair (impl "wgds"): k_attn_bwd_dkvs_wg_* (the dK/dV kernel, also storing dS^T) then
 // k_attn_bwd_dqs_wg_*, for the heads bh0 .. bh0 + gridDim.y - 1 (their tiles: the first n1 in ds, the
 // rest in ds2).
-// dk8/dv8/dq8 non-null (fp8, bf16 storage): the outputs in E4M3 at *sc there instead, amax into *rec.
+// dk8/dv8/dq8 non-null (fp8, bf16 storage): the outputs in E4M3 at *sc there instead, amax into *rec;
+// dk8t/dv8t/dq8t non-null: also transposed there (rows h D + d, ldt apart).
 #define ATTN_WGDS_INST(SUF, BF, D, P, BM, NT)                                                                \
     extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkvs_wg_##SUF##_d##D##_r##BM(                \
         const u16* q, const u16* k, const u16* v, int ld, const u16* dy, int ldy, const float* lse2,         \
         const float* dvec, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate, u16* ds, \
-        int bh0, unsigned char* dk8, unsigned char* dv8, const float* sc, float* rec, u16* ds2, int n1) {    \
+        int bh0, unsigned char* dk8, unsigned char* dv8, const float* sc, float* rec, u16* ds2, int n1,      \
+        unsigned char* dk8t, unsigned char* dv8t, long long ldt) {                                           \
         attn_bwd_dkv_wg<BF, D, P, true>(q, k, v, ld, dy, ldy, lse2, dvec, dk, dv, Tn, H, sl2, scale,          \
-                                        accumulate, ds, bh0, dk8, dv8, sc, rec, ds2, n1);                    \
+                                        accumulate, ds, bh0, dk8, dv8, sc, rec, ds2, n1, dk8t, dv8t, ldt);   \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dqs_wg_##SUF##_d##D##_r##BM(                 \
         const u16* k, int ld, const u16* ds, u16* dq, int Tn, int H, float scale, int accumulate, int bh0,   \
-        unsigned char* dq8, const float* sc, float* rec, const u16* ds2, int n1) {                           \
-        attn_bwd_dqs_wg<BF, D, P>(k, ld, ds, dq, Tn, H, scale, accumulate, bh0, dq8, sc, rec, ds2, n1);      \
+        unsigned char* dq8, const float* sc, float* rec, const u16* ds2, int n1, unsigned char* dq8t,        \
+        long long ldt) {                                                                                     \
+        attn_bwd_dqs_wg<BF, D, P>(k, ld, ds, dq, Tn, H, scale, accumulate, bh0, dq8, sc, rec, ds2, n1, dq8t,  \
+                                  ldt);                                                                      \
     }
 ATTN_WGDS_INST(bf16, true, 32, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 32, 2, 128, 256)
 ATTN_WGDS_INST(bf16, true, 64, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 64, 2, 128, 256)

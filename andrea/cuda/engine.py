@@ -224,6 +224,11 @@ class FastOps:
                 spare = self._spare_h_pre(qkv)
                 ds = ds if spare is None else (ds, spare)
         if impl == "wgds" and self.f8 is not None and self.f8.grad_e4m3(fp8_mod.ATTN_E4M3):
+            if fp8_mod.ATTN_BWD_T:                          # the kernels write dqkv^T too
+                self.f8.produce_grad(dqkv.reshape(B * T, 3 * C), lambda d8, d8t, sc, rec: k_attn_bwd(
+                    self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
+                    impl=impl, e4m3=(d8, sc, rec, d8t)), after_shadow=True, transposes=True)
+                return
             self.f8.produce_grad(dqkv.reshape(B * T, 3 * C), lambda d8, sc, rec: k_attn_bwd(
                 self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
                 impl=impl, e4m3=(d8, sc, rec)), after_shadow=True)

@@ -108,8 +108,13 @@ FAST_ACCUM_BWD = True
 ATTN_E4M3 = True
 # The same conditions: the attention forward ("wg", kernels.k_attn_fwd(e4m3=)) writes y, the attention-out
 # GEMM's input, in E4M3 at its site's scale with its amax, both orientations (the transpose through shared
-# memory), besides the bf16 y the backward reads: no cast of y. The same bytes as False.
-ATTN_FWD_E4M3 = True
+# memory), besides the bf16 y the backward reads: no cast of y. The same bytes as False. Off: on the H200
+# (480M B=8, CUPTI) the forward grew by what the cast took (163 against 147 us a layer; the cast 17 us).
+ATTN_FWD_E4M3 = False
+# With ATTN_E4M3: the attention backward's kernels also write dqkv's transpose (the qkv weight gradient's
+# operand) themselves, staged in shared memory, instead of a byte transpose of dqkv. The same bytes as False.
+# H200, 480M B=8 (CUPTI): the byte transposes 0.89 against 1.20 ms a step, the two kernels unchanged.
+ATTN_BWD_T = True
 # The same for the branch gradient the residual LayerNorm backwards hand to the attention-out and MLP-proj
 # backwards (k_layernorm_bwd(e4m3=)): E4M3 at its site's scale instead of bf16 for a cast, same bytes.
 LNB_E4M3 = True
@@ -626,20 +631,25 @@ class Fp8Gemm:
         cast it again)."""
         return switch and self._written and self.save_t and self.memo_enabled
 
-    def produce_grad(self, G, write, after_shadow: bool) -> None:
+    def produce_grad(self, G, write, after_shadow: bool, transposes: bool = False) -> None:
         """G (R, C), an output gradient whose next two GEMMs are dX = G W^T and the weight gradient
         X^T G, is written in E4M3 by its producer: ``write(nat, scale, rec)`` into f8_g at the site G's
-        cast would take, with its amax; k_fp8_t_u8 writes G^T into f8_gt, and both GEMMs take them as a
-        cast's (the memo). ``after_shadow``: the weight gradient comes first (dqkv), and with X^T kept it
-        takes X's shadow site before G's, so G's site is the one after the next."""
+        cast would take, with its amax; k_fp8_t_u8 writes G^T into f8_gt (``transposes``: the producer
+        does, ``write(nat, tr, scale, rec)``), and both GEMMs take them as a cast's (the memo).
+        ``after_shadow``: the weight gradient comes first (dqkv), and with X^T kept it takes X's shadow
+        site before G's, so G's site is the one after the next."""
         R, C = G.shape
         key, site = (G.data.ptr, G.shape), self._planned(self._untaken(self.site + (1 if after_shadow else 0)))
         self._produced[key] = site
         self.site = self._untaken(self.site)           # G's GEMM takes no site of its own: skip it
         slot = self.site_base + site
         nat, tr = self._buf("f8_g", R, C), self._buf("f8_gt", C, R)
-        write(nat, self.inv[SLOT * slot + 1:SLOT * slot + 2], self.a["f8_cur"][site:site + 1])
-        k_fp8_t_u8(nat, tr, R, C, self.a["f8_part"][:1], None)
+        scale, rec = self.inv[SLOT * slot + 1:SLOT * slot + 2], self.a["f8_cur"][site:site + 1]
+        if transposes:
+            write(nat, tr, scale, rec)
+        else:
+            write(nat, scale, rec)
+            k_fp8_t_u8(nat, tr, R, C, self.a["f8_part"][:1], None)
         self._memo[key] = (nat, tr, slot, site)
 
     def _gelu_e4m3(self, H, x8, x_inv, y8, y_inv, M: int, N: int, K: int, aux) -> None:

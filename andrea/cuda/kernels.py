@@ -404,9 +404,10 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
     "wgds" (dQ from the dS tiles the dK/dV kernel stores) needs ``ds``, a scratch device array of any
     dtype, or a pair of them (a head's tiles lie in one or the other): the heads go in as many launches
     as ``attn_ds_bytes`` says fit (None: allocated here).
-    ``e4m3`` (fp8, "wgds", bf16, accumulate off): (d8, sc, rec): dqkv is written as E4M3 bytes into d8
-    (B*T, 3C) at scale sc[0] instead, its amax atomicMax-ed into rec[0] (the bytes of the bf16 dqkv
-    followed by fp8.cu's cast at that scale)."""
+    ``e4m3`` (fp8, "wgds", bf16, accumulate off): (d8, sc, rec) or (d8, sc, rec, d8t): dqkv is written as
+    E4M3 bytes into d8 (B*T, 3C) at scale sc[0] instead, its amax atomicMax-ed into rec[0] (the bytes of
+    the bf16 dqkv followed by fp8.cu's cast at that scale), and, d8t given, also transposed into d8t
+    (3C, B*T)."""
     D = C // H
     impl = _tensor_impl(prec, D, 3 * C, impl, "bwd")
     s = SUFFIX[prec]
@@ -442,10 +443,13 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
     """The "wgds" backward: dvec, then per group of heads that fits ``ds`` the dK/dV kernel (storing
     dS) and the dQ kernel (one product per tile, no recomputed S and dP); ``e4m3`` as k_attn_bwd's."""
     D, BH = C // H, B * H
-    if e4m3 is None:
-        dq8 = dk8 = dv8 = sc = rec = np.uint64(0)
-    else:
+    z = np.uint64(0)
+    dq8 = dk8 = dv8 = sc = rec = dq8t = dk8t = dv8t = z
+    if e4m3 is not None:
         (dq8, dk8, dv8), sc, rec = (ptr(e4m3[0], o) for o in (0, C, 2 * C)), ptr(e4m3[1]), ptr(e4m3[2])
+        if len(e4m3) > 3 and e4m3[3] is not None:             # the transpose (3C, B*T): rows h D + d of each
+            dq8t, dk8t, dv8t = (ptr(e4m3[3], o * B * T) for o in (0, C, 2 * C))
+    ldt = np.int64(B * T)
     per = attn_ds_bytes(T)
     if ds is None:
         ds = cp().empty(attn_ds_bytes(T, BH), dtype=cp().uint8)
@@ -462,10 +466,11 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
         name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
                                                    ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
-                                                   ptr(ds1), i32(bh0), dk8, dv8, sc, rec, p2, i32(n1)))
+                                                   ptr(ds1), i32(bh0), dk8, dv8, sc, rec, p2, i32(n1), dk8t,
+                                                   dv8t, ldt))
         name, grid, block = _attn_launch("wgds", "dq", prec, D, T, n, dq_rows)
         kernel("attention.cu", name)(grid, block, (k, i32(3 * C), ptr(ds1), ptr(dqkv), i32(T), i32(H), f32(scale),
-                                                   acc, i32(bh0), dq8, sc, rec, p2, i32(n1)))
+                                                   acc, i32(bh0), dq8, sc, rec, p2, i32(n1), dq8t, ldt))
 
 
 def _row_ld(op: str, x, N: int, V: int) -> int:
