@@ -409,20 +409,30 @@ def test_delayed_scaling_numbers_sites_in_call_order_and_keeps_them_with_the_mem
         g.check_pass()
 
 
-@pytest.mark.parametrize("wgrad_first", [False, True])
-def test_a_gradient_written_by_its_producer_takes_the_site_its_cast_would(wgrad_first, monkeypatch):
+@pytest.mark.parametrize("wgrad_first,transposes", [(False, False), (True, False), (True, True)])
+def test_a_gradient_written_by_its_producer_takes_the_site_its_cast_would(wgrad_first, transposes, monkeypatch):
     """fp8.ATTN_E4M3 / LNB_E4M3's bookkeeping (Fp8Gemm.produce_grad), the casts replaced by the twin:
     with delayed scaling, the kept transposes and a history, dY written by its producer before its two
     GEMMs takes the site (its scale and amax slot) that the cast of dY takes without it, in either GEMM
     order (the attention-out and MLP-proj backwards run dX first, the QKV backward dW first, whose kept
     X^T takes its shadow site before dY's); the other sites and the pass's count are unchanged, and
-    nothing casts dY."""
-    g, calls, cur, _, _, (X, dY, W, out, dX, dW) = _twin_fp8_gemm(monkeypatch, 5, saved=True)
-    n_sites, produced = 3, []
+    nothing casts dY. ``transposes`` (fp8.ATTN_BWD_T): the producer writes dY^T too, into the buffer the
+    byte transpose would fill, and no byte transpose runs."""
+    import andrea.cuda.fp8 as k8
 
-    def write(nat, scale, rec):                          # the producer: dY at the site's scale, its amax
+    g, calls, cur, _, _, (X, dY, W, out, dX, dW) = _twin_fp8_gemm(monkeypatch, 5, saved=True)
+    n_sites, produced, transposed = 3, [], []
+    t_u8 = k8.k_fp8_t_u8
+    monkeypatch.setattr(k8, "k_fp8_t_u8", lambda *a: (transposed.append(a[2:4]), t_u8(*a)))
+
+    def write(nat, *rest):                               # the producer: dY at the site's scale, its amax
+        tr, scale, rec = rest if transposes else (None, *rest)
         yf = f8.bf16_to_f32(np.asarray(dY))
-        nat.reshape(-1)[:] = f8.quantize_delayed(yf, scale[0])[0].reshape(-1)
+        q = f8.quantize_delayed(yf, scale[0])[0]
+        nat.reshape(-1)[:] = q.reshape(-1)
+        if tr is not None:
+            assert tr.shape == dY.shape[::-1]
+            tr[:] = q.reshape(dY.shape).T
         rec[0] = max(rec[0], f8.amax(yf))
         produced.append((rec.data.ptr - cur.data.ptr) // 4)
 
@@ -433,7 +443,11 @@ def test_a_gradient_written_by_its_producer_takes_the_site_its_cast_would(wgrad_
         g.mm(out, X, W)                                  # site 0: X, its transpose kept
         if produce:
             assert g.grad_e4m3(True) and not g.grad_e4m3(False)
-            g.produce_grad(dY, write, after_shadow=wgrad_first)
+            transposed.clear()
+            g.produce_grad(dY, write, after_shadow=wgrad_first, transposes=transposes)
+            assert transposed == ([] if transposes else [dY.shape])
+            tr = g._memo[(dY.data.ptr, dY.shape)][1]
+            np.testing.assert_array_equal(tr, np.asarray(g._memo[(dY.data.ptr, dY.shape)][0]).T)
         gemms = [lambda: g.mm(dX, dY, W, tb=True), lambda: g.mm(dW, X, dY, ta=True, beta=1.0)]
         for gemm in (gemms[::-1] if wgrad_first else gemms):
             gemm()
@@ -862,22 +876,28 @@ def test_a_layernorm_written_in_e4m3_gives_its_gemms_the_cast_operands_and_sites
     E4M3 buffer; the next X W takes that copy and the weight gradient X^T dY its kept transpose, with
     the operands, factors, sites and history of casting X (the kernel writes what the cast writes:
     tests/test_fp8_gpu.py checks that bit for bit). Off before the history exists, for other outputs
-    than ``ln_ptrs``, and with LN_E4M3 False."""
+    than ``ln_ptrs``, and with LN_E4M3 False. ``produce(..., transposes=True)`` (the attention forward
+    under fp8.ATTN_FWD_E4M3): the producer writes the kept transpose too, and no byte transpose runs."""
     import andrea.cuda.fp8 as k8
 
     runs = {}
-    for on in (False, True):
+    for mode in ("off", "on", "producer transposes"):
         g, log, W, X, dY, _ = _gemm_rig(monkeypatch, "delayed", True)
         g.ln_ptrs = {X.data.ptr}
-        monkeypatch.setattr(k8, "LN_E4M3", on)
-        monkeypatch.setattr(k8, "k_fp8_t_u8", lambda x8, out_t, R, C, am, rec: out_t.__setitem__(..., np.asarray(x8).T))
+        monkeypatch.setattr(k8, "LN_E4M3", mode != "off")
+        byte_t = []
+        monkeypatch.setattr(k8, "k_fp8_t_u8", lambda x8, out_t, R, C, am, rec: (
+            byte_t.append(R), out_t.__setitem__(..., np.asarray(x8).T)))
         out, dX, dW = (_dev(np.zeros((128, 256), np.uint16)), _dev(np.zeros((128, 64), np.uint16)),
                        _dev(np.zeros((64, 256), np.float32)))
         produced = []
 
-        def ln_kernel(nat, scale, rec):              # what k_layernorm_fwd_e4m3 writes: the delayed cast of X
+        def ln_kernel(nat, *rest):                   # what k_layernorm_fwd_e4m3 writes: the delayed cast of X
+            out_t, scale, rec = rest if len(rest) == 3 else (None, *rest)
             q, am, _ = f8.quantize_delayed(f8.bf16_to_f32(np.asarray(X)), scale[0])
             nat[...] = q.reshape(nat.shape)
+            if out_t is not None:
+                out_t[...] = q.reshape(nat.shape).T
             rec[0] = max(rec[0], am)
             produced.append((rec.data.ptr - log["cur"].data.ptr) // 4)
 
@@ -886,7 +906,9 @@ def test_a_layernorm_written_in_e4m3_gives_its_gemms_the_cast_operands_and_sites
             g.reset_amax()
             g.begin()
             if g.ln_e4m3(X):
-                g.produce(X, ln_kernel)              # site 0
+                byte_t.clear()
+                g.produce(X, ln_kernel, transposes=mode == "producer transposes")    # site 0
+                assert byte_t == ([] if mode == "producer transposes" else [X.shape[0]])
             assert not g.ln_e4m3(dY)
             g.mm(out, X, W)
             g.mm(dX, dY, W, tb=True)                 # site 1
@@ -894,13 +916,16 @@ def test_a_layernorm_written_in_e4m3_gives_its_gemms_the_cast_operands_and_sites
             g.check_pass()
             g.after_step(None)
             hist.append(np.array(g.hist.state()["amax_history"]))
-        runs[on] = (log, hist, produced)
-    (off, h0, p0), (on_, h1, p1) = runs[False], runs[True]
-    assert p0 == [] and p1 == [0, 0]                 # steps 2 and 3: the first step has no history
-    _same_gemms(off["gemms"], on_["gemms"])
-    for a, b in zip(h0, h1):
-        np.testing.assert_array_equal(a, b)
-    assert [c[0] for c in on_["calls"]].count(X.data.ptr) == 1   # X cast on the first step only
+        runs[mode] = (log, hist, produced, X.data.ptr)
+    off, h0, p0, _ = runs["off"]
+    assert p0 == []
+    for mode in ("on", "producer transposes"):
+        on_, h1, p1, x_ptr = runs[mode]
+        assert p1 == [0, 0]                          # steps 2 and 3: the first step has no history
+        _same_gemms(off["gemms"], on_["gemms"])
+        for a, b in zip(h0, h1):
+            np.testing.assert_array_equal(a, b)
+        assert [c[0] for c in on_["calls"]].count(x_ptr) == 1   # X cast on the first step only
 
 
 def test_the_weight_by_weight_casts_take_cast_weights_arguments():
