@@ -351,6 +351,16 @@ __device__ __forceinline__ void stage_pair(unsigned char* t8, int c, int r, int 
     t8[(c + 1) * rows + r] = (unsigned char)(q8 >> 8);
 }
 
+// Two bf16 outputs w (the first in the low half) as E4M3 codes at scale s (fp8.cu's cast, fp8_pair) into
+// p, m the running max |bf16 value|; t8 non-null: also into a transposing stage at (tc, tr) (stage_pair).
+__device__ __forceinline__ void put_e4m3_pair(unsigned char* p, unsigned w, float s, float& m, unsigned char* t8,
+                                              int tc, int tr, int rows) {
+    const unsigned lo = w & 0xffffu, hi = w >> 16, q8 = fp8_pair(lo, hi, s);
+    m = fmaxf(m, fmaxf(bf16_absf(lo), bf16_absf(hi)));
+    *reinterpret_cast<unsigned short*>(p) = (unsigned short)q8;
+    if (t8 != nullptr) stage_pair(t8, tc, tr, rows, q8);
+}
+
 // store_rows' E4M3 form (fp8 under delayed scaling: the dqkv gradient written by its producer, accumulate
 // off): each output rounded to bf16 exactly as store_rows rounds it (0 + a scale), then E4M3 at *sc into
 // the byte matrix d8 (leading dimension ld), and the warp's max |bf16| over the finite outputs
@@ -372,10 +382,7 @@ __device__ __forceinline__ void store_rows_e4m3(unsigned char* d8, long long rb,
             if (r < Tn) {
                 const unsigned w = pack2<true>(0.0f + acc[4 * n + 2 * half] * scale,
                                                0.0f + acc[4 * n + 2 * half + 1] * scale);
-                const unsigned lo = w & 0xffffu, hi = w >> 16, q8 = fp8_pair(lo, hi, s);
-                m = fmaxf(m, fmaxf(bf16_absf(lo), bf16_absf(hi)));
-                *reinterpret_cast<unsigned short*>(d8 + (rb + r) * ld + c) = (unsigned short)q8;
-                if (t8 != nullptr) stage_pair(t8, c - col0, r - row0, rows, q8);
+                put_e4m3_pair(d8 + (rb + r) * ld + c, w, s, m, t8, c - col0, r - row0, rows);
             }
         }
     }
@@ -404,9 +411,9 @@ __device__ __forceinline__ void stage_to_t(const unsigned char* t8, int rows, un
 
 // The forward's epilogue of rows ra / rc: y = o / l (16-bit, layout as store_rows) and lse2 = m + log2 l
 // (lse_bh: this head's lse2 row), l first summed over the 4 lanes that share a row.
-// y8 non-null (fp8, bf16 only): y also as E4M3 codes of those bf16 values at scale s (fp8.cu's cast, fp8_pair)
-// into y8 (ldy apart), m8 the running max |bf16 value|; t8 non-null: the codes also into the shared stage
-// t8 transposed, (column - col0) * rows + (row - row0) (attn_fwd_wg writes it out as y8^T).
+// y8 non-null (fp8, bf16 only): y also as E4M3 codes of those bf16 values at scale s8 into y8 (ldy apart),
+// m8 the running max |bf16 value|, and, t8 non-null, into the shared stage t8 (put_e4m3_pair; columns from
+// col0, rows from row0: attn_fwd_wg writes it out as y8^T).
 template <bool BF, int ND>
 __device__ __forceinline__ void fwd_store(u16* y, long long rb, int ra, int rc, int Tn, int ldy, int col, int t4,
                                           const float* o, float m0, float m1, float l0, float l1, float* lse_bh,
@@ -427,12 +434,7 @@ __device__ __forceinline__ void fwd_store(u16* y, long long rb, int ra, int rc, 
             if (r >= Tn) continue;
             const unsigned w = pack2<BF>(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
             *reinterpret_cast<unsigned*>(y + (rb + r) * ldy + c) = w;
-            if (y8 != nullptr) {
-                const unsigned lo = w & 0xffffu, hi = w >> 16, q8 = fp8_pair(lo, hi, s8);
-                *m8 = fmaxf(*m8, fmaxf(bf16_absf(lo), bf16_absf(hi)));
-                *reinterpret_cast<unsigned short*>(y8 + (rb + r) * ldy + c) = (unsigned short)q8;
-                if (t8 != nullptr) stage_pair(t8, c - col0, r - row0, rows, q8);
-            }
+            if (y8 != nullptr) put_e4m3_pair(y8 + (rb + r) * ldy + c, w, s8, *m8, t8, c - col0, r - row0, rows);
         }
     }
     if (t4 == 0) {

@@ -109,6 +109,9 @@ class FastOps:
     def __init__(self, prec: str, blas, a: dict, f8=None, lt=None):
         self.p, self.lowtype, self.blas, self.a = prec, LOWTYPE[prec], blas, a
         self.deferred = None        # a list: embed_backward appends its launch there instead of running it
+        # attn_backward's spare dS scratch: each layer's qkv -> the bytes of its h_pre (_spare_h_pre)
+        self._h_pre_of = {q.data.ptr: cp().ndarray((h.nbytes,), dtype=cp().uint8, memptr=h.data)
+                          for q, h in zip(a.get("qkv", ()), a.get("h_pre", ()))}
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
@@ -200,12 +203,9 @@ class FastOps:
 
     def _spare_h_pre(self, qkv):
         """The h_pre of qkv's layer, as bytes: dead from that layer's MLP backward (its last reader,
-        which runs before the layer's attention backward) until the next forward's fc GEMM."""
-        base, hp = self.a["qkv"], self.a["h_pre"]
-        l = (qkv.data.ptr - base.data.ptr) // base[0].nbytes
-        if not (0 <= l < hp.shape[0] and base[l].data.ptr == qkv.data.ptr):
-            return None
-        return cp().ndarray((hp[l].nbytes,), dtype=cp().uint8, memptr=hp[l].data)
+        which runs before the layer's attention backward) until the next forward's fc GEMM. None for
+        a qkv that is not a layer's."""
+        return self._h_pre_of.get(qkv.data.ptr)
 
     def attn_backward(self, dqkv, dout, qkv, att, y, n_head, work):
         """The "wgds" backward keeps its dS tiles in the logits' bytes (the head's backward is done
@@ -224,14 +224,14 @@ class FastOps:
                 spare = self._spare_h_pre(qkv)
                 ds = ds if spare is None else (ds, spare)
         if impl == "wgds" and self.f8 is not None and self.f8.grad_e4m3(fp8_mod.ATTN_E4M3):
-            if fp8_mod.ATTN_BWD_T:                          # the kernels write dqkv^T too
-                self.f8.produce_grad(dqkv.reshape(B * T, 3 * C), lambda d8, d8t, sc, rec: k_attn_bwd(
-                    self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
-                    impl=impl, e4m3=(d8, sc, rec, d8t)), after_shadow=True, transposes=True)
-                return
-            self.f8.produce_grad(dqkv.reshape(B * T, 3 * C), lambda d8, sc, rec: k_attn_bwd(
-                self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
-                impl=impl, e4m3=(d8, sc, rec)), after_shadow=True)
+            t = fp8_mod.ATTN_BWD_T                          # the kernels write dqkv^T too
+
+            def write(d8, *rest):
+                d8t, sc, rec = rest if t else (None, *rest)
+                k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False,
+                           ds=ds, impl=impl, e4m3=(d8, sc, rec, d8t))
+
+            self.f8.produce_grad(dqkv.reshape(B * T, 3 * C), write, after_shadow=True, transposes=t)
             return
         k_attn_bwd(self.p, dqkv, dout, y, att, self.a["dvec"], qkv, B, T, C, n_head, accumulate=False, ds=ds,
                    impl=impl)

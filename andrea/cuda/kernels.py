@@ -462,7 +462,7 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
                                                            (y, dy, i32(C), dvec, i32(B), i32(T), i32(H), i32(D)))
     for bh0 in range(0, BH, c1 + c2):       # a launch: its first n1 heads' tiles in ds1, the rest in ds2
         n = min(c1 + c2, BH - bh0)
-        n1, p2 = min(c1, n), ptr(ds2) if c2 else np.uint64(0)
+        n1, p2 = min(c1, n), ptr(ds2) if c2 else z
         name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
         kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
                                                    ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
