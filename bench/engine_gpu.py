@@ -186,7 +186,7 @@ OUR_CLASSES = {"k_attn_fwd": "attention fwd", "k_attn_bwd": "attention bwd", "k_
                "k_loss_mean": "loss", "k_embed_fwd": "embed", "k_embed_bwd": "embed"}
 FP8_SWITCHES = ("FC_E4M3", "LN_E4M3", "SAVE_TRANSPOSES", "DGELU_CAST", "FAST_ACCUM_BWD",  # --fp8-flip: fp8.py's booleans
                 "ATTN_E4M3", "LNB_E4M3", "FP8_HEAD", "FP8_HEAD_FWD", "HPRE_E4M3", "ATTN_FWD_E4M3",
-                "ATTN_BWD_T")
+                "ATTN_BWD_T", "ADAMW_E4M3", "W8_ONLY")
 CLASS_ORDER = ["attention fwd", "attention bwd", "gemm", "fp8 cast", "layernorm", "elementwise", "loss", "embed",
                "optimizer", "other"]
 # fp8: the E4M3 casts Fp8Gemm runs inside each GEMM call (andrea.cuda.fp8's launchers) are their own class,

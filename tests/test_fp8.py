@@ -715,19 +715,51 @@ def test_weight_table_casts_every_weight_like_casting_them_one_by_one(monkeypatc
     # an arena with the table (the engine's): cast_weights hands k_fp8_weights the table it wrote
     launches = []
 
-    def weights_twin(w, wd, nw, n_chunks, n_tiles, amax, w8_, inv_, part=None, chunk=0):
+    def weights_twin(w, wd, nw, n_chunks, n_tiles, amax, w8_, inv_, part=None, chunk=0, cast_at=None):
         assert part is None                                      # load_state's casts: the amax pass
         launches.append(nw)
-        f8.cast_weights_table(np.asarray(w), np.asarray(wd)[:8 * nw].reshape(nw, 8), n_chunks, n_tiles,
-                              np.asarray(w8_), np.asarray(inv_))
+        amax[...] = f8.cast_weights_table(np.asarray(w), np.asarray(wd)[:8 * nw].reshape(nw, 8), n_chunks, n_tiles,
+                                          np.asarray(w8_), np.asarray(inv_),
+                                          at=None if cast_at is None else np.asarray(cast_at))
 
     monkeypatch.setattr(k8, "k_fp8_weights", weights_twin)
     a.update(w8=_dev(np.zeros(n8, np.uint8)), f8_inv=_dev(np.zeros(inv_len, np.float32)), wlow=wlow,
-             f8_wdesc=_dev(np.zeros(8 * len(plan), np.int64)), f8_wamax=_dev(np.zeros(len(plan), np.float32)))
-    k8.Fp8Gemm(a, WL, plan, set(), None, lt=SimpleNamespace()).cast_weights()
+             f8_wdesc=_dev(np.zeros(8 * len(plan), np.int64)), f8_wamax=_dev(np.full(3 * len(plan), 7, np.float32)))
+    g = k8.Fp8Gemm(a, WL, plan, set(), None, lt=SimpleNamespace())
+    g.cast_weights()
     assert launches == [len(plan)]
     np.testing.assert_array_equal(np.asarray(a["w8"]), w8)
     np.testing.assert_array_equal(np.asarray(a["f8_inv"]), inv)
+    own = np.asarray(g.wamax[1]).copy()                          # the weights' own amaxes; copies made at them
+    assert own[2] > 0 and not g.steps_weights                    # current scaling: the optimizer does not cast
+    np.testing.assert_array_equal(np.asarray(g.wamax), [own, own, np.zeros_like(own)])
+    assert g.table_range() == (8, 8 + sum(r * c for _, (r, c) in shapes))    # the four weights, one after the other
+    # a resumed ADAMW_E4M3 run: the copies re-cast at the amaxes they were made at, the weights' own kept
+    at = own * np.float32(0.5)
+    g.cast_weights(at=at)
+    tw8, tinv = np.zeros(n8, np.uint8), np.zeros(inv_len, np.float32)
+    f8.cast_weights_table(np.asarray(wlow), table, chunks, tiles, tw8, tinv, at=at)
+    np.testing.assert_array_equal(np.asarray(a["w8"]), tw8)
+    np.testing.assert_array_equal(np.asarray(a["f8_inv"]), tinv)
+    np.testing.assert_array_equal(np.asarray(g.wamax), [at, own, np.zeros_like(own)])
+    sat = lambda q: np.count_nonzero((q & 0x7F) == 0x7E)        # +-448: the amax itself, and what saturates
+    assert sat(tw8) > 2 * sat(w8)                                # at half the amax the largest values saturate
+    gd = k8.Fp8Gemm(a, WL, plan, set(), None, lt=SimpleNamespace(), scaling="delayed", n_sites=12, history=4)
+    assert gd.steps_weights and gd.weight_state() == {"weight_amax": [float(x) for x in at]}    # the same arena
+    gd.cast_weights()                                            # load_state's cast: at the weights' own amax
+    np.testing.assert_array_equal(np.asarray(a["w8"]), w8)
+    gd.load_weight_state({"weight_amax": at.tolist()})
+    np.testing.assert_array_equal(np.asarray(a["w8"]), tw8)
+    gd.load_weight_state({})                                     # saved before ADAMW_E4M3: the cast stays
+    np.testing.assert_array_equal(np.asarray(a["w8"]), tw8)
+    with pytest.raises(ValueError, match="weight_amax of 3 weights"):
+        gd.load_weight_state({"weight_amax": at[:3].tolist()})
+    monkeypatch.setattr(k8, "ADAMW_E4M3", False)
+    assert not gd.steps_weights and gd.weight_state() == {}
+    gd._wd = table.copy()
+    gd._wd[1, 0] += 64                                           # w_o moved on: a gap before it
+    with pytest.raises(AndreaError, match="not contiguous"):
+        gd.table_range()
 
 
 @pytest.mark.parametrize("choice", ["smem", "warp"])

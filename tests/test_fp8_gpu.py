@@ -290,6 +290,63 @@ def test_weight_amax_from_the_optimizer_partials_is_bit_exact():
         assert fused == again, f"step {t}: the partials' amaxes differ from the amax pass over wlow"
 
 
+def test_the_optimizer_step_writes_the_weights_e4m3_at_the_amax_before_it():
+    """fp8.ADAMW_E4M3 (delayed scaling): k_adamw_w8_bf16 + k_fp8_wamax_roll against k_adamw over copies of
+    the same buffers (w, m, v and wlow bit-exact: the same arithmetic, adamw_pinned) and the NumPy twin of
+    the weight casts at the amax of the weights *before* the step (fp8_numpy.cast_weights_table(at=): w8
+    and every weight's factor bit-exact); the amax rows move on (the copies' amax, the new weights' own,
+    zeros) and gstate[3] counts the weights whose new amax passed the one their scale came from. Three
+    steps: an ordinary one, a skipped one (a NaN gradient: nothing of the weights written), one at lr 1 (the
+    weights jump: codes saturate at 448 and the weights are counted). The matmul weights start off the
+    ADAMW_CHUNK grid (V = 97), so the flat AdamW around them is split unevenly."""
+    from andrea.cuda.backend import make_backend
+    from andrea.cuda.kernels import k_adamw
+
+    mc = ModelConfig(vocab_size=97, d_model=128, n_head=2, n_layer=2, context=128)
+    eng = make_backend().make_engine(mc, B, precision="fp8", cuda_graph=False, fp8_scaling="delayed")
+    eng.init_weights(5)
+    a, g8 = eng.a, eng.f8
+    first = (mc.vocab_size + mc.context) * mc.d_model             # wte, wpe, then the matmul weights
+    assert g8.steps_weights and eng._w8_range() == (first, eng.layout.n_decay)
+    nw, chunks, tiles = g8.table
+    wd = cp.asnumpy(a["f8_wdesc"])[:8 * nw].reshape(nw, 8)
+    slots = wd[:, 5]
+    for t, (lr, bad) in enumerate(((3e-3, False), (3e-3, True), (1.0, False)), start=1):
+        eng.zero_grads()
+        loss = eng.micro_step(*batch(40 + t, mc))
+        if bad:
+            a["g"][first + 3] = np.nan
+        before = {k: a[k].copy() for k in ("w", "m", "v", "wlow", "g", "w8", "f8_inv", "f8_wamax")}
+        clipped = eng.fp8_clipped_total
+        res = eng.apply_update(1, loss, lr, t, HP)
+        assert res.ok == (not bad)
+        ref = {k: before[k].copy() for k in ("w", "m", "v", "wlow")}
+        k_adamw("bf16", ref["w"], before["g"], ref["m"], ref["v"], ref["wlow"], eng.n_params, a["hp"], a["gstate"],
+                eng.layout.n_decay, 1)
+        for k in ref:
+            assert cp.asnumpy(a[k]).tobytes() == cp.asnumpy(ref[k]).tobytes(), f"step {t}: {k}"
+        am0 = cp.asnumpy(before["f8_wamax"])[:3 * nw].reshape(3, nw)
+        am = cp.asnumpy(a["f8_wamax"])[:3 * nw].reshape(3, nw)
+        w8, inv, n_clip = cp.asnumpy(a["w8"]), cp.asnumpy(a["f8_inv"]), float(cp.asnumpy(a["gstate"])[3])
+        if bad:
+            assert w8.tobytes() == cp.asnumpy(before["w8"]).tobytes() and n_clip == 0
+            np.testing.assert_array_equal(inv[slots], cp.asnumpy(before["f8_inv"])[slots])
+            np.testing.assert_array_equal(am, am0)
+            continue
+        tw8, tinv = np.full_like(w8, 0xAA), np.full_like(inv, np.nan)
+        own = f8.cast_weights_table(cp.asnumpy(a["wlow"]), wd, chunks, tiles, tw8, tinv, at=am0[1])
+        np.testing.assert_array_equal(w8, tw8)
+        np.testing.assert_array_equal(inv[slots], tinv[slots])
+        np.testing.assert_array_equal(am[0], am0[1])
+        np.testing.assert_array_equal(am[1], own)
+        assert not am[2].any()
+        want = int(np.count_nonzero(own > np.where(am0[1] > f8.AMAX_TINY, am0[1], np.float32(448))))
+        assert n_clip == want and eng.fp8_clipped_total - clipped >= want
+        if lr == 1.0:                                            # the jump: saturated codes, counted
+            assert want > 0 and np.count_nonzero((w8 & 0x7F) == 0x7E) > 0, (want, am0[1], own)
+        print(f"ADAMW_E4M3 step {t} (lr {lr}): {want} of {nw} weights past their scale's amax")
+
+
 def _lt():
     from andrea.cuda.cublaslt import Lt
 
@@ -888,6 +945,7 @@ def test_fp8_two_runs_are_byte_identical_resume_is_bit_exact_graph_is_eager(scal
         from andrea.cuda.fp8 import FP8_HEAD, n_sites_for
 
         assert half[4]["steps"] == 3 and len(half[4]["amax_history"]) == n_sites_for(MC.n_layer, FP8_HEAD)
+        assert len(half[4]["weight_amax"]) == 4 * MC.n_layer     # ADAMW_E4M3: the amax the copies were made at
         assert a[4]["steps"] == 6 and max(max(r) for r in a[4]["amax_history"]) > 0
     resumed = _run(3, start=half, scaling=scaling)
     for x, y in zip(a[1:4], resumed[1:4]):
@@ -934,7 +992,8 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     cast in the backward, k_gelu_bwd then the cast of dL/dh_pre, the weights one by one): w, m, v and
     the delayed history byte-identical after 6 steps; fp8.LN_E4M3 (delayed scaling's LayerNorms writing
     E4M3) is on in the first. fp8.FC_E4M3 is off in both (it rounds h_act once from fp32, not the same
-    bytes: test_e4m3_h_act_tracks_the_bf16_cast). On a compute capability 9.0 device both run the
+    bytes: test_e4m3_h_act_tracks_the_bf16_cast), and so is fp8.ADAMW_E4M3 (the weights' scale lags a step:
+    test_adamw_e4m3_keeps_the_bytes_at_lr_0_and_tracks_the_weight_casts_after_the_step). On a compute capability 9.0 device both run the
     dS-storing attention backward, and fp8.ATTN_E4M3 (its dqkv written in E4M3) is on in the first only,
     as are fp8.LNB_E4M3 (the residual LayerNorm backwards' branch gradient written in E4M3),
     fp8.ATTN_FWD_E4M3 (the attention forward's y written in E4M3, both orientations) and fp8.ATTN_BWD_T
@@ -945,6 +1004,7 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     _wgds(monkeypatch)
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset(gemms.split(",")) - {""})
     monkeypatch.setattr(k8, "FC_E4M3", False)
+    monkeypatch.setattr(k8, "ADAMW_E4M3", False)                # casts at the new weights' amax (the reference)
     monkeypatch.setattr(k8, "CAST_T", kernel)
     monkeypatch.setattr(k8, "ATTN_FWD_E4M3", True)              # off by default (no faster), held to the bytes
     on = _run(6, scaling=scaling)
@@ -962,37 +1022,79 @@ def test_saved_transposes_gelu_cast_and_weight_table_keep_the_bytes(scaling, gem
     assert on[4] == off[4]
 
 
+def _tracks(on, off, lr: float, hist_rtol: float, mean_lr: float = 0.1) -> str:
+    """Two delayed runs (losses, w, amax history) that differ in rounding only: every step's loss within 2e-3
+    relative; the weights: AdamW moves an entry by up to ~lr a step whatever its gradient's size, so an entry
+    whose tiny gradient changes sign parts by up to 2 lr a step (max |dw| <= 12 lr over 6 steps), while the
+    mean |dw| stays below ``mean_lr`` lr; the histories within ``hist_rtol`` relative. Returns a line to print."""
+    (l1, w1, h1), (l0, w0, h0) = on, off
+    assert w1.tobytes() != w0.tobytes()
+    np.testing.assert_allclose(l1, l0, rtol=2e-3)
+    dw = np.abs(w1 - w0)
+    assert float(dw.max()) <= 12 * lr and float(dw.mean()) <= mean_lr * lr, (float(dw.max()), float(dw.mean()))
+    np.testing.assert_allclose(h1, h0, rtol=hist_rtol, atol=0)
+    return (f"losses {l1[-1]:.5f} / {l0[-1]:.5f}, |dw| max {float(dw.max()):.2e} mean {float(dw.mean()):.2e}, "
+            f"lr {lr}")
+
+
+def _delayed_run(lr: float, steps: int = 6):
+    """6 delayed-scaling steps from init_weights(0): (losses, w, amax history)."""
+    from andrea.cuda.backend import make_backend
+
+    eng = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling="delayed", fp8_amax_history=4)
+    eng.init_weights(0)
+    losses = [eng.train_step([batch(300 + 7 * t)], lr, t, HP).loss for t in range(1, steps + 1)]
+    return eng, (losses, eng.state_host()[0], np.array(eng.extra_state()["amax_history"]))
+
+
 def test_e4m3_h_act_tracks_the_bf16_cast(monkeypatch):
     """fp8.FC_E4M3 on (the default: delayed scaling's fc GEMM writes h_act in E4M3) against off (bf16
     h_act, then its cast), 6 steps: E4M3 rounded once from fp32 instead of from bf16 moves a code by one
-    step where the two roundings part, so the runs differ in the bytes but not in what they learn:
-    every step's loss within 2e-3 relative; the weights: AdamW moves an entry by up to ~lr a step
-    whatever its gradient's size, so an entry whose tiny gradient changes sign parts by up to 2 lr a
-    step (max |dw| <= 12 lr), while the mean |dw| stays below lr / 10 (H200: ~1e-2 lr); the per-site
-    amax histories: the first step's the same (both cast a bf16 h_act), later ones within 10% relative
-    (the gradients' amaxes of two runs that part slightly: up to 4.7% on the H200)."""
+    step where the two roundings part, so the runs differ in the bytes but not in what they learn
+    (``_tracks``); the per-site amax histories: the first step's the same (both cast a bf16 h_act), later
+    ones within 10% relative (the gradients' amaxes of two runs that part slightly: up to 4.7% on the H200)."""
     import andrea.cuda.engine as ce
     import andrea.cuda.fp8 as k8
-    from andrea.cuda.backend import make_backend
 
     monkeypatch.setattr(ce, "FUSE_GELU_FP8", frozenset({"fwd"}))
     out = {}
     for on in (True, False):
         monkeypatch.setattr(k8, "FC_E4M3", on)
-        eng = make_backend().make_engine(MC, B, precision="fp8", fp8_scaling="delayed", fp8_amax_history=4)
-        eng.init_weights(0)
-        assert eng.f8.e4m3_gelu is False                     # no history yet
-        losses = [eng.train_step([batch(300 + 7 * t)], 3e-3, t, HP).loss for t in range(1, 7)]
+        eng, out[on] = _delayed_run(3e-3)
         assert eng.f8.e4m3_gelu is on
-        out[on] = (losses, eng.state_host()[0], np.array(eng.extra_state()["amax_history"]))
-    (l1, w1, h1), (l0, w0, h0) = out[True], out[False]
-    assert w1.tobytes() != w0.tobytes()
-    np.testing.assert_allclose(l1, l0, rtol=2e-3)
-    lr, dw = 3e-3, np.abs(w1 - w0)
-    assert float(dw.max()) <= 12 * lr and float(dw.mean()) <= lr / 10, (float(dw.max()), float(dw.mean()))
-    np.testing.assert_allclose(h1, h0, rtol=0.1, atol=0)
-    print(f"FC_E4M3 on vs off, 6 steps: losses {l1[-1]:.5f} / {l0[-1]:.5f}, |dw| max {float(dw.max()):.2e} "
-          f"mean {float(dw.mean()):.2e}, lr {lr}")
+    print("FC_E4M3 on vs off, 6 steps:", _tracks(out[True], out[False], 3e-3, 0.1))
+
+
+def test_adamw_e4m3_keeps_the_bytes_at_lr_0_and_tracks_the_weight_casts_after_the_step(monkeypatch):
+    """fp8.ADAMW_E4M3 on (the default: the optimizer writes the E4M3 copies at the scale of the weights before
+    the step) against off (an amax pass and a cast of the new weights after it), delayed scaling, 6 steps.
+    At lr 0 the weights never move, so the amax before is the amax after: w, m, v and the history are
+    byte-identical, and nothing counts as clipped beyond the off run. At lr 3e-3 a weight's scale lags its
+    amax by one step; in this model (weights of amax ~0.05-0.1 moving by up to lr a step) most weights grow
+    past their scale early on, and their largest entries saturate by up to ~lr / amax (a few %, below E4M3's
+    own step of 6-12%), so the runs part more than FC_E4M3's: every loss within 2e-3 relative, max |dw| <= 12
+    lr, mean |dw| <= lr / 4 (H200: 0.12 lr), histories within 10% (``_tracks``). fp8.W8_ONLY (the step leaves
+    the matmul weights' bf16 copy alone) gives the same losses, w and history bytes."""
+    import andrea.cuda.fp8 as k8
+
+    out, state = {}, {}
+    for lr in (0.0, 3e-3):
+        for on in (True, False):
+            monkeypatch.setattr(k8, "ADAMW_E4M3", on)
+            eng, out[lr, on] = _delayed_run(lr)
+            assert eng.f8.steps_weights is on and ("weight_amax" in eng.extra_state()) is on
+            state[lr, on] = (eng.state_host(), eng.fp8_clipped_total)
+    for x, y in zip(state[0.0, True][0], state[0.0, False][0]):
+        assert x.tobytes() == y.tobytes()
+    assert state[0.0, True][1] == state[0.0, False][1]
+    np.testing.assert_array_equal(out[0.0, True][2], out[0.0, False][2])
+    print("ADAMW_E4M3 on vs off, 6 steps:", _tracks(out[3e-3, True], out[3e-3, False], 3e-3, 0.1, mean_lr=0.25))
+    monkeypatch.setattr(k8, "ADAMW_E4M3", True)
+    monkeypatch.setattr(k8, "W8_ONLY", not k8.W8_ONLY)
+    eng, flipped = _delayed_run(3e-3)
+    for x, y in zip((flipped[1], flipped[2]), (out[3e-3, True][1], out[3e-3, True][2])):
+        assert x.tobytes() == y.tobytes()
+    assert flipped[0] == out[3e-3, True][0]
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])

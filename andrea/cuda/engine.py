@@ -472,6 +472,7 @@ class GpuEngine:
                          ln_ptrs=(a["ln1"].data.ptr, a["ln2"].data.ptr)
                          + ((a["lnf"].data.ptr,) if e4m3_head and fp8_mod.FP8_HEAD_FWD else ()))
         self.f8 = f8
+        self._w8_span = None               # fp8 ADAMW_E4M3: the matmul weights' flat range (_w8_range)
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
@@ -514,16 +515,29 @@ class GpuEngine:
         if self.prec != "fp32":
             k_cast(self.kp, self.a["wlow"], self.a["w"], self.n_params)
 
-    def _weights_changed(self, part=None) -> None:
+    def _weights_changed(self, part=None, stepped: bool = False) -> None:
         """Where the weights change (load_state, every optimizer step), not at every forward: the
         fp8 E4M3 copies of ``wlow`` and the padded head's copy of wte (``wte_pad``), on the current
         stream. A skipped step recasts unchanged weights: the same bytes. ``part``: the optimizer's
-        amax partials of wlow (``_amax_part``)."""
+        amax partials of wlow (``_amax_part``); ``stepped``: the step wrote the matmul weights' E4M3
+        copies itself (``_w8_range``), so only the head's are left."""
         if "wte_pad" in self.a:                        # first: the fp8 head's casts read it
             src, dst = self.WL["wte"], self.a["wte_pad"]
             dst.data.copy_from_device_async(src.data, src.nbytes, self.cp.cuda.get_current_stream())
         if self.f8 is not None:
-            self.f8.cast_weights(part, ADAMW_CHUNK)
+            if stepped:
+                self.f8.cast_head()
+            else:
+                self.f8.cast_weights(part, ADAMW_CHUNK)
+
+    def _w8_range(self):
+        """fp8 ``ADAMW_E4M3`` (Fp8Gemm.steps_weights, one GPU): [first, end) of the flat matmul weights, whose
+        optimizer step also writes their E4M3 copies (Fp8Gemm.step_weights); else None."""
+        if self.f8 is None or self.comm is not None or not self.f8.steps_weights:
+            return None
+        if self._w8_span is None:
+            self._w8_span = self.f8.table_range()
+        return self._w8_span
 
     def init_weights(self, seed: int) -> None:
         """The same weights as Engine.init_weights(seed) (``init_params``, drawn on the host)."""
@@ -548,19 +562,20 @@ class GpuEngine:
         in fp8 with current scaling (every scale comes from the tensor being cast). The CUDA graph
         is rebuilt from the fp16 scale (it bakes it in); fp8's scales live on the device."""
         if self.f8 is not None and self.f8.hist is not None:
-            return {"fp8_scaling": "delayed", **self.f8.hist.state()}
+            return {"fp8_scaling": "delayed", **self.f8.hist.state(), **self.f8.weight_state()}
         if self.prec != "fp16":
             return {}
         return {"loss_scale": float(self.loss_scale), "good_steps": int(self.good_steps)}
 
     def load_extra_state(self, d: dict) -> None:
-        want = set(self.extra_state())
-        if set(d) != want:
+        want, optional = set(self.extra_state()), {"weight_amax"}   # fp8 ADAMW_E4M3's: absent before it
+        if set(d) - optional != want - optional:
             hint = " (saved under another train.fp8_scaling? set it to the run's)" if self.prec == "fp8" else ""
             raise AndreaError(f"cupy {self.prec} engine state: expected keys {sorted(want)}, got {sorted(d)}{hint}")
         if self.f8 is not None and self.f8.hist is not None:
             self.f8.hist.load(d)                               # ValueError on a shape that does not fit
             with self.stream:
+                self.f8.load_weight_state(d)
                 self.f8.write_scales(self.stream)
             self.stream.synchronize()
         elif want:
@@ -691,19 +706,30 @@ class GpuEngine:
                 self.f8.queue_amax(self.stream)              # delayed: the amaxes' copy, before the update
             self._upload("hp", adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay))
             part = None                                      # the sharded step keeps the amax pass
+            stepped = self._w8_range()
             if self.comm is not None:
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
+            elif stepped is not None:                        # fp8 ADAMW_E4M3: the matmul weights' step writes
+                k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])    # their E4M3 copies
+                nd = self.layout.n_decay
+                for lo, hi in ((0, stepped[0]), (stepped[1], n)):    # wte, wpe; the LayerNorms
+                    if hi > lo:
+                        k_adamw(self.kp, a["w"][lo:hi], a["g"][lo:hi], a["m"][lo:hi], a["v"][lo:hi], a["wlow"][lo:hi],
+                                hi - lo, a["hp"], a["gstate"], min(max(nd - lo, 0), hi - lo), 1)
+                self.f8.step_weights(a["w"], a["g"], a["m"], a["v"], a["wlow"], a["hp"], a["gstate"], nd)
             else:
                 k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
                 wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
                 part = self._amax_part()
                 k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1,
                         part=part)
-            self._weights_changed(part)
+            self._weights_changed(part, stepped=stepped is not None)
             if self.f8 is not None:
                 self.f8.after_step(self.stream)
-            out = a["gstate"][:3].get(stream=self.stream)
+            out = a["gstate"][:4].get(stream=self.stream)
         ok = bool(out[2] != 0.0)
+        if stepped is not None and ok:
+            self.f8.count_weight_clips(int(out[3]))
         self._scaler(ok)
         return StepResult(loss, float(out[0]) if ok else float("nan"), ok)
 

@@ -29,6 +29,8 @@
 // into its site (k_fp8_t_u8_s: through shared memory, C a multiple of 256).
 // k_fp8_wamax + k_fp8_wcast: every matmul weight's two E4M3 copies (current scaling) in two launches
 // instead of two per weight; the same bytes as k_fp8_amax_bf16 + k_fp8_cast_t_bf16 on each weight.
+// k_adamw_w8_bf16 + k_fp8_wamax_roll: delayed scaling's optimizer step over the same weights, writing their
+// E4M3 copies itself at the scale of the weights before the step (fp8.py ADAMW_E4M3).
 
 // bf16_finite, bf16_absf and fp8_pair (two bf16 -> two E4M3 codes) are in common.cuh.
 
@@ -164,6 +166,20 @@ extern "C" __global__ void k_fp8_cast_bf16(const uint4* __restrict__ x, long lon
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
 
+// A block's 64 x 64 tile of E4M3 codes (tile[row][column], rows r0.., columns c0.. of an (R, .) matrix) into
+// out_t (., R) transposed: thread (j, seg) writes 16 bytes of out_t row c0 + j, columns r0 + seg ... 256 threads,
+// after the barrier that completes the tile.
+__device__ __forceinline__ void store_tile_t(const unsigned char (*tile)[72], unsigned char* __restrict__ out_t,
+                                             int R, int r0, int c0) {
+    const int j = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;
+    unsigned w[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+        w[u] = (unsigned)tile[seg + 4 * u][j] | ((unsigned)tile[seg + 4 * u + 1][j] << 8) |
+               ((unsigned)tile[seg + 4 * u + 2][j] << 16) | ((unsigned)tile[seg + 4 * u + 3][j] << 24);
+    *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // One 64 x 64 tile (rows r0.., columns c0..) of x (R, C) bf16 row-major (or DG: of bf16(x * gelu'(hp))):
 // E4M3 at scale s into out_t (C, R) and, unless out is null, out (R, C); m: the running max |input|
 // of the finite entries (delayed). 256 threads; every thread passes the two barriers.
@@ -196,13 +212,7 @@ __device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, 
         *reinterpret_cast<uint2*>(&tile[rr][cc]) = q;
     }
     __syncthreads();
-    const int j = threadIdx.x >> 2, seg = (threadIdx.x & 3) * 16;   // out_t row c0 + j, columns r0 + seg ..
-    unsigned w[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-        w[u] = (unsigned)tile[seg + 4 * u][j] | ((unsigned)tile[seg + 4 * u + 1][j] << 8) |
-               ((unsigned)tile[seg + 4 * u + 2][j] << 16) | ((unsigned)tile[seg + 4 * u + 3][j] << 24);
-    *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
+    store_tile_t(tile, out_t, R, r0, c0);
     __syncthreads();
 }
 
@@ -457,4 +467,84 @@ extern "C" __global__ void k_fp8_wcast(const unsigned short* __restrict__ w, con
     float m = 0.0f;
     cast_tile<false>(w + d[0], nullptr, R, C, (t / tc) * 64, (t % tc) * 64, s, false, m, w8 + d[3], w8 + d[4], tile);
     if (t == 0 && threadIdx.x == 0) inv[d[5]] = 1.0f / s;
+}
+
+// Delayed scaling's optimizer step over the weight table (fp8.py ADAMW_E4M3), in place of k_adamw4_bf16 on the
+// matmul weights followed by k_fp8_wamax_parts + k_fp8_wcast. One block per 64 x 64 tile of every weight (the
+// table's tile column); thread (rr, cc) steps the 4 parameters (r0 + rr + 16 p, c0 + cc ..) for p < 4, at flat
+// index first + r C + c, with k_adamw4's arithmetic (adamw_pinned, g times the clip scale gstate[1], decay where
+// the index < n_decay), writes w, m, v and (unless wlow is null) the bf16 copy, and the new bf16 weights' E4M3
+// codes in both
+// orientations at scale 448 / amax[nw + i] (1 at or below 1e-30): the amax of the weights *before* the step.
+// A weight moves by about lr a step, so a value beyond that amax is rare; it saturates at +-448, and
+// k_fp8_wamax_roll counts the weight. The tile's max |bf16 w| (finite entries) is atomicMax-ed into
+// amax[2 nw + i] (zero before), the block of a weight's first tile writes its factor inv = 1 / scale. A skipped
+// step (gstate[2] == 0) writes nothing. amax's three rows of nw: [0] the amax the E4M3 copies were made at,
+// [1] the bf16 weights' own, [2] the new weights' (this kernel); k_fp8_wamax_roll moves them on.
+extern "C" __global__ void __launch_bounds__(256) k_adamw_w8_bf16(
+        float* __restrict__ w, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+        unsigned short* __restrict__ wlow, const long long* __restrict__ wd, int nw, const float* __restrict__ hp,
+        const float* __restrict__ gstate, long long n_decay, float* __restrict__ amax,
+        unsigned char* __restrict__ w8, float* __restrict__ inv) {
+    __shared__ __align__(16) unsigned char tile[64][72];
+    __shared__ float buf[32];
+    const int sel = weight_of(wd, nw, 7);
+    if (gstate[2] == 0.0f) return;                                  // the same for every thread of the block
+    const long long* d = wd + 8 * sel;
+    const int C = (int)d[2], t = (int)(blockIdx.x - d[7]), tc = C / 64, r0 = (t / tc) * 64, c0 = (t % tc) * 64;
+    const float am = amax[nw + sel], s = am > 1e-30f ? 448.0f / am : 1.0f;
+    const float lr = hp[0], wdk = hp[1], step = hp[2], isb2 = hp[3], b1 = hp[4], b2 = hp[5], eps = hp[6];
+    const float gs = gstate[1];
+    const int cc = (threadIdx.x & 15) * 4;
+    float mx = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int rr = (threadIdx.x >> 4) + 16 * p;
+        const long long at = (long long)(r0 + rr) * C + c0 + cc, i = d[0] + at;
+        float4 g4 = *reinterpret_cast<const float4*>(g + i), m4 = *reinterpret_cast<const float4*>(m + i),
+               v4 = *reinterpret_cast<const float4*>(v + i), w4 = *reinterpret_cast<const float4*>(w + i);
+        g4.x = __fmul_rn(g4.x, gs); g4.y = __fmul_rn(g4.y, gs); g4.z = __fmul_rn(g4.z, gs); g4.w = __fmul_rn(g4.w, gs);
+        adamw_pinned(w4.x, g4.x, m4.x, v4.x, i < n_decay, lr, wdk, step, isb2, b1, b2, eps);
+        adamw_pinned(w4.y, g4.y, m4.y, v4.y, i + 1 < n_decay, lr, wdk, step, isb2, b1, b2, eps);
+        adamw_pinned(w4.z, g4.z, m4.z, v4.z, i + 2 < n_decay, lr, wdk, step, isb2, b1, b2, eps);
+        adamw_pinned(w4.w, g4.w, m4.w, v4.w, i + 3 < n_decay, lr, wdk, step, isb2, b1, b2, eps);
+        *reinterpret_cast<float4*>(m + i) = m4;
+        *reinterpret_cast<float4*>(v + i) = v4;
+        *reinterpret_cast<float4*>(w + i) = w4;
+        const unsigned h0 = from_f<bf16_t>(w4.x).x, h1 = from_f<bf16_t>(w4.y).x, h2 = from_f<bf16_t>(w4.z).x,
+                       h3 = from_f<bf16_t>(w4.w).x;
+        if (wlow != nullptr) *reinterpret_cast<uint2*>(wlow + i) = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
+        mx = fmaxf(mx, fmaxf(fmaxf(bf16_absf(h0), bf16_absf(h1)), fmaxf(bf16_absf(h2), bf16_absf(h3))));
+        const unsigned q = fp8_pair(h0, h1, s) | (fp8_pair(h2, h3, s) << 16);
+        *reinterpret_cast<unsigned*>(w8 + d[3] + at) = q;
+        *reinterpret_cast<unsigned*>(&tile[rr][cc]) = q;
+    }
+    __syncthreads();
+    store_tile_t(tile, w8 + d[4], (int)d[1], r0, c0);
+    mx = block_max(mx, buf);
+    if (threadIdx.x == 0) {
+        atomicMax(reinterpret_cast<int*>(amax + 2 * nw + sel), __float_as_int(mx));
+        if (t == 0) inv[d[5]] = 1.0f / s;
+    }
+}
+
+// After k_adamw_w8_bf16, one block: on a good step (gstate[2] != 0) the rows move on ([0] = [1]: the copies
+// were made at it; [1] = [2]) and gstate[3] = how many weights' new amax exceeds the amax their scale came from
+// (448 at scale 1), i.e. saturated somewhere, as fp8_numpy.AmaxHistory.push counts a site; row [2] is zeroed
+// either way (gstate[3] = 0 on a skipped step).
+extern "C" __global__ void k_fp8_wamax_roll(float* __restrict__ amax, int nw, float* __restrict__ gstate) {
+    __shared__ float buf[32];
+    const bool ok = gstate[2] != 0.0f;
+    float n = 0.0f;
+    for (int i = threadIdx.x; i < nw; i += blockDim.x) {
+        const float prev = amax[nw + i], now = amax[2 * nw + i];
+        if (ok) {
+            n += now > (prev > 1e-30f ? prev : 448.0f) ? 1.0f : 0.0f;
+            amax[i] = prev;
+            amax[nw + i] = now;
+        }
+        amax[2 * nw + i] = 0.0f;
+    }
+    n = block_sum(n, buf);
+    if (threadIdx.x == 0) gstate[3] = ok ? n : 0.0f;
 }

@@ -129,6 +129,17 @@ FP8_HEAD = True
 # With FP8_HEAD: the head's forward (the logits, hence the loss) on E4M3 too. False: the logits stay a bf16
 # GEMM of the bf16 lnf, and only the backward's two GEMMs take E4M3 (lnf cast for dwte at one site).
 FP8_HEAD_FWD = True
+# Delayed scaling with the weight table: the optimizer step writes the matmul weights' E4M3 copies itself
+# (k_adamw_w8_bf16, tile by tile, both orientations) at the scale of the weights *before* the step, 448 / their
+# amax, instead of an amax pass and a cast of the new weights afterwards (k_fp8_wcast: 4 bytes a parameter read
+# and written again). Not the same bytes as False: a weight's scale lags its amax by one step (a value beyond it
+# saturates and the weight counts as a clipped cast); the amax the copies were made at is part of the state
+# (``weight_amax`` in ``extra_state``), so a resume is bit-exact. Current scaling keeps the current weight casts.
+ADAMW_E4M3 = True
+# With ADAMW_E4M3: that step leaves the matmul weights' bf16 copy (their rows of ``wlow``) as it was, 2 bytes a
+# parameter less written: while they train nothing reads it (their GEMMs take the E4M3 copies; load_state
+# refreshes wlow from w). The same bytes of w, m, v and the copies.
+W8_ONLY = False
 
 
 def head_sites() -> int:
@@ -166,7 +177,7 @@ def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int, vp: 
     sites': inv, then the scale the kernel reads; then, with ``SAVE_TRANSPOSES``, one slot per saved
     transpose for current scaling; then, with the E4M3 head, its weight's and dlogits' slots, the
     last two), the delayed sites' amaxes of this step, cuBLASLt's workspace, the weight table and
-    amaxes of ``cast_weights`` and (``SAVE_TRANSPOSES``) the saved transposed activations. With
+    amaxes of ``cast_weights`` (three rows: ``Fp8Gemm.wamax``) and (``SAVE_TRANSPOSES``) the saved transposed activations. With
     ``FP8_HEAD`` and ``vp`` (the padded vocabulary): the head weight's two E4M3 copies (``w8_head``),
     dlogits in E4M3 (``f8_dlog``, N x vp) and dwte's fp32 product (``f8_dwte``, vp x C). The same for
     both scalings."""
@@ -179,7 +190,7 @@ def fp8_buffers(n_weight8: int, N: int, C: int, n_slots: int, n_layer: int, vp: 
            ("f8_part", (AMAX_BLOCKS,), np.float32),
            ("f8_inv", (SLOT * (n_slots + n_sites + n_saved + (2 if head else 0)),), np.float32),
            ("f8_cur", (max(1, n_sites),), np.float32), ("lt_ws", (LT_WORKSPACE,), np.uint8),
-           ("f8_wdesc", (max(1, n_w) * 8,), np.int64), ("f8_wamax", (max(1, n_w),), np.float32)]
+           ("f8_wdesc", (max(1, n_w) * 8,), np.int64), ("f8_wamax", (3 * max(1, n_w),), np.float32)]
     if SAVE_TRANSPOSES:
         out.append(("f8_saved", ((n_layer * SAVED_COLS_PER_LAYER + lnf_t) * N * C,), np.uint8))
     if head:
@@ -283,17 +294,30 @@ def k_fp8_t_u8(x8, out_t, R: int, C: int, am, rec) -> None:
     kernel("fp8.cu", "k_fp8_t_u8")((grid,), (256,), (x8, i32(R), i32(C), am, _ptr(rec), _ptr(out_t)))
 
 
-def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv, part=None, chunk: int = 0) -> None:
+def k_fp8_weights(w, wd, nw: int, chunks: int, tiles: int, amax, w8, inv, part=None, chunk: int = 0,
+                  cast_at=None) -> None:
     """Every weight of the table ``wd`` (``weight_table``) cast into its two E4M3 copies in w8
     (current scaling, factors into inv): amax zeroed, one block per chunk, one per tile. With
     ``part`` (the max |w| of each ``chunk`` elements of w, kernels.k_adamw's partials) the amaxes
-    come from those instead of a pass over w: one block per weight."""
+    come from those instead of a pass over w: one block per weight. ``cast_at``: the casts take
+    these amaxes (nw floats) instead of the ones just reduced into ``amax``."""
     if part is None:
         amax.fill(0)                                  # on the current stream, as the launches
         kernel("fp8.cu", "k_fp8_wamax")((chunks,), (256,), (w, wd, i32(nw), amax))
     else:
         kernel("fp8.cu", "k_fp8_wamax_parts")((nw,), (256,), (w, wd, part, np.int64(chunk), amax))
-    kernel("fp8.cu", "k_fp8_wcast")((tiles,), (256,), (w, wd, i32(nw), amax, w8, inv))
+    kernel("fp8.cu", "k_fp8_wcast")((tiles,), (256,), (w, wd, i32(nw), amax if cast_at is None else cast_at,
+                                                       w8, inv))
+
+
+def k_adamw_w8(w, g, m, v, wlow, wd, nw: int, tiles: int, hp, gstate, n_decay: int, amax, w8, inv) -> None:
+    """AdamW over the weights of the table ``wd`` with their E4M3 copies written at the amax of the weights
+    before the step (amax row 1), the new amaxes into row 2, then the rows moved on and gstate[3] = the
+    weights that saturated (fp8.cu k_adamw_w8_bf16, k_fp8_wamax_roll; w, g, m, v fp32 and wlow bf16 flat,
+    the table's offsets index them)."""
+    kernel("fp8.cu", "k_adamw_w8_bf16")((tiles,), (256,), (w, g, m, v, wlow, wd, i32(nw), hp, gstate,
+                                                           np.int64(n_decay), amax, w8, inv))
+    kernel("fp8.cu", "k_fp8_wamax_roll")((1,), (256,), (amax, i32(nw), gstate))
 
 
 def quantize(out, out_t, x, part, inv, R: int | None = None, C: int | None = None, scale=None, rec=None,
@@ -341,7 +365,7 @@ class Fp8Gemm:
             wd, chunks, tiles = weight_table([(WL[n], o, ot, slot) for n, (o, ot, slot) in plan.items()],
                                              a["wlow"].data.ptr)
             a["f8_wdesc"][:wd.size].set(wd.reshape(-1))
-            self.table = (len(wd), chunks, tiles)
+            self.table, self._wd = (len(wd), chunks, tiles), wd
         self._memo: dict = {}
         self.memo_enabled = True
         self._stream = lambda: blas.cp.cuda.get_current_stream().ptr
@@ -387,23 +411,96 @@ class Fp8Gemm:
         """Factor i as a 1-element view (what the cast kernels write)."""
         return self.inv[SLOT * i:SLOT * i + 1]
 
-    def cast_weights(self, part=None, chunk: int = 0) -> None:
-        """E4M3 copies of the current ``wlow`` (current scaling); the engine calls it after every
-        weight change (load_state, each optimizer step), not at every forward. Two launches for all
-        weights (``k_fp8_weights``); the same bytes as ``cast_weights_each``. ``part``: the optimizer's
-        amax partials of wlow (kernels.k_adamw), so the amaxes need no pass over wlow."""
+    def cast_weights(self, part=None, chunk: int = 0, at=None) -> None:
+        """E4M3 copies of the current ``wlow`` (current scaling); the engine calls it where the weights
+        change outside the optimizer (load_state) and after each optimizer step unless the step wrote them
+        (``steps_weights``). Two launches for all weights (``k_fp8_weights``); the same bytes as
+        ``cast_weights_each``. ``part``: the optimizer's amax partials of wlow (kernels.k_adamw), so the
+        amaxes need no pass over wlow. ``at`` (host, one a weight): cast at these amaxes instead (a resumed
+        ADAMW_E4M3 run: ``load_weight_state``). ``wamax`` says what the copies were made at."""
         if self.table is None:
             self.cast_weights_each()
             return
-        a = self.a
-        k_fp8_weights(a["wlow"], a["f8_wdesc"], *self.table, a["f8_wamax"], a["w8"], self.inv, part, chunk)
-        if self.head is not None:                  # wte_pad is not in wlow (nor in the table): on its own
-            wp, h8, h8t, slot, _ = self.head
-            quantize(h8, h8t, wp, a["f8_part"], self._inv(slot), *wp.shape)
+        a, am = self.a, self.wamax
+        if at is not None:
+            am[0].set(np.asarray(at, dtype=np.float32))
+        k_fp8_weights(a["wlow"], a["f8_wdesc"], *self.table, am[1], a["w8"], self.inv, part, chunk,
+                      cast_at=None if at is None else am[0])
+        if at is None:
+            am[0][...] = am[1]
+        am[2].fill(0)
+        self.cast_head()
 
-    def cast_weights_each(self, part=None, chunk: int = 0) -> None:
+    def cast_head(self) -> None:
+        """FP8_HEAD: wte_pad's two E4M3 copies (current scaling); it is not in wlow nor in the table."""
+        if self.head is not None:
+            wp, h8, h8t, slot, _ = self.head
+            quantize(h8, h8t, wp, self.a["f8_part"], self._inv(slot), *wp.shape)
+
+    @property
+    def wamax(self):
+        """The weight table's amaxes, (3, nw) fp32 on the device: [0] the amax each weight's E4M3 copies were
+        made at, [1] the amax of its bf16 copy, [2] zeros (k_adamw_w8_bf16 reduces the new weights' there)."""
+        nw = self.table[0]
+        return self.a["f8_wamax"][:3 * nw].reshape(3, nw)
+
+    @property
+    def steps_weights(self) -> bool:
+        """ADAMW_E4M3 applies: delayed scaling and the weight table, so ``step_weights`` replaces the
+        optimizer's step over the matmul weights and ``cast_weights`` after it."""
+        return ADAMW_E4M3 and self.hist is not None and self.table is not None
+
+    def table_range(self) -> tuple[int, int]:
+        """[first, end) of the flat parameters the weight table covers; it must be contiguous (model.py puts
+        the matmul weights one after the other), else an AndreaError."""
+        rows = sorted((int(r[0]), int(r[1] * r[2])) for r in self._wd)
+        end = rows[0][0]
+        for off, n in rows:
+            if off != end:
+                raise AndreaError(f"fp8 ADAMW_E4M3: the matmul weights are not contiguous in the flat "
+                                  f"parameters (a gap at element {end}; andrea/engine/model.py param_layout)")
+            end += n
+        return rows[0][0], end
+
+    def step_weights(self, w, g, m, v, wlow, hp, gstate, n_decay: int) -> None:
+        """The optimizer step over the weight table's parameters (``k_adamw_w8``: AdamW as kernels.k_adamw,
+        and the E4M3 copies at the scale of the weights before the step), then the head's copies (wte_pad,
+        refreshed by the caller first). The rows of ``wamax`` move on; gstate[3] counts the weights that
+        saturated (the engine adds them to the clipped casts)."""
+        a = self.a
+        nw, _, tiles = self.table
+        k_adamw_w8(w, g, m, v, np.uint64(0) if W8_ONLY else wlow, a["f8_wdesc"], nw, tiles, hp, gstate, n_decay,
+                   a["f8_wamax"], a["w8"], self.inv)
+        self.cast_head()
+
+    def count_weight_clips(self, n: int) -> None:
+        """After a good ``step_weights``: the weights whose new values saturated (gstate[3]) count as clipped
+        casts, as sites do (``last_clipped``, the history's ``clipped_total``)."""
+        if n:
+            self.last_clipped += n
+            self.hist.clipped_total += n
+
+    def weight_state(self) -> dict:
+        """``extra_state``'s part for ADAMW_E4M3: the amax each weight's E4M3 copies were made at ({} otherwise)."""
+        return {"weight_amax": self.wamax[0].get().tolist()} if self.steps_weights else {}
+
+    def load_weight_state(self, d: dict) -> None:
+        """The copies re-cast at the saved ``weight_amax`` (after load_state cast them at their own amax); a
+        state without it (saved before ADAMW_E4M3, or with it off) keeps that cast."""
+        if not self.steps_weights or "weight_amax" not in d:
+            return
+        at = np.asarray(d["weight_amax"], dtype=np.float32)
+        if at.shape != (self.table[0],):
+            raise ValueError(f"fp8 weight_amax of {at.size} weights, this engine's table has {self.table[0]}")
+        self.cast_weights(at=at)
+
+    def cast_weights_each(self, part=None, chunk: int = 0, at=None) -> None:
         """``cast_weights`` weight by weight: an amax pass and a cast per weight (the reference; it
-        takes cast_weights' arguments and reads no partials: the amaxes come from wlow itself)."""
+        takes cast_weights' arguments and reads no partials: the amaxes come from wlow itself; it casts
+        at those only, so ``at`` is refused)."""
+        if at is not None:
+            raise AndreaError("fp8: the weight-by-weight casts take each weight's own amax (no weight table: "
+                              "ADAMW_E4M3 needs one)")
         part = self.a["f8_part"]
         for W, W8, W8t, slot in self.weights.values():
             K, N = W.shape

@@ -55,18 +55,8 @@ extern "C" __global__ void k_scale(float* __restrict__ g, long long n, float s) 
     g[i] *= s;
 }
 
-// One parameter's update with each rounding spelled out (the same arithmetic as ops_numpy.adamw):
-// m = fma(1 - b1, g, b1 m), v = fma((1 - b2) g, g, b2 v), the decay factor fma(-lr, wd, 1),
-// w = fma(-step, m / fma(sqrt(v), isb2, eps), w). These are the operations NVRTC (CUDA 13) compiled the
-// one-a-thread kernel's plain expressions to (its SASS, session 14), so the bits are the ones it always
-// gave, and no surrounding code (the four-a-thread loads) can make the compiler contract differently.
-__device__ __forceinline__ void adamw_pinned(float& w, float g, float& m, float& v, bool decay, float lr, float wd,
-                                             float step, float isb2, float b1, float b2, float eps) {
-    m = __fmaf_rn(1.0f - b1, g, __fmul_rn(b1, m));
-    v = __fmaf_rn(__fmul_rn(1.0f - b2, g), g, __fmul_rn(b2, v));
-    if (decay) w = __fmul_rn(w, __fmaf_rn(-lr, wd, 1.0f));
-    w = __fmaf_rn(-step, __fdiv_rn(m, __fmaf_rn(__fsqrt_rn(v), isb2, eps)), w);
-}
+// adamw_pinned (one parameter's update, each rounding spelled out) is in common.cuh: fp8.cu's k_adamw_w8_bf16
+// runs the same arithmetic.
 
 // Parameter j in place: g (times the clip scale gs with apply_gscale), m, v, w and its compute copy.
 // hp (device, so a replayed CUDA graph sees new values): [lr, weight_decay, step_size = lr / bc1,

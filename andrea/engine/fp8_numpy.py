@@ -143,12 +143,14 @@ WCHUNK, WTILE = 16384, 64        # fp8.cu's k_fp8_wamax chunk and k_fp8_wcast ti
 
 
 def cast_weights_table(wlow: np.ndarray, table: np.ndarray, n_chunks: int, n_tiles: int, w8: np.ndarray,
-                       inv: np.ndarray) -> None:
+                       inv: np.ndarray, at: np.ndarray | None = None) -> np.ndarray:
     """Twin of fp8.cu's k_fp8_wamax + k_fp8_wcast (``andrea.cuda.fp8.weight_table``'s rows: first
     element, R, C, w8 offsets of the (R, C) and (C, R) copies, inv index, first chunk, first tile),
     block by block as the kernels split the work: each weight's amax over its chunks, then each
     tile of its two E4M3 copies at scale_of(amax), and the factor 1 / scale into inv. ``wlow``
-    (bf16 payloads), ``w8`` (uint8) and ``inv`` (float32) are flat."""
+    (bf16 payloads), ``w8`` (uint8) and ``inv`` (float32) are flat. ``at``: cast at these amaxes
+    instead (one a weight; k_adamw_w8_bf16's codes, made at the amax of the weights before the step).
+    Returns the amax of each weight in wlow (its finite entries)."""
     def owner(b, col):                    # fp8.cu's weight_of: the weights i >= 1 starting at or before b
         return int(np.count_nonzero(table[1:, col] <= b))
 
@@ -168,7 +170,7 @@ def cast_weights_table(wlow: np.ndarray, table: np.ndarray, n_chunks: int, n_til
         r0, c0 = (t // tc) * WTILE, (t % tc) * WTILE
         if r0 >= R:
             raise ValueError(f"weight table: block {b} lies past weight {i}'s last tile")
-        s, iv = scale_of(am[i])
+        s, iv = scale_of(am[i] if at is None else at[i])
         x = bf16_to_f32(wlow[first:first + R * C].reshape(R, C)[r0:r0 + WTILE, c0:c0 + WTILE])
         with np.errstate(invalid="ignore", over="ignore"):
             q = encode(x * s)
@@ -176,6 +178,7 @@ def cast_weights_table(wlow: np.ndarray, table: np.ndarray, n_chunks: int, n_til
         w8[ot:ot + R * C].reshape(C, R)[c0:c0 + WTILE, r0:r0 + WTILE] = q.T
         if t == 0:
             inv[k] = iv
+    return am
 
 
 class AmaxHistory:
