@@ -558,7 +558,8 @@ class GpuEngine:
     def extra_state(self) -> dict:
         """What later steps depend on beyond w, m, v: the fp16 dynamic loss scale and its count of
         good steps; fp8 with delayed scaling: every cast site's amax history, the steps pushed and
-        the count of clipped casts (andrea.engine.fp8_numpy.AmaxHistory.state). {} in fp32/bf16 and
+        the count of clipped casts (andrea.engine.fp8_numpy.AmaxHistory.state), and the amax the
+        matmul weights' E4M3 copies were made at (``weight_amax``, fp8.ADAMW_E4M3). {} in fp32/bf16 and
         in fp8 with current scaling (every scale comes from the tensor being cast). The CUDA graph
         is rebuilt from the fp16 scale (it bakes it in); fp8's scales live on the device."""
         if self.f8 is not None and self.f8.hist is not None:

@@ -24,7 +24,9 @@ Scaling (``train.fp8_scaling``):
   (skipped steps too) and writes the new scales. Values beyond 448 / scale saturate at 448; the
   count of sites that clipped is reported (``last_clipped``) and their scales follow next step.
   While the history is empty (a run's first step) every site uses current scaling and records
-  its amax. The weights use current scaling in both modes: they are cast once per weight change.
+  its amax. The weights are cast once per weight change, at their current amax, except that under
+  ``delayed`` the optimizer step writes them itself at the amax of the weights before the step
+  (``ADAMW_E4M3``: ``step_weights``; that amax is ``weight_state``, part of the engine's extra state).
 
 Operand orientation: cuBLASLt FP8 needs both operands K-contiguous, so ``mm`` casts op(A)
 as (M, K) and op(B)^T as (N, K): A as is (or transposed when ta), B transposed (or as is
