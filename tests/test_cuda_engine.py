@@ -180,6 +180,47 @@ def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec, attn, monkeyp
         assert x.tobytes() == y.tobytes()
 
 
+@pytest.mark.parametrize("prec", ["bf16", "fp8"])
+def test_first_microbatch_writing_the_weight_gradients_keeps_the_bytes(prec, monkeypatch):
+    """engine.WGRAD_WRITES (the default): a step's first microbatch writes the block weights' gradients (beta
+    0) over rows zero_grads left as they were, and the later ones add. Against WGRAD_WRITES off (g zeroed
+    whole, every microbatch adding): g after compute_grads (the rows of a previous batch's gradient beneath)
+    and w, m, v after 4 steps of 1 and of 3 microbatches, CUDA graph and eager, byte-identical; fp8 with
+    delayed scaling (its first step eager, then the graphs). fp32 keeps the zeroed buffer (its cuBLAS may
+    pick another kernel for beta 0)."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    if prec == "fp8" and int(cp.cuda.Device().compute_capability) < 89:
+        pytest.skip("fp8 needs an sm_89+ GPU")
+    kw = {"fp8_scaling": "delayed"} if prec == "fp8" else {}
+
+    def run(graph, accum):
+        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph, **kw)
+        eng.init_weights(0)
+        eng.compute_grads(*batch(5))
+        g1 = eng.grads_host()
+        eng.compute_grads(*batch(6))                       # over g1's rows: written, not added
+        out = [g1, eng.grads_host()]
+        for t in range(1, 5):
+            eng.train_step([batch(300 + 7 * t + k) for k in range(accum)], 3e-3, t, HP)
+        return eng, out + list(eng.state_host())
+
+    for graph in (True, False):
+        for accum in (1, 3):
+            monkeypatch.setattr(ce, "WGRAD_WRITES", True)
+            eng, on = run(graph, accum)
+            assert eng._wgrad_span is not None and (not graph or set(eng.graph) == {0.0, 1.0})
+            monkeypatch.setattr(ce, "WGRAD_WRITES", False)
+            eng, off = run(graph, accum)
+            assert eng._wgrad_span is None
+            for x, y in zip(on, off):
+                assert x.tobytes() == y.tobytes(), (graph, accum)
+    assert np.abs(on[1]).max() > 0 and on[0].tobytes() != on[1].tobytes()
+    fp32 = make_backend().make_engine(MC, B, precision="fp32")
+    assert fp32._wgrad_span is None
+
+
 def test_attention_backward_falls_back_where_the_logits_cannot_hold_ds(monkeypatch):
     # "wgds" keeps dS in the logits' bytes: at T = 1024 one head needs 1.1 MB of tiles, a 97-token
     # vocabulary's logits (B = 1) hold 256 KiB, so the engine runs "wg" there: the same bytes as "wg" forced

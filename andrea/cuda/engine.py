@@ -82,6 +82,11 @@ FUSE_GELU = True
 # fp8.DGELU_CAST). With fp8.SAVE_TRANSPOSES h_act is one buffer for all layers whatever this says
 # (gpu_policy's ``shared``): the backward reads its kept E4M3 transpose.
 FUSE_GELU_FP8 = frozenset({"fwd"})
+# A step's first microbatch: the four block weight-gradient GEMMs write their gradients (beta 0: no read of
+# C, no zeroed rows to add onto) and zero_grads clears only the rest of g (wte, wpe, the LayerNorms), as
+# torch's zero_grad(set_to_none=True) leaves the first backward to write. The later microbatches add (beta
+# 1). The same bytes as False (a product plus +0 is the product); one CUDA graph for each beta. One GPU only.
+WGRAD_WRITES = True
 
 
 def fused_gelu(precision: str) -> tuple[bool, bool]:
@@ -104,11 +109,13 @@ class FastOps:
     """The recipe's op set in one precision over this engine's arena: the ops_numpy names and
     arguments (``work`` unused: the scratch is the engine's ``ln_part``, ``dvec``, ``dh``); the
     shapes come from the arrays. Backward outputs follow the op contract (+= into parameter
-    gradients and dres, = elsewhere)."""
+    gradients and dres, = elsewhere), but for ``wgrad_beta`` 0: then the four block weight-gradient
+    GEMMs write their gradient (=), as GpuEngine asks for a step's first microbatch (WGRAD_WRITES)."""
 
     def __init__(self, prec: str, blas, a: dict, f8=None, lt=None):
         self.p, self.lowtype, self.blas, self.a = prec, LOWTYPE[prec], blas, a
         self.deferred = None        # a list: embed_backward appends its launch there instead of running it
+        self.wgrad_beta = 1.0       # the block weight-gradient GEMMs' beta: 1 adds (the op contract), 0 writes
         # attn_backward's spare dS scratch: each layer's qkv -> the bytes of its h_pre (_spare_h_pre)
         self._h_pre_of = {q.data.ptr: cp().ndarray((h.nbytes,), dtype=cp().uint8, memptr=h.data)
                           for q, h in zip(a.get("qkv", ()), a.get("h_pre", ()))}
@@ -187,7 +194,7 @@ class FastOps:
         self._mm(qkv, x, w_qkv, tag="qkv fwd")
 
     def attn_qkv_backward(self, dx, dw_qkv, dqkv, x, w_qkv, work):
-        self._mm(dw_qkv, x, dqkv, ta=True, beta=1.0, tag="qkv wgrad")
+        self._mm(dw_qkv, x, dqkv, ta=True, beta=self.wgrad_beta, tag="qkv wgrad")
         self._mm(dx, dqkv, w_qkv, tb=True, tag="qkv dgrad")
 
     def attn_forward(self, out, att, qkv, mask, n_head, work):
@@ -241,7 +248,7 @@ class FastOps:
 
     def attn_out_backward(self, dy, dw_o, dout, y, w_o, work):
         self._mm(dy, dout, w_o, tb=True, tag="attn-out dgrad")
-        self._mm(dw_o, y, dout, ta=True, beta=1.0, tag="attn-out wgrad")
+        self._mm(dw_o, y, dout, ta=True, beta=self.wgrad_beta, tag="attn-out wgrad")
 
     def gelu_forward(self, out, x):
         k_gelu_fwd(self.p, out, x, x.size)
@@ -263,13 +270,13 @@ class FastOps:
             self._mm(dh, dout, w_proj, tb=True, epilogue=EPILOGUE_DGELU, aux=h_pre, tag="proj dgrad+dgelu")
         else:
             self._mm(dh, dout, w_proj, tb=True, tag="proj dgrad")   # dL/dh_act
-        self._mm(dw_proj, h_act, dout, ta=True, beta=1.0, tag="proj wgrad")
+        self._mm(dw_proj, h_act, dout, ta=True, beta=self.wgrad_beta, tag="proj wgrad")
         if not self.fused_bwd:
             if self.f8 is not None and self.f8.defers_dgelu:
                 self.f8.defer_dgelu(dh, h_pre)                      # fp8: gelu' inside the next GEMM's cast of dh
             else:
                 k_gelu_bwd(self.p, dh, dh, h_pre, h_pre.size)       # dL/dh_pre, in place
-        self._mm(dw_fc, x, dh, ta=True, beta=1.0, tag="fc wgrad")
+        self._mm(dw_fc, x, dh, ta=True, beta=self.wgrad_beta, tag="fc wgrad")
         self._mm(dx, dh, w_fc, tb=True, tag="fc dgrad")
 
     def residual_add_forward(self, out, a, b):
@@ -473,6 +480,8 @@ class GpuEngine:
                          + ((a["lnf"].data.ptr,) if e4m3_head and fp8_mod.FP8_HEAD_FWD else ()))
         self.f8 = f8
         self._w8_span = None               # fp8 ADAMW_E4M3: the matmul weights' flat range (_w8_range)
+        self._wgrad_span = self._block_weight_span() if WGRAD_WRITES and world == 1 and precision != "fp32" else None
+        self._writes_wgrad = False         # the next micro_step is a step's first (zero_grads sets it)
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
@@ -529,6 +538,18 @@ class GpuEngine:
                 self.f8.cast_head()
             else:
                 self.f8.cast_weights(part, ADAMW_CHUNK)
+
+    def _block_weight_span(self) -> tuple[int, int]:
+        """[first, end) of the four block weights of every layer in the flat layout, which their weight-gradient
+        GEMMs cover whole (model.py puts them one after the other)."""
+        names = [f"h.{l}.{n}" for l in range(self.mc.n_layer)
+                 for n in ("attn.w_qkv", "attn.w_o", "mlp.w_fc", "mlp.w_proj")]
+        ts = [self.layout.by_name[n] for n in names]
+        lo = ts[0].offset
+        if any(t.offset != o for t, o in zip(ts, np.cumsum([lo] + [t.size for t in ts[:-1]]))):
+            raise AndreaError("cupy engine: the block weights are not contiguous in the flat parameters "
+                              "(andrea/engine/model.py param_layout); set engine.WGRAD_WRITES = False")
+        return lo, lo + sum(t.size for t in ts)
 
     def _w8_range(self):
         """fp8 ``ADAMW_E4M3`` (Fp8Gemm.steps_weights, one GPU): [first, end) of the flat matmul weights, whose
@@ -611,9 +632,10 @@ class GpuEngine:
         (``graph``: the captured graphs' first part, else eager launches) before the host sorts x's
         segments, then the embedding backward. The same launches in the same order as one pass."""
         if graph:
-            self.graph[0].launch(stream=self.stream)
+            main, tail = self.graph[self.ops.wgrad_beta]
+            main.launch(stream=self.stream)
             self._load_segments(x)
-            self.graph[1].launch(stream=self.stream)
+            tail.launch(stream=self.stream)
             return
         self.ops.deferred = []
         try:
@@ -641,44 +663,60 @@ class GpuEngine:
     def _capture(self, x) -> None:
         """Capture forward + backward of one microbatch as two CUDA graphs, all but the embedding
         backward and then that (``_pass`` uploads the segments between them); the arena's pointers
-        never change, so replaying them after loading a new batch runs the new batch. One eager run
-        (of the loaded batch x) first loads every module and lets cuBLAS set up its workspace
-        outside the capture."""
+        never change, so replaying them after loading a new batch runs the new batch. One pair for
+        each weight-gradient beta the steps use (``_wgrad_span``: 0 for a step's first microbatch,
+        1 after). One eager run (of the loaded batch x) first loads every module and lets cuBLAS set
+        up its workspace outside the capture; g is zeroed after it, so call this at a step's first
+        microbatch."""
         with self.stream:
             self._pass(x)
             self.stream.synchronize()
+            beta = self.ops.wgrad_beta
             try:
-                self.ops.deferred = []
-                self.stream.begin_capture()
-                self._forward(True)
-                self._backward(self.loss_scale / self.N)
-                main = self.stream.end_capture()
-                tail, self.ops.deferred = self.ops.deferred, None
-                self.stream.begin_capture()
-                for run in tail:
-                    run()
-                self.graph = (main, self.stream.end_capture())
+                graphs = {}
+                for self.ops.wgrad_beta in ((0.0, 1.0) if self._wgrad_span else (1.0,)):
+                    self.ops.deferred = []
+                    self.stream.begin_capture()
+                    self._forward(True)
+                    self._backward(self.loss_scale / self.N)
+                    main = self.stream.end_capture()
+                    tail, self.ops.deferred = self.ops.deferred, None
+                    self.stream.begin_capture()
+                    for run in tail:
+                        run()
+                    graphs[self.ops.wgrad_beta] = (main, self.stream.end_capture())
+                self.graph, self.ops.wgrad_beta = graphs, beta
                 self.graph_scale = self.loss_scale
             except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
                 try:
                     self.stream.end_capture()
                 except Exception:  # noqa: BLE001
                     pass
-                self.use_graph, self.graph, self.ops.deferred = False, None, None
+                self.use_graph, self.graph, self.ops.deferred, self.ops.wgrad_beta = False, None, None, beta
                 print(f"cupy engine: CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly",
                       file=sys.stderr)
             self.g.fill(0)
         self.stream.synchronize()
 
     def zero_grads(self) -> None:
+        """The start of a step: g = 0, but for the block weights' rows when the first microbatch writes them
+        (WGRAD_WRITES, ``_wgrad_span``)."""
         with self.stream:
-            self.g.fill(0)
+            if self._wgrad_span is None:
+                self.g.fill(0)
+            else:
+                lo, hi = self._wgrad_span
+                self.g[:lo].fill(0)
+                self.g[hi:].fill(0)
+            self._writes_wgrad = self._wgrad_span is not None
             if self.f8 is not None:
                 self.f8.reset_amax()
 
     def micro_step(self, x, y) -> float:
         """Forward + backward of one microbatch, accumulating (+=) its mean-loss gradient into g
-        (fp32; times the fp16 loss scale). Returns the microbatch's mean loss."""
+        (fp32; times the fp16 loss scale); the first one after zero_grads writes the block weights'
+        rows instead (WGRAD_WRITES). Returns the microbatch's mean loss."""
+        self.ops.wgrad_beta, self._writes_wgrad = (0.0 if self._writes_wgrad else 1.0), False
         with self.stream:
             self._load_ids(x, y)
             calibrating = self.f8 is not None and self.f8.calibrating   # fp8 delayed, first step: current casts
