@@ -733,7 +733,6 @@ def test_weight_table_casts_every_weight_like_casting_them_one_by_one(monkeypatc
     own = np.asarray(g.wamax[1]).copy()                          # the weights' own amaxes; copies made at them
     assert own[2] > 0 and not g.steps_weights                    # current scaling: the optimizer does not cast
     np.testing.assert_array_equal(np.asarray(g.wamax), [own, own, np.zeros_like(own)])
-    assert g.table_range() == (8, 8 + sum(r * c for _, (r, c) in shapes))    # the four weights, one after the other
     # a resumed ADAMW_E4M3 run: the copies re-cast at the amaxes they were made at, the weights' own kept
     at = own * np.float32(0.5)
     g.cast_weights(at=at)
@@ -756,10 +755,27 @@ def test_weight_table_casts_every_weight_like_casting_them_one_by_one(monkeypatc
         gd.load_weight_state({"weight_amax": at[:3].tolist()})
     monkeypatch.setattr(k8, "ADAMW_E4M3", False)
     assert not gd.steps_weights and gd.weight_state() == {}
-    gd._wd = table.copy()
-    gd._wd[1, 0] += 64                                           # w_o moved on: a gap before it
-    with pytest.raises(AndreaError, match="not contiguous"):
-        gd.table_range()
+
+
+def test_the_block_weights_lie_in_one_flat_range():
+    """The range the GPU engine steps and writes in one piece (WGRAD_WRITES, fp8 ADAMW_E4M3): every layer's
+    matmul weights (recipe.MATMUL_WEIGHTS), one after the other from the first; a gap is refused."""
+    from types import SimpleNamespace
+
+    from andrea.engine.model import contiguous_span, param_layout
+    from andrea.engine.recipe import MATMUL_WEIGHTS
+
+    mc = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=3, context=128)
+    layout = param_layout(mc)
+    names = [f"h.{l}.{k}" for l in range(mc.n_layer) for k in MATMUL_WEIGHTS]
+    C = mc.d_model
+    assert contiguous_span(layout, names) == ((97 + 128) * C, (97 + 128) * C + 12 * C * C * mc.n_layer)
+    assert contiguous_span(layout, names)[1] == layout.n_decay
+    gap = SimpleNamespace(by_name={**layout.by_name})
+    t = layout.by_name["h.1.attn.w_o"]
+    gap.by_name[t.name] = SimpleNamespace(name=t.name, offset=t.offset + 64, size=t.size)   # w_o moved on
+    with pytest.raises(AndreaError, match="h.1.attn.w_o starts at element"):
+        contiguous_span(gap, names)
 
 
 @pytest.mark.parametrize("choice", ["smem", "warp"])

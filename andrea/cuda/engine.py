@@ -51,7 +51,8 @@ from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, Fp8Gemm, fp8_buffers, n_sit
                              weight_plan)
 from andrea.engine import recipe
 from andrea.engine.engine import Engine, Hyper, StepResult, init_params
-from andrea.engine.model import Buffer, ModelConfig, PlanPolicy, activation_plan, param_layout, recompute_set
+from andrea.engine.model import (Buffer, ModelConfig, PlanPolicy, activation_plan, contiguous_span, param_layout,
+                                 recompute_set)
 from andrea.errors import AndreaError
 from andrea.preflight import check_memory
 
@@ -479,8 +480,11 @@ class GpuEngine:
                          ln_ptrs=(a["ln1"].data.ptr, a["ln2"].data.ptr)
                          + ((a["lnf"].data.ptr,) if e4m3_head and fp8_mod.FP8_HEAD_FWD else ()))
         self.f8 = f8
-        self._w8_span = None               # fp8 ADAMW_E4M3: the matmul weights' flat range (_w8_range)
-        self._wgrad_span = self._block_weight_span() if WGRAD_WRITES and world == 1 and precision != "fp32" else None
+        # the block matmul weights' flat range: their weight-gradient GEMMs write it whole (WGRAD_WRITES), and
+        # fp8 ADAMW_E4M3's step covers it (_w8_range)
+        self._block_span = contiguous_span(self.layout, [f"h.{l}.{k}" for l in range(mc.n_layer)
+                                                         for k in recipe.MATMUL_WEIGHTS])
+        self._wgrad_span = self._block_span if WGRAD_WRITES and world == 1 and precision != "fp32" else None
         self._writes_wgrad = False         # the next micro_step is a step's first (zero_grads sets it)
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)
@@ -539,26 +543,13 @@ class GpuEngine:
             else:
                 self.f8.cast_weights(part, ADAMW_CHUNK)
 
-    def _block_weight_span(self) -> tuple[int, int]:
-        """[first, end) of the four block weights of every layer in the flat layout, which their weight-gradient
-        GEMMs cover whole (model.py puts them one after the other)."""
-        names = [f"h.{l}.{n}" for l in range(self.mc.n_layer)
-                 for n in ("attn.w_qkv", "attn.w_o", "mlp.w_fc", "mlp.w_proj")]
-        ts = [self.layout.by_name[n] for n in names]
-        lo = ts[0].offset
-        if any(t.offset != o for t, o in zip(ts, np.cumsum([lo] + [t.size for t in ts[:-1]]))):
-            raise AndreaError("cupy engine: the block weights are not contiguous in the flat parameters "
-                              "(andrea/engine/model.py param_layout); set engine.WGRAD_WRITES = False")
-        return lo, lo + sum(t.size for t in ts)
-
     def _w8_range(self):
-        """fp8 ``ADAMW_E4M3`` (Fp8Gemm.steps_weights, one GPU): [first, end) of the flat matmul weights, whose
-        optimizer step also writes their E4M3 copies (Fp8Gemm.step_weights); else None."""
+        """fp8 ``ADAMW_E4M3`` (Fp8Gemm.steps_weights, one GPU): [first, end) of the flat matmul weights (the
+        weight table's, recipe.MATMUL_WEIGHTS), whose optimizer step also writes their E4M3 copies
+        (Fp8Gemm.step_weights); else None."""
         if self.f8 is None or self.comm is not None or not self.f8.steps_weights:
             return None
-        if self._w8_span is None:
-            self._w8_span = self.f8.table_range()
-        return self._w8_span
+        return self._block_span
 
     def init_weights(self, seed: int) -> None:
         """The same weights as Engine.init_weights(seed) (``init_params``, drawn on the host)."""
@@ -674,8 +665,8 @@ class GpuEngine:
             beta = self.ops.wgrad_beta
             try:
                 graphs = {}
-                for self.ops.wgrad_beta in ((0.0, 1.0) if self._wgrad_span else (1.0,)):
-                    self.ops.deferred = []
+                for b in ((0.0, 1.0) if self._wgrad_span else (1.0,)):
+                    self.ops.wgrad_beta, self.ops.deferred = b, []
                     self.stream.begin_capture()
                     self._forward(True)
                     self._backward(self.loss_scale / self.N)
@@ -684,7 +675,7 @@ class GpuEngine:
                     self.stream.begin_capture()
                     for run in tail:
                         run()
-                    graphs[self.ops.wgrad_beta] = (main, self.stream.end_capture())
+                    graphs[b] = (main, self.stream.end_capture())
                 self.graph, self.ops.wgrad_beta = graphs, beta
                 self.graph_scale = self.loss_scale
             except Exception as e:  # noqa: BLE001 - fall back to eager launches, and say so
@@ -745,23 +736,20 @@ class GpuEngine:
                 self.f8.queue_amax(self.stream)              # delayed: the amaxes' copy, before the update
             self._upload("hp", adam_hyper(t, lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay))
             part = None                                      # the sharded step keeps the amax pass
-            stepped = self._w8_range()
-            if self.comm is not None:
+            stepped = self._w8_range()                       # fp8 ADAMW_E4M3: the matmul weights' step writes
+            if self.comm is not None:                        # their E4M3 copies
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
-            elif stepped is not None:                        # fp8 ADAMW_E4M3: the matmul weights' step writes
-                k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])    # their E4M3 copies
-                nd = self.layout.n_decay
-                for lo, hi in ((0, stepped[0]), (stepped[1], n)):    # wte, wpe; the LayerNorms
-                    if hi > lo:
-                        k_adamw(self.kp, a["w"][lo:hi], a["g"][lo:hi], a["m"][lo:hi], a["v"][lo:hi], a["wlow"][lo:hi],
-                                hi - lo, a["hp"], a["gstate"], min(max(nd - lo, 0), hi - lo), 1)
-                self.f8.step_weights(a["w"], a["g"], a["m"], a["v"], a["wlow"], a["hp"], a["gstate"], nd)
             else:
                 k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
                 wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
-                part = self._amax_part()
-                k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"], self.layout.n_decay, 1,
-                        part=part)
+                if stepped is None:
+                    part = self._amax_part()
+                    k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"],
+                            self.layout.n_decay, 1, part=part)
+                else:
+                    self._adamw_around(stepped)
+                    self.f8.step_weights(a["w"], a["g"], a["m"], a["v"], wlow, a["hp"], a["gstate"],
+                                         self.layout.n_decay)
             self._weights_changed(part, stepped=stepped is not None)
             if self.f8 is not None:
                 self.f8.after_step(self.stream)
@@ -771,6 +759,15 @@ class GpuEngine:
             self.f8.count_weight_clips(int(out[3]))
         self._scaler(ok)
         return StepResult(loss, float(out[0]) if ok else float("nan"), ok)
+
+    def _adamw_around(self, span) -> None:
+        """k_adamw over the flat parameters outside ``span`` (wte and wpe before it, the LayerNorms after),
+        each piece with its share of the decayed prefix [0, n_decay)."""
+        a, n, nd = self.a, self.n_params, self.layout.n_decay
+        for lo, hi in ((0, span[0]), (span[1], n)):
+            if hi > lo:
+                k_adamw(self.kp, a["w"][lo:hi], a["g"][lo:hi], a["m"][lo:hi], a["v"][lo:hi], a["wlow"][lo:hi], hi - lo,
+                        a["hp"], a["gstate"], min(max(nd - lo, 0), hi - lo), 1)
 
     def _amax_part(self):
         """fp8 (one weight table, buffers aligned for k_adamw4_*): where AdamW leaves the max |wlow| of

@@ -369,7 +369,7 @@ class Fp8Gemm:
             wd, chunks, tiles = weight_table([(WL[n], o, ot, slot) for n, (o, ot, slot) in plan.items()],
                                              a["wlow"].data.ptr)
             a["f8_wdesc"][:wd.size].set(wd.reshape(-1))
-            self.table, self._wd = (len(wd), chunks, tiles), wd
+            self.table = (len(wd), chunks, tiles)
         self._memo: dict = {}
         self.memo_enabled = True
         self._stream = lambda: blas.cp.cuda.get_current_stream().ptr
@@ -454,28 +454,15 @@ class Fp8Gemm:
         optimizer's step over the matmul weights and ``cast_weights`` after it."""
         return ADAMW_E4M3 and self.hist is not None and self.table is not None
 
-    def table_range(self) -> tuple[int, int]:
-        """[first, end) of the flat parameters the weight table covers; it must be contiguous (model.py puts
-        the matmul weights one after the other), else an AndreaError."""
-        rows = sorted((int(r[0]), int(r[1] * r[2])) for r in self._wd)
-        end = rows[0][0]
-        for off, n in rows:
-            if off != end:
-                raise AndreaError(f"fp8 ADAMW_E4M3: the matmul weights are not contiguous in the flat "
-                                  f"parameters (a gap at element {end}; andrea/engine/model.py param_layout)")
-            end += n
-        return rows[0][0], end
-
     def step_weights(self, w, g, m, v, wlow, hp, gstate, n_decay: int) -> None:
         """The optimizer step over the weight table's parameters (``k_adamw_w8``: AdamW as kernels.k_adamw,
-        and the E4M3 copies at the scale of the weights before the step), then the head's copies (wte_pad,
-        refreshed by the caller first). The rows of ``wamax`` move on; gstate[3] counts the weights that
-        saturated (the engine adds them to the clipped casts)."""
+        and the E4M3 copies at the scale of the weights before the step); the head's copies are left to
+        ``cast_head`` once wte_pad is refreshed. The rows of ``wamax`` move on; gstate[3] counts the weights
+        that saturated (the engine adds them to the clipped casts)."""
         a = self.a
         nw, _, tiles = self.table
         k_adamw_w8(w, g, m, v, np.uint64(0) if W8_ONLY else wlow, a["f8_wdesc"], nw, tiles, hp, gstate, n_decay,
                    a["f8_wamax"], a["w8"], self.inv)
-        self.cast_head()
 
     def count_weight_clips(self, n: int) -> None:
         """After a good ``step_weights``: the weights whose new values saturated (gstate[3]) count as clipped

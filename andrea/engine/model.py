@@ -116,6 +116,20 @@ def param_layout(mc: ModelConfig) -> ParamLayout:
     return layout
 
 
+def contiguous_span(layout: ParamLayout, names) -> tuple[int, int]:
+    """[first, end) of the flat parameters that the tensors ``names`` cover, each starting where the one
+    before it ends (the GPU engine steps and writes such a range in one piece); an AndreaError names the
+    first tensor that does not."""
+    ts = [layout.by_name[n] for n in names]
+    end = ts[0].offset
+    for t in ts:
+        if t.offset != end:
+            raise AndreaError(f"parameter layout: {t.name} starts at element {t.offset}, not where the tensor "
+                              f"before it ends ({end}); these must lie one after the other")
+        end += t.size
+    return ts[0].offset, end
+
+
 @dataclass(frozen=True)
 class Buffer:
     """One planned buffer. ``kind``: saved (forward activations kept for the backward), dgrad
