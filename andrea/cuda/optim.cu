@@ -18,7 +18,15 @@ extern "C" __global__ void k_grad_norm_partial(const float* __restrict__ g, long
     __shared__ float buf[32];
     float s = 0.0f;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 7 * stride < n; i += 8 * stride) {      // 8 loads in flight, then summed in the same order
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = g[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) s += v[u] * v[u];
+    }
+    for (; i < n; i += stride) {
         const float v = g[i];
         s += v * v;
     }
