@@ -40,29 +40,45 @@ MATMUL_WEIGHTS = ("attn.w_qkv", "attn.w_o", "mlp.w_fc", "mlp.w_proj")
 
 
 # ---------------------------------------------------------------------------- forward
-def block_forward(ops, s, branch, mask, n_head: int, work) -> None:
-    """One pre-LN block on the rows of ``s`` (its views); ``branch`` (N, C) is scratch."""
-    ops.layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, s.x_in, s.ln1_g, s.ln1_b)   # (N, C)
+def block_forward(ops, s, branch, mask, n_head: int, work, prev=None, add_out: bool = True) -> None:
+    """One pre-LN block on the rows of ``s`` (its views); ``branch`` (N, C) is scratch. With ``prev``
+    (the block before, whose ``add_out`` was False) ln1 also does that block's residual add, x_in =
+    prev.x_mid + branch (residual_layernorm_forward: the sum is not read back); ``add_out`` False leaves
+    this block's own add, x_out = x_mid + branch (the MLP's output), to the LayerNorm after it."""
+    if prev is None:
+        ops.layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, s.x_in, s.ln1_g, s.ln1_b)   # (N, C)
+    else:
+        ops.residual_layernorm_forward(s.x_in, s.ln1, s.ln1_mean, s.ln1_rstd, prev.x_mid, branch, s.ln1_g, s.ln1_b)
     ops.attn_qkv_forward(s.qkv, s.ln1, s.attn_w_qkv)                                # (N, 3C)
     ops.attn_forward(s.atty3, s.att, s.qkv3, mask, n_head, work)                    # (B, T, C)
     ops.attn_out_forward(branch, s.atty, s.attn_w_o)                                # (N, C)
     ops.residual_layernorm_forward(s.x_mid, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_in, branch, s.ln2_g, s.ln2_b)
     ops.mlp_forward(branch, s.h_pre, s.h_act, s.ln2, s.mlp_w_fc, s.mlp_w_proj)       # (N, 4C) inside
-    ops.residual_add_forward(s.x_out, s.x_mid, branch)
+    if add_out:
+        ops.residual_add_forward(s.x_out, s.x_mid, branch)
 
 
-def head_forward(ops, z, with_targets: bool) -> None:
-    """Final LayerNorm, tied output projection and (with targets) the per-row loss."""
-    ops.layernorm_forward(z.lnf, z.lnf_mean, z.lnf_rstd, z.res_last, z.lnf_g, z.lnf_b)
+def head_forward(ops, z, with_targets: bool, last=None) -> None:
+    """Final LayerNorm, tied output projection and (with targets) the per-row loss. With ``last`` (the
+    last block, its ``add_out`` False) lnf also does its residual add, res_last = last.x_mid + branch."""
+    if last is None:
+        ops.layernorm_forward(z.lnf, z.lnf_mean, z.lnf_rstd, z.res_last, z.lnf_g, z.lnf_b)
+    else:
+        ops.residual_layernorm_forward(z.res_last, z.lnf, z.lnf_mean, z.lnf_rstd, last.x_mid, z.branch, z.lnf_g,
+                                       z.lnf_b)
     ops.loss_forward(z.losses, z.logits, z.probs, z.lnf, z.wte_head, z.targets if with_targets else None, z.work)
 
 
 def forward(ops, z, n_head: int, with_targets: bool) -> None:
-    """embed -> blocks -> final LN -> tied head -> loss, on one batch slice ``z``."""
+    """embed -> blocks -> final LN -> tied head -> loss, on one batch slice ``z``. Each residual add
+    after an MLP runs inside the LayerNorm that reads its sum (the next block's ln1, or lnf): the same
+    bits as the add then the LayerNorm (the ops' contract), one pass less over the stream."""
     ops.embed_forward(z.emb3, z.idx, z.wte, z.wpe)                                  # (B, T, C)
+    prev = None
     for s in z.layers:
-        block_forward(ops, s, z.branch, z.mask, n_head, z.work)
-    head_forward(ops, z, with_targets)
+        block_forward(ops, s, z.branch, z.mask, n_head, z.work, prev=prev, add_out=False)
+        prev = s
+    head_forward(ops, z, with_targets, last=prev)
 
 
 # --------------------------------------------------------------------------- backward
