@@ -200,13 +200,15 @@ def test_gelu_backward_cast_is_bit_exact_with_k_gelu_bwd_then_the_cast(delayed, 
     assert (outs[0][0] == 0x7F).any()                          # the specials reached the codes
 
 
-def test_gelu_backward_cast_of_an_e4m3_h_pre_is_bit_exact_with_its_bf16_value():
-    """HPRE_E4M3: k_fp8_dgelu8_cast_t_bf16 reads h_pre as E4M3 codes at HPRE_SCALE. decode(code) /
-    HPRE_SCALE is a bf16 value (3 mantissa bits, a power-of-two scale), so the codes, amax and
-    factor equal k_fp8_dgelu_cast_t_bf16's over that bf16 h_pre (tolerance: none). Every code 0..255
-    appears (NaN 0x7F / 0xFF too: its gradient's code is NaN), dL/dh_act with the specials."""
+@pytest.mark.parametrize("C", [320, 384])
+def test_gelu_backward_cast_of_an_e4m3_h_pre_is_bit_exact_with_its_bf16_value(C):
+    """HPRE_E4M3: k_fp8_dgelu8_cast_t_bf16 (C = 320) and its 64 x 128-tile form k_fp8_dgelu8_cast_t2_bf16
+    (C = 384, a multiple of 128) read h_pre as E4M3 codes at HPRE_SCALE. decode(code) / HPRE_SCALE is a
+    bf16 value (3 mantissa bits, a power-of-two scale), so the codes, amax and factor equal
+    k_fp8_dgelu_cast_t_bf16's over that bf16 h_pre (tolerance: none). Every code 0..255 appears (NaN
+    0x7F / 0xFF too: its gradient's code is NaN), dL/dh_act with the specials."""
     k8 = _engine_modules()
-    R, C = 256, 320
+    R = 256
     rng = np.random.default_rng(23)
     codes = rng.integers(0, 256, R * C).astype(np.uint8)
     codes[:256] = np.arange(256, dtype=np.uint8)

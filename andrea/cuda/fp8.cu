@@ -24,7 +24,7 @@
 // k_fp8_dgelu8_cast_t_bf16: the same cast with h_pre in E4M3 at the fixed scale 1 / hinv (the fc GEMM's aux,
 // fp8.py HPRE_E4M3): gelu' of decode(hp) * hinv, which is a bf16 value (3 mantissa bits, hinv a power of
 // two), so the codes are those of k_fp8_dgelu_cast_t_bf16 over that bf16 h_pre; gelu' comes from a
-// 256-entry table per block (hpre_lut).
+// 256-entry table per block (hpre_lut); k_fp8_dgelu8_cast_t2_bf16 is the same over 64 x 128 tiles.
 // k_fp8_t_u8 / k_fp8_t_u8_s: the byte transpose of an E4M3 matrix a producer wrote, folding the GEMM's amax
 // into its site (k_fp8_t_u8_s: through shared memory, C a multiple of 256).
 // k_fp8_wamax + k_fp8_wcast: every matmul weight's two E4M3 copies (current scaling) in two launches
@@ -256,6 +256,53 @@ extern "C" __global__ void k_fp8_dgelu8_cast_t_bf16(const unsigned short* __rest
                                                     float* __restrict__ rec, unsigned char* __restrict__ out,
                                                     unsigned char* __restrict__ out_t, float* __restrict__ inv) {
     cast_t_body<true, true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv, hinv);
+}
+
+// k_fp8_dgelu8_cast_t2_bf16: k_fp8_dgelu8_cast_t_bf16 over 64 x 128 tiles (C a multiple of 128): every thread
+// has four 16-byte loads of x and four 8-byte loads of h_pre in flight before any use, and a tile's two
+// 64 x 64 halves go out transposed between one pair of barriers. The same bytes.
+__device__ __forceinline__ void dgelu8_tile2(const unsigned short* __restrict__ x, const unsigned char* __restrict__ hp,
+                                             int R, int C, int r0, int c0, float s, float& m,
+                                             unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
+                                             unsigned char (*tile)[72], const float* lut) {
+    uint4 xv[4];                                                // 64 rows x 16 chunks of 8 columns: 4 a thread
+    uint2 h8[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int k = threadIdx.x + 256 * u;
+        const size_t at = (size_t)(r0 + (k >> 4)) * C + c0 + (k & 15) * 8;
+        xv[u] = *reinterpret_cast<const uint4*>(x + at);
+        h8[u] = *reinterpret_cast<const uint2*>(hp + at);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int k = threadIdx.x + 256 * u, rr = k >> 4, cc = (k & 15) * 8;
+        const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
+        const uint4 v = dgelu8_h8(xv[u], h8[u], lut);
+        m = fmaxf(m, amax8(v));
+        const uint2 q = fp8_pack8(v, s);
+        if (out) *reinterpret_cast<uint2*>(out + at) = q;
+        *reinterpret_cast<uint2*>(&tile[(cc >> 6) * 64 + rr][cc & 63]) = q;
+    }
+    __syncthreads();
+    store_tile_t(tile, out_t, R, r0, c0);
+    store_tile_t(tile + 64, out_t, R, r0, c0 + 64);
+    __syncthreads();
+}
+extern "C" __global__ void k_fp8_dgelu8_cast_t2_bf16(const unsigned short* __restrict__ x,
+                                                     const unsigned char* __restrict__ hp, float hinv, int R, int C,
+                                                     const float* __restrict__ sc, float* __restrict__ rec,
+                                                     unsigned char* __restrict__ out, unsigned char* __restrict__ out_t) {
+    __shared__ float buf[32];
+    __shared__ __align__(16) unsigned char tile[128][72];
+    __shared__ float lut[256];
+    hpre_lut(lut, hinv);
+    const float s = sc[0];
+    float m = 0.0f;
+    const int tc = C / 128, n_tiles = tc * (R / 64);
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
+        dgelu8_tile2(x, hp, R, C, (t / tc) * 64, (t % tc) * 128, s, m, out, out_t, tile, lut);
+    fp8_finish(false, s, 0.0f, m, buf, nullptr, rec, blockIdx.x == 0);
 }
 
 // The same cast (k_fp8_cast_t_w_bf16) with a 64 x 64 tile per warp and no shared memory or barrier:
