@@ -880,35 +880,24 @@ __device__ void attn_bwd_dkv_mma(const u16* __restrict__ q, const u16* __restric
         attn_dvec<T>(y, dy, ldy, dvec, B, Tn, H, D);                                                         \
     }
 
-// D_i for 16-bit storage: one thread per (row, head), heads fastest, 16-byte loads (D % 8 == 0): the
-// first pass of the dQ-from-dS backward ("wgds"), whose dK/dV kernel reads D_i of every query tile.
-// J = D / 8 known (D = 32, 64, 128): every load of the row is in flight before the first product (the
-// sum in d order either way: the same bits); J = 0: D at run time, a 16-byte pair at a time.
+// s + the products of J 16-byte pairs in d order, every load in flight before the first product (D = 32, 64,
+// 128 take one call; another D calls it a pair at a time: the same order, the same bits).
 template <typename T, int J>
-__device__ __forceinline__ float dvec_row(const uint4* __restrict__ a, const uint4* __restrict__ c, int D) {
-    float s = 0.0f;
-    if constexpr (J > 0) {
-        uint4 u[J], w[J];
+__device__ __forceinline__ float dvec_sum(const uint4* __restrict__ a, const uint4* __restrict__ c, float s) {
+    uint4 u[J], w[J];
 #pragma unroll
-        for (int j = 0; j < J; ++j) { u[j] = a[j]; w[j] = c[j]; }
+    for (int j = 0; j < J; ++j) { u[j] = a[j]; w[j] = c[j]; }
 #pragma unroll
-        for (int j = 0; j < J; ++j) {
-            const T* pu = reinterpret_cast<const T*>(&u[j]);
-            const T* pw = reinterpret_cast<const T*>(&w[j]);
+    for (int j = 0; j < J; ++j) {
+        const T* pu = reinterpret_cast<const T*>(&u[j]);
+        const T* pw = reinterpret_cast<const T*>(&w[j]);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) s += to_f(pu[e]) * to_f(pw[e]);
-        }
-    } else {
-        for (int j = 0; j < D / 8; ++j) {
-            const uint4 u = a[j], w = c[j];
-            const T* pu = reinterpret_cast<const T*>(&u);
-            const T* pw = reinterpret_cast<const T*>(&w);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) s += to_f(pu[e]) * to_f(pw[e]);
-        }
+        for (int e = 0; e < 8; ++e) s += to_f(pu[e]) * to_f(pw[e]);
     }
     return s;
 }
+// D_i for 16-bit storage: one thread per (row, head), heads fastest, 16-byte loads (D % 8 == 0): the
+// first pass of the dQ-from-dS backward ("wgds"), whose dK/dV kernel reads D_i of every query tile.
 template <typename T>
 __device__ void attn_dvec16(const T* __restrict__ y, const T* __restrict__ dy, int ldy, float* __restrict__ dvec,
                             int B, int Tn, int H, int D) {
@@ -919,8 +908,11 @@ __device__ void attn_dvec16(const T* __restrict__ y, const T* __restrict__ dy, i
     const int b = (int)(n / Tn), t = (int)(n % Tn);
     const uint4* a = reinterpret_cast<const uint4*>(dy + n * ldy + (long long)h * D);
     const uint4* c = reinterpret_cast<const uint4*>(y + n * ldy + (long long)h * D);
-    const float s = D == 64 ? dvec_row<T, 8>(a, c, D) : D == 128 ? dvec_row<T, 16>(a, c, D)
-                  : D == 32 ? dvec_row<T, 4>(a, c, D) : dvec_row<T, 0>(a, c, D);
+    float s = 0.0f;
+    if (D == 64) s = dvec_sum<T, 8>(a, c, s);
+    else if (D == 128) s = dvec_sum<T, 16>(a, c, s);
+    else if (D == 32) s = dvec_sum<T, 4>(a, c, s);
+    else for (int j = 0; j < D / 8; ++j) s = dvec_sum<T, 1>(a + j, c + j, s);
     dvec[((long long)b * H + h) * Tn + t] = s;
 }
 extern "C" __global__ void k_attn_dvec16_bf16(const bf16_t* y, const bf16_t* dy, int ldy, float* dvec, int B, int Tn,

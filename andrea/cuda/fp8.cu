@@ -180,28 +180,31 @@ __device__ __forceinline__ void store_tile_t(const unsigned char (*tile)[72], un
     *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + j) * R + r0 + seg) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// One 64 x 64 tile (rows r0.., columns c0..) of x (R, C) bf16 row-major (or DG: of bf16(x * gelu'(hp))):
-// E4M3 at scale s into out_t (C, R) and, unless out is null, out (R, C); m: the running max |input|
-// of the finite entries (delayed). 256 threads; every thread passes the two barriers.
+// One 64 x W tile (rows r0.., columns c0..; W = 64 or 128) of x (R, C) bf16 row-major (or DG: of
+// bf16(x * gelu'(hp))): E4M3 at scale s into out_t (C, R) and, unless out is null, out (R, C); m: the running
+// max |input| of the finite entries (delayed). 256 threads, W / 32 chunks of 8 columns a thread, every load in
+// flight before any use; the tile's 64 x 64 halves go out transposed between one pair of barriers (tile holds
+// W rows: half h's row r at h * 64 + r). Every thread passes the two barriers.
 // H8: hp holds E4M3 codes (bytes) at the scale 1 / hinv instead of bf16 (k_fp8_dgelu8_cast_t_bf16).
-template <bool DG, bool H8 = false>
+template <bool DG, bool H8 = false, int W = 64>
 __device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, const void* __restrict__ hp,
                                           int R, int C, int r0, int c0, float s, bool delayed, float& m,
                                           unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
                                           unsigned char (*tile)[72], const float* lut = nullptr) {
-    uint4 xv[2], hv[2];                                         // 64 rows x 8 chunks of 8 columns: 2 a thread,
-    uint2 h8[2];                                                // every load in flight before any use
+    constexpr int U = W / 32, CH = W / 8;                       // loads a thread, 8-column chunks a row
+    uint4 xv[U], hv[U];
+    uint2 h8[U];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < U; ++u) {
         const int k = threadIdx.x + 256 * u;
-        const size_t at = (size_t)(r0 + (k >> 3)) * C + c0 + (k & 7) * 8;
+        const size_t at = (size_t)(r0 + k / CH) * C + c0 + (k % CH) * 8;
         xv[u] = *reinterpret_cast<const uint4*>(x + at);
         if constexpr (DG && H8) h8[u] = *reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(hp) + at);
         else if constexpr (DG) hv[u] = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(hp) + at);
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        const int k = threadIdx.x + 256 * u, rr = k >> 3, cc = (k & 7) * 8;
+    for (int u = 0; u < U; ++u) {
+        const int k = threadIdx.x + 256 * u, rr = k / CH, cc = (k % CH) * 8;
         const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
         uint4 v = xv[u];
         if constexpr (DG && H8) v = dgelu8_h8(v, h8[u], lut);
@@ -209,32 +212,33 @@ __device__ __forceinline__ void cast_tile(const unsigned short* __restrict__ x, 
         if (delayed) m = fmaxf(m, amax8(v));
         const uint2 q = fp8_pack8(v, s);
         if (out) *reinterpret_cast<uint2*>(out + at) = q;
-        *reinterpret_cast<uint2*>(&tile[rr][cc]) = q;
+        *reinterpret_cast<uint2*>(&tile[(cc >> 6) * 64 + rr][cc & 63]) = q;
     }
     __syncthreads();
-    store_tile_t(tile, out_t, R, r0, c0);
+#pragma unroll
+    for (int h = 0; h < W / 64; ++h) store_tile_t(tile + 64 * h, out_t, R, r0, c0 + 64 * h);
     __syncthreads();
 }
 
-// x (R, C) bf16 row-major, R and C multiples of 64 -> out_t (C, R) E4M3 and, unless out is null,
-// out (R, C) E4M3. 256 threads a block, 64 x 64 tiles in grid-stride order (fewer blocks than tiles
+// x (R, C) bf16 row-major, R a multiple of 64 and C of W -> out_t (C, R) E4M3 and, unless out is null,
+// out (R, C) E4M3. 256 threads a block, 64 x W tiles in grid-stride order (fewer blocks than tiles
 // keep the delayed path's atomics few).
-template <bool DG, bool H8 = false>
+template <bool DG, bool H8 = false, int W = 64>
 __device__ __forceinline__ void cast_t_body(const unsigned short* __restrict__ x, const void* __restrict__ hp,
                                             int R, int C, const float* __restrict__ part, int P,
                                             const float* __restrict__ sc, float* __restrict__ rec,
                                             unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
                                             float* __restrict__ inv, float hinv = 1.0f) {
     __shared__ float buf[32];
-    __shared__ __align__(16) unsigned char tile[64][72];
+    __shared__ __align__(16) unsigned char tile[W][72];
     __shared__ float lut[H8 ? 256 : 1];
     if constexpr (H8) hpre_lut(lut, hinv);
     float m_cur = 0.0f, m = 0.0f;
     const float s = fp8_scale(part, P, sc, buf, &m_cur);
     const bool delayed = part == nullptr;
-    const int tc = C / 64, n_tiles = tc * (R / 64);
+    const int tc = C / W, n_tiles = tc * (R / 64);
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
-        cast_tile<DG, H8>(x, hp, R, C, (t / tc) * 64, (t % tc) * 64, s, delayed, m, out, out_t, tile, lut);
+        cast_tile<DG, H8, W>(x, hp, R, C, (t / tc) * 64, (t % tc) * W, s, delayed, m, out, out_t, tile, lut);
     fp8_finish(!delayed, s, m_cur, m, buf, inv, rec, blockIdx.x == 0);
 }
 extern "C" __global__ void k_fp8_cast_t_bf16(const unsigned short* __restrict__ x, int R, int C,
@@ -250,60 +254,18 @@ extern "C" __global__ void k_fp8_dgelu_cast_t_bf16(const unsigned short* __restr
                                                    unsigned char* __restrict__ out_t, float* __restrict__ inv) {
     cast_t_body<true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv);
 }
-extern "C" __global__ void k_fp8_dgelu8_cast_t_bf16(const unsigned short* __restrict__ x,
-                                                    const unsigned char* __restrict__ hp, float hinv, int R, int C,
-                                                    const float* __restrict__ part, int P, const float* __restrict__ sc,
-                                                    float* __restrict__ rec, unsigned char* __restrict__ out,
-                                                    unsigned char* __restrict__ out_t, float* __restrict__ inv) {
-    cast_t_body<true, true>(x, hp, R, C, part, P, sc, rec, out, out_t, inv, hinv);
-}
-
-// k_fp8_dgelu8_cast_t2_bf16: k_fp8_dgelu8_cast_t_bf16 over 64 x 128 tiles (C a multiple of 128): every thread
-// has four 16-byte loads of x and four 8-byte loads of h_pre in flight before any use, and a tile's two
-// 64 x 64 halves go out transposed between one pair of barriers. The same bytes.
-__device__ __forceinline__ void dgelu8_tile2(const unsigned short* __restrict__ x, const unsigned char* __restrict__ hp,
-                                             int R, int C, int r0, int c0, float s, float& m,
-                                             unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
-                                             unsigned char (*tile)[72], const float* lut) {
-    uint4 xv[4];                                                // 64 rows x 16 chunks of 8 columns: 4 a thread
-    uint2 h8[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const int k = threadIdx.x + 256 * u;
-        const size_t at = (size_t)(r0 + (k >> 4)) * C + c0 + (k & 15) * 8;
-        xv[u] = *reinterpret_cast<const uint4*>(x + at);
-        h8[u] = *reinterpret_cast<const uint2*>(hp + at);
+#define DGELU8_CAST_T(NAME, W)                                                                               \
+    extern "C" __global__ void NAME(const unsigned short* __restrict__ x, const unsigned char* __restrict__ hp, \
+                                    float hinv, int R, int C, const float* __restrict__ part, int P,          \
+                                    const float* __restrict__ sc, float* __restrict__ rec,                   \
+                                    unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,      \
+                                    float* __restrict__ inv) {                                               \
+        cast_t_body<true, true, W>(x, hp, R, C, part, P, sc, rec, out, out_t, inv, hinv);                    \
     }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const int k = threadIdx.x + 256 * u, rr = k >> 4, cc = (k & 15) * 8;
-        const size_t at = (size_t)(r0 + rr) * C + c0 + cc;
-        const uint4 v = dgelu8_h8(xv[u], h8[u], lut);
-        m = fmaxf(m, amax8(v));
-        const uint2 q = fp8_pack8(v, s);
-        if (out) *reinterpret_cast<uint2*>(out + at) = q;
-        *reinterpret_cast<uint2*>(&tile[(cc >> 6) * 64 + rr][cc & 63]) = q;
-    }
-    __syncthreads();
-    store_tile_t(tile, out_t, R, r0, c0);
-    store_tile_t(tile + 64, out_t, R, r0, c0 + 64);
-    __syncthreads();
-}
-extern "C" __global__ void k_fp8_dgelu8_cast_t2_bf16(const unsigned short* __restrict__ x,
-                                                     const unsigned char* __restrict__ hp, float hinv, int R, int C,
-                                                     const float* __restrict__ sc, float* __restrict__ rec,
-                                                     unsigned char* __restrict__ out, unsigned char* __restrict__ out_t) {
-    __shared__ float buf[32];
-    __shared__ __align__(16) unsigned char tile[128][72];
-    __shared__ float lut[256];
-    hpre_lut(lut, hinv);
-    const float s = sc[0];
-    float m = 0.0f;
-    const int tc = C / 128, n_tiles = tc * (R / 64);
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x)
-        dgelu8_tile2(x, hp, R, C, (t / tc) * 64, (t % tc) * 128, s, m, out, out_t, tile, lut);
-    fp8_finish(false, s, 0.0f, m, buf, nullptr, rec, blockIdx.x == 0);
-}
+// k_fp8_dgelu8_cast_t2_bf16: the same over 64 x 128 tiles (C a multiple of 128): four 16-byte loads of x and
+// four 8-byte loads of h_pre in flight a thread, one barrier pair for two transposed halves. The same bytes.
+DGELU8_CAST_T(k_fp8_dgelu8_cast_t_bf16, 64)
+DGELU8_CAST_T(k_fp8_dgelu8_cast_t2_bf16, 128)
 
 // The same cast (k_fp8_cast_t_w_bf16) with a 64 x 64 tile per warp and no shared memory or barrier:
 // lane (c8 = lane % 8, rg = lane / 8) converts rows 16 rg .. 16 rg + 15 of the tile's 8-column chunk c8
