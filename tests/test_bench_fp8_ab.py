@@ -35,6 +35,20 @@ def test_rounds_alternate_and_each_flip_is_patched_for_its_run_alone(tmp_path, m
     assert got["ratio_vs_bf16"]["fp8"] == [1.2] * 3 and got["ratio_vs_bf16"]["bf16"] == [1.0] * 3
 
 
+def test_the_median_of_the_paired_rounds_is_printed_and_saved(tmp_path, monkeypatch, capsys):
+    """Each round's ratio pairs that round's bf16 with its fp8, and the median is over those pairs:
+    48 / 44, 50 / 36, 46 / 40 give 1.15x, where the ratio of the medians would be 48 / 40 = 1.2x."""
+    ab = load_script("bench/fp8_ab.py")
+    timings = iter([48.0, 44.0, 36.0, 50.0, 46.0, 40.0])          # round 1 runs fp8 first
+    monkeypatch.setattr(ab.eg, "bench_ours", lambda s, B, steps, warmup, prec: {"ms": next(timings)})
+    out = tmp_path / "ab.json"
+    assert ab.main(["--variants", "andrea-12m:8", "--rounds", "3", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["andrea-12m:B8"]
+    assert got["ms"] == {"bf16": [48.0, 50.0, 46.0], "fp8": [44.0, 36.0, 40.0]}
+    assert got["median_ratio_vs_bf16"] == {"bf16": 1.0, "fp8": 46.0 / 40.0}
+    assert "median 1.150x" in capsys.readouterr().out
+
+
 def test_kernel_profile_flips_each_switch_for_its_own_fp8_profile(tmp_path, monkeypatch):
     """bench/kernel_profile.py --fp8-flip: one more profile per switch, fp8 precisions only, with that
     andrea/cuda/fp8.py boolean flipped for it alone and restored after."""
