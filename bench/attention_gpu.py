@@ -32,6 +32,13 @@ SHAPES = [("andrea-12m", 8, 384, 12), ("andrea-120m", 32, 768, 12), ("andrea-480
 T = 1024
 
 
+def random_bf16(shape):
+    """Standard normal values as bf16 bits (uint16, truncated), from CuPy's global generator."""
+    import cupy as cp
+
+    return (cp.random.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+
+
 def ours(B: int, C: int, H: int, reps: int) -> dict:
     import cupy as cp
 
@@ -39,8 +46,7 @@ def ours(B: int, C: int, H: int, reps: int) -> dict:
 
     N = B * T
     cp.random.seed(0)
-    bf16 = lambda shape: (cp.random.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)  # noqa: E731
-    qkv, dy = bf16((N, 3 * C)), bf16((N, C))
+    qkv, dy = random_bf16((N, 3 * C)), random_bf16((N, C))
     y, dqkv = cp.zeros((N, C), cp.uint16), cp.zeros((N, 3 * C), cp.uint16)
     lse, dvec = cp.zeros(B * H * T, cp.float32), cp.zeros(B * H * T, cp.float32)
     fwd = lambda **k: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H, **k)  # noqa: E731

@@ -44,8 +44,8 @@ def test_every_shipped_kernel_file_is_found():
 def test_nvrtc_compiles_a_kernel_file_and_names_the_line_of_a_broken_one(monkeypatch, capsys):
     assert loader.compile_log("embed.cu") is None
     real = loader.read_source
-    monkeypatch.setattr(loader, "read_source", lambda f: real("embed.cu") + '\n#line 7 "andrea/cuda/bad.cu"\n'
-                        'extern "C" __global__ void k_bad(float* x) { x[0] = undefined_name; }\n')
+    bad = '\n#line 7 "andrea/cuda/bad.cu"\nextern "C" __global__ void k_bad(float* x) { x[0] = undefined_name; }\n'
+    monkeypatch.setattr(loader, "read_source", lambda f, defines=(): real("embed.cu") + bad)
     log = loader.compile_log("bad.cu")
     assert log is not None and "andrea/cuda/bad.cu(7)" in log and "undefined_name" in log
     assert loader.main(["bad.cu"]) == 1

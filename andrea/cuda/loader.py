@@ -50,10 +50,12 @@ def options(filename: str, cc: str) -> tuple[str, ...]:
     return ("-arch=sm_90a",) + OPTIONS if cc == "90" and filename in SM90A_FILES else OPTIONS
 
 
-def read_source(filename: str) -> str:
-    """The text compiled for ``filename``: common.cuh, then the file, each behind a #line directive."""
+def read_source(filename: str, defines: tuple[str, ...] = ()) -> str:
+    """The text compiled for ``filename``: common.cuh, then the file, each behind a #line directive;
+    ``defines`` ("NAME" or "NAME=VALUE", for kernel experiments timed against the plain build:
+    bench/attention_variants.py) go first as #define lines."""
     pkg = resources.files("andrea.cuda")
-    parts = []
+    parts = [define_lines(defines)] if defines else []
     for name in (COMMON, filename):
         f = pkg / name
         if not f.is_file():
@@ -62,22 +64,46 @@ def read_source(filename: str) -> str:
     return "\n".join(parts)
 
 
+def define_lines(defines: tuple[str, ...]) -> str:
+    """``#define NAME VALUE`` lines of "NAME" / "NAME=VALUE" items; a malformed one raises AndreaError."""
+    out = []
+    for d in defines:
+        name, _, value = d.partition("=")
+        if not name.isidentifier() or "\n" in value:
+            raise AndreaError(f"kernel define {d!r}: expected NAME or NAME=VALUE (NAME a C identifier, one line)")
+        out.append(f"#define {name} {value}".rstrip())
+    return "\n".join(out)
+
+
+def build(filename: str, defines: tuple[str, ...] = ()):
+    """A newly compiled ``cupy.RawModule`` of ``filename`` (``defines`` first), uncached."""
+    import cupy  # noqa: PLC0415
+
+    src = read_source(filename, defines)
+    try:
+        mod = cupy.RawModule(code=src, options=options(filename, cupy.cuda.Device().compute_capability),
+                             backend="nvrtc")
+        mod.compile()
+    except cupy.cuda.compiler.CompileException as e:  # noqa: F821 - attribute of cupy
+        raise AndreaError(f"andrea/cuda/{filename}: compile failed:\n{e.get_message()}") from None
+    return mod
+
+
+def swap(filename: str, mod):
+    """Make ``mod`` the module ``kernel`` hands out for ``filename`` (a benchmark comparing builds in one
+    process); returns the one it replaces (None if none was compiled yet)."""
+    with _lock:
+        old = _modules.get(filename)
+        _modules[filename] = mod
+        return old
+
+
 def module(filename: str):
     """The compiled ``cupy.RawModule`` of ``filename`` (compiled once per process)."""
     with _lock:
         mod = _modules.get(filename)
-        if mod is not None:
-            return mod
-        import cupy  # noqa: PLC0415
-
-        src = read_source(filename)
-        try:
-            opts = options(filename, cupy.cuda.Device().compute_capability)
-            mod = cupy.RawModule(code=src, options=opts, backend="nvrtc")
-            mod.compile()
-        except cupy.cuda.compiler.CompileException as e:  # noqa: F821 - attribute of cupy
-            raise AndreaError(f"andrea/cuda/{filename}: compile failed:\n{e.get_message()}") from None
-        _modules[filename] = mod
+        if mod is None:
+            mod = _modules[filename] = build(filename)
         return mod
 
 
@@ -95,15 +121,15 @@ def kernel_files() -> list[str]:
     return sorted(f.name for f in resources.files("andrea.cuda").iterdir() if f.name.endswith(".cu"))
 
 
-def compile_log(filename: str, arch: str = "sm_90") -> str | None:
-    """None when ``filename`` compiles for ``arch`` with NVRTC as ``module`` builds it; else NVRTC's log.
-    Uses ``cuda.bindings.nvrtc`` (no GPU or driver needed)."""
+def compile_log(filename: str, arch: str = "sm_90", defines: tuple[str, ...] = ()) -> str | None:
+    """None when ``filename`` compiles for ``arch`` with NVRTC as ``build`` compiles it (with ``defines``);
+    else NVRTC's log. Uses ``cuda.bindings.nvrtc`` (no GPU or driver needed)."""
     try:
         from cuda.bindings import nvrtc  # noqa: PLC0415
     except ImportError:
         raise AndreaError("compile check: cuda-bindings is not installed "
                           "(pip install cuda-bindings nvidia-cuda-nvrtc)") from None
-    err, prog = nvrtc.nvrtcCreateProgram(read_source(filename).encode(), filename.encode(), 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(read_source(filename, defines).encode(), filename.encode(), 0, [], [])
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise AndreaError(f"compile check: NVRTC could not start ({err}); is nvidia-cuda-nvrtc installed?")
     try:
