@@ -10,6 +10,8 @@ Nothing here times a kernel; the GPU half of the script runs only on the device.
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -24,6 +26,37 @@ def test_defines_go_first_and_the_plain_text_is_unchanged():
     got = loader.read_source("attention.cu", ("ATTN_EX2_FTZ", "ATTN_DKVS_MINB=3"))
     assert got == "#define ATTN_EX2_FTZ\n#define ATTN_DKVS_MINB 3\n" + plain
     assert plain.startswith('#line 1 "andrea/cuda/common.cuh"')      # the cached build's text as before
+
+
+def test_the_loader_builds_once_and_swap_replaces_the_module_it_hands_out(monkeypatch):
+    """loader.module / build / swap / kernel over a stand-in cupy (no GPU): one compile per file with the
+    loader's options, a variant's text with its defines first, and kernel() taking the swapped module."""
+    built = []
+
+    class RawModule:
+        def __init__(self, code, options, backend):
+            built.append((code, options, backend))
+            self.code = code
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            return self, name
+
+    cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(compute_capability="90"),
+                                 compiler=types.SimpleNamespace(CompileException=RuntimeError))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=RawModule, cuda=cuda))
+    monkeypatch.setattr(loader, "_modules", {})
+    plain = loader.module("attention.cu")
+    assert loader.module("attention.cu") is plain
+    assert built == [(loader.read_source("attention.cu"), loader.options("attention.cu", "90"), "nvrtc")]
+    assert loader.options("attention.cu", "90")[0] == "-arch=sm_90a"
+    variant = loader.build("attention.cu", ("ATTN_DS_LATE",))
+    assert variant.code.startswith("#define ATTN_DS_LATE\n#line 1") and len(built) == 2
+    assert loader.swap("attention.cu", variant) is plain
+    assert loader.kernel("attention.cu", "k_x") == (variant, "k_x")
+    assert loader.swap("attention.cu", plain) is variant and len(built) == 2
 
 
 @pytest.mark.parametrize("bad", ["1X", "A-B=2", "X=1\n#include <x>", ""])
