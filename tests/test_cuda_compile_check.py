@@ -58,3 +58,43 @@ def test_the_wgmma_file_targets_sm_90a_only_on_a_compute_capability_9_device():
     assert loader.options("attention.cu", "90")[0] == "-arch=sm_90a"
     assert not any("arch" in o for o in loader.options("attention.cu", "80"))
     assert not any("arch" in o for o in loader.options("layernorm.cu", "90"))
+
+
+def _cuobjdump_ok() -> bool:
+    try:
+        loader._cuobjdump()
+        return True
+    except AndreaError:
+        return False
+
+
+@pytest.mark.skipif(not (_nvrtc_ok() and _cuobjdump_ok()),
+                    reason="cuda-bindings / nvidia-cuda-nvrtc / nvidia-cuda-cuobjdump not installed")
+def test_resource_usage_reports_registers_and_the_stack_bytes_of_a_local_array(monkeypatch, capsys):
+    src = ('#line 1 "andrea/cuda/res.cu"\n'
+           'extern "C" __global__ void k_plain(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+           'extern "C" __global__ void k_local(float* x, int i) {\n'
+           '    float a[64];\n'
+           '    for (int j = 0; j < 64; ++j) a[j] = x[j];\n'
+           '    a[i & 63] += 1.0f;  // run-time indices: the array lives in local memory\n'
+           '    for (int j = 0; j < 64; ++j) x[j] = a[(j * i) & 63];\n'
+           '}\n')
+    monkeypatch.setattr(loader, "read_source", lambda f, defines=(): src)
+    got = loader.resource_usage("res.cu")
+    assert set(got) == {"k_plain", "k_local"}
+    assert got["k_plain"]["stack"] == 0 and 0 < got["k_plain"]["registers"] <= 32
+    assert got["k_local"]["stack"] == 256                        # 64 floats in the stack frame
+    assert loader.main(["--resources", "--match", "local", "res.cu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "andrea/cuda/res.cu: ok" and len(out) == 2 and out[1].startswith("  k_local: ")
+    assert "256 B stack" in out[1]
+
+
+def test_resources_without_cuobjdump_and_a_bad_define_are_refused_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(loader.shutil, "which", lambda name: None)
+    monkeypatch.setattr(loader.sys, "path", [])
+    with pytest.raises(AndreaError, match="pip install nvidia-cuda-cuobjdump"):
+        loader._cuobjdump()
+    assert loader.main(["--define", "9X", "embed.cu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kernel define '9X'" in err[0]

@@ -12,13 +12,21 @@ cache (``~/.cupy/kernel_cache``), keyed by the source text, so a second run skip
 
 Without a GPU, ``python -m andrea.cuda.loader [--arch sm_90]`` compiles every kernel file the same
 way (NVRTC through ``cuda-bindings``: ``pip install cuda-bindings nvidia-cuda-nvrtc``, no driver
-needed) and prints NVRTC's log of each that fails: a compile error costs no device time.
+needed) and prints NVRTC's log of each that fails: a compile error costs no device time. With
+``--resources`` (and ``pip install nvidia-cuda-cuobjdump``) it also prints each kernel's registers and
+stack (spill) bytes, the figures that set how many blocks an SM holds; ``--define NAME[=VALUE]`` compiles a
+kernel experiment kept behind an #ifdef (bench/attention_variants.py times it on the device).
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from importlib import resources
+from pathlib import Path
 
 from andrea.errors import AndreaError
 
@@ -121,9 +129,9 @@ def kernel_files() -> list[str]:
     return sorted(f.name for f in resources.files("andrea.cuda").iterdir() if f.name.endswith(".cu"))
 
 
-def compile_log(filename: str, arch: str = "sm_90", defines: tuple[str, ...] = ()) -> str | None:
-    """None when ``filename`` compiles for ``arch`` with NVRTC as ``build`` compiles it (with ``defines``);
-    else NVRTC's log. Uses ``cuda.bindings.nvrtc`` (no GPU or driver needed)."""
+def _nvrtc(filename: str, arch: str, defines: tuple[str, ...], want_cubin: bool) -> tuple[str | None, bytes]:
+    """(None, the cubin if ``want_cubin``) when ``filename`` compiles for ``arch`` with NVRTC as ``build``
+    compiles it (with ``defines``), else (NVRTC's log, b""). Uses ``cuda.bindings.nvrtc`` (no GPU needed)."""
     try:
         from cuda.bindings import nvrtc  # noqa: PLC0415
     except ImportError:
@@ -137,29 +145,92 @@ def compile_log(filename: str, arch: str = "sm_90", defines: tuple[str, ...] = (
         opts = [o.encode() for o in options(filename, cc)] + [f"-arch={arch}".encode()]
         (rc,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if rc == nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return None
+            if not want_cubin:
+                return None, b""
+            _, n = nvrtc.nvrtcGetCUBINSize(prog)
+            cubin = b" " * n
+            nvrtc.nvrtcGetCUBIN(prog, cubin)
+            return None, cubin
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * n
         nvrtc.nvrtcGetProgramLog(prog, log)
-        return log.decode(errors="replace").rstrip("\x00 \n") or f"NVRTC status {rc}"
+        return log.decode(errors="replace").rstrip("\x00 \n") or f"NVRTC status {rc}", b""
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def compile_log(filename: str, arch: str = "sm_90", defines: tuple[str, ...] = ()) -> str | None:
+    """None when ``filename`` compiles for ``arch`` with NVRTC as ``build`` compiles it (with ``defines``);
+    else NVRTC's log. Uses ``cuda.bindings.nvrtc`` (no GPU or driver needed)."""
+    return _nvrtc(filename, arch, defines, False)[0]
+
+
+def _cuobjdump() -> str:
+    """cuobjdump on PATH, else the one of the nvidia-cuda-cuobjdump wheel; AndreaError if neither."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for base in sys.path:
+        for path in sorted(Path(base).glob("nvidia/*/bin/cuobjdump")):
+            return str(path)
+    raise AndreaError("resource usage: cuobjdump is not installed (pip install nvidia-cuda-cuobjdump)")
+
+
+def resource_usage(filename: str, arch: str = "sm_90", defines: tuple[str, ...] = ()) -> dict[str, dict[str, int]]:
+    """Per kernel of ``filename`` as ``build`` compiles it for ``arch`` (NVRTC, then ``cuobjdump
+    -res-usage`` on the cubin; no GPU needed): {"registers", "shared", "local", "stack"} as cuobjdump
+    reports them, bytes per thread for the last two (register spills and local arrays land in the stack
+    frame). Registers are what CuPy's kernel attributes report on the device (session 21: 214 / 123 / 74
+    for the three attention kernels it profiled); shared includes the 1 KB per block sm_90 reserves."""
+    log, cubin = _nvrtc(filename, arch, defines, True)
+    if log is not None:
+        raise AndreaError(f"andrea/cuda/{filename}: compile failed:\n{log}")
+    return cubin_usage(cubin)
+
+
+def cubin_usage(cubin: bytes) -> dict[str, dict[str, int]]:
+    """``resource_usage``'s table of a compiled cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    usage, name = {}, None
+    for line in out.splitlines():
+        if "Function " in line:
+            name = line.split("Function ", 1)[1].strip().rstrip(":")
+        elif name is not None and "REG:" in line:
+            fields = dict(f.split(":", 1) for f in line.split() if ":" in f)
+            usage[name] = {"registers": int(fields["REG"]), "shared": int(fields["SHARED"]),
+                           "local": int(fields["LOCAL"]), "stack": int(fields["STACK"])}
+            name = None
+    return usage
+
+
 def main(argv=None) -> int:
     import argparse  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(description="compile every andrea/cuda kernel file with NVRTC, no GPU needed")
     ap.add_argument("--arch", default="sm_90", help="the target (default sm_90, the H100/H200)")
+    ap.add_argument("--resources", action="store_true",
+                    help="also print each kernel's registers, shared, local and stack (spill) bytes (needs cuobjdump)")
+    ap.add_argument("--match", default="", help="with --resources: only kernels whose name contains this")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="compile with this #define first (a kernel experiment); repeatable")
     ap.add_argument("files", nargs="*", help="kernel files (default: all)")
     args = ap.parse_args(argv)
+    defines = tuple(args.define)
     try:
+        define_lines(defines)
         bad = 0
         for f in args.files or kernel_files():
-            log = compile_log(f, args.arch)
+            log, cubin = _nvrtc(f, args.arch, defines, args.resources)
             bad += log is not None
             print(f"andrea/cuda/{f}: " + ("ok" if log is None else f"FAILED\n{log}"), flush=True)
+            if args.resources and log is None:
+                for name, u in sorted(cubin_usage(cubin).items()):
+                    if args.match in name:
+                        print(f"  {name}: {u['registers']} registers, {u['shared']} B shared, {u['local']} B local, "
+                              f"{u['stack']} B stack", flush=True)
     except AndreaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
