@@ -10,8 +10,9 @@ layers of bench/attention_gpu.py) and round, every build in turn (the order reve
 clock drift within the call falls on all alike) runs the engine's attention forward and backward
 (kernels.attn_impl's pick; "wgds" at D = 64 on a Hopper GPU) on the same seeded bf16 inputs:
 - ms per call of each, CUDA events, one untimed call then --reps;
-- its outputs (y, lse2 and dqkv) against base's: "same bytes", or how many elements differ and the
-  largest difference over the largest |base value| (a variant may change bits on purpose).
+- then one more forward and backward into NaN-filled outputs, and those (y, lse2 and dqkv) against
+  base's: "same bytes", or how many elements differ and the largest difference over the largest
+  |base value| (a variant may change bits on purpose; an element it leaves unwritten stays NaN).
 Needs CuPy and a GPU.
 """
 
@@ -71,8 +72,8 @@ def run_shape(B: int, C: int, H: int, builds: dict, rounds: int, reps: int) -> d
     N = B * T
     cp.random.seed(0)
     qkv, dy = random_bf16((N, 3 * C)), random_bf16((N, C))
-    y, dqkv = cp.full((N, C), 0x7FC0, cp.uint16), cp.full((N, 3 * C), 0x7FC0, cp.uint16)   # NaN-prefilled
-    lse, dvec = cp.full(B * H * T, cp.nan, cp.float32), cp.zeros(B * H * T, cp.float32)
+    y, dqkv = cp.empty((N, C), cp.uint16), cp.empty((N, 3 * C), cp.uint16)
+    lse, dvec = cp.empty(B * H * T, cp.float32), cp.empty(B * H * T, cp.float32)
     impl = K.attn_impl("bf16", C // H, 3 * C, "bwd")
     ds = cp.empty(K.attn_ds_bytes(T, B * H), cp.uint8) if impl == "wgds" else None
     fwd = lambda: K.k_attn_fwd("bf16", y, lse, qkv, B, T, C, H)  # noqa: E731
@@ -84,6 +85,8 @@ def run_shape(B: int, C: int, H: int, builds: dict, rounds: int, reps: int) -> d
             loader.swap(FILE, builds[name])
             res[name]["fwd_ms"].append(event_ms(fwd, reps))
             res[name]["bwd_ms"].append(event_ms(bwd, reps))
+            for a, nan in ((y, 0x7FC0), (dqkv, 0x7FC0), (lse, cp.nan), (dvec, cp.nan)):
+                a.fill(nan)                                  # an element a build leaves unwritten shows
             fwd()
             bwd()
             outs = (y.copy(), lse.copy(), dqkv.copy())
