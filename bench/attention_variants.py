@@ -114,8 +114,10 @@ def main(argv=None) -> int:
         if unknown:
             raise AndreaError(f"--shapes {' '.join(unknown)}: not in bench/attention_gpu.py's "
                               f"{', '.join(shapes)}")
-        from andrea.cuda.loader import build
+        from andrea.cuda.loader import build, cupy_or_none
 
+        if cupy_or_none() is None:
+            raise AndreaError("attention variants: needs CuPy and a CUDA device (pip install -e '.[gpu]')")
         builds = {"base": build(FILE)}
         for name, defines in variants.items():
             builds[name] = build(FILE, defines)

@@ -65,7 +65,7 @@ def test_a_malformed_define_is_refused(bad):
         loader.define_lines((bad,))
 
 
-def test_variants_parse_and_bad_ones_exit_with_one_line(capsys):
+def test_variants_parse_and_bad_ones_exit_with_one_line(capsys, monkeypatch):
     av = load_script("bench/attention_variants.py")
     assert av.parse_variant("late=ATTN_DS_LATE,ATTN_DKVS_MINB=3") == ("late", ("ATTN_DS_LATE", "ATTN_DKVS_MINB=3"))
     for bad in ("late", "base=X", "=X", "v=", "v=9X"):
@@ -76,6 +76,10 @@ def test_variants_parse_and_bad_ones_exit_with_one_line(capsys):
     assert err.startswith("error: --variant 'nodefs'") and "\n" not in err
     assert av.main(["--variant", "v=X", "--shapes", "andrea-7b"]) == 2
     assert "andrea-7b: not in" in capsys.readouterr().err
+    monkeypatch.setattr("andrea.cuda.loader.cupy_or_none", lambda: None)
+    assert av.main(["--variant", "v=X"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: attention variants: needs CuPy and a CUDA device "
+                                               "(pip install -e '.[gpu]')")
 
 
 def test_rounds_alternate():
