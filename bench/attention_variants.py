@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_gpu import SHAPES, T, random_bf16  # noqa: E402
 from engine_gpu import event_ms  # noqa: E402
+from fp8_ab import round_order  # noqa: E402  (A B C, C B A, ...)
 
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
@@ -45,10 +46,6 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
         raise AndreaError(f"--variant {text!r}: expected NAME=MACRO[=VALUE][,MACRO...] with NAME other than 'base'")
     define_lines(defines)                                    # refuses a malformed macro in one line
     return name, defines
-
-
-def round_order(names: list[str], r: int) -> list[str]:
-    return names if r % 2 == 0 else names[::-1]
 
 
 def compare(got, ref, xp) -> str:

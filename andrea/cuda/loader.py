@@ -129,9 +129,9 @@ def kernel_files() -> list[str]:
     return sorted(f.name for f in resources.files("andrea.cuda").iterdir() if f.name.endswith(".cu"))
 
 
-def _nvrtc(filename: str, arch: str, defines: tuple[str, ...], want_cubin: bool) -> tuple[str | None, bytes]:
-    """(None, the cubin if ``want_cubin``) when ``filename`` compiles for ``arch`` with NVRTC as ``build``
-    compiles it (with ``defines``), else (NVRTC's log, b""). Uses ``cuda.bindings.nvrtc`` (no GPU needed)."""
+def _nvrtc(filename: str, arch: str, defines: tuple[str, ...]) -> tuple[str | None, bytes]:
+    """(None, the cubin) when ``filename`` compiles for ``arch`` with NVRTC as ``build`` compiles it (with
+    ``defines``), else (NVRTC's log, b""). Uses ``cuda.bindings.nvrtc`` (no GPU needed)."""
     try:
         from cuda.bindings import nvrtc  # noqa: PLC0415
     except ImportError:
@@ -145,8 +145,6 @@ def _nvrtc(filename: str, arch: str, defines: tuple[str, ...], want_cubin: bool)
         opts = [o.encode() for o in options(filename, cc)] + [f"-arch={arch}".encode()]
         (rc,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if rc == nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            if not want_cubin:
-                return None, b""
             _, n = nvrtc.nvrtcGetCUBINSize(prog)
             cubin = b" " * n
             nvrtc.nvrtcGetCUBIN(prog, cubin)
@@ -162,7 +160,7 @@ def _nvrtc(filename: str, arch: str, defines: tuple[str, ...], want_cubin: bool)
 def compile_log(filename: str, arch: str = "sm_90", defines: tuple[str, ...] = ()) -> str | None:
     """None when ``filename`` compiles for ``arch`` with NVRTC as ``build`` compiles it (with ``defines``);
     else NVRTC's log. Uses ``cuda.bindings.nvrtc`` (no GPU or driver needed)."""
-    return _nvrtc(filename, arch, defines, False)[0]
+    return _nvrtc(filename, arch, defines)[0]
 
 
 def _cuobjdump() -> str:
@@ -170,9 +168,9 @@ def _cuobjdump() -> str:
     found = shutil.which("cuobjdump")
     if found:
         return found
-    for base in sys.path:
-        for path in sorted(Path(base).glob("nvidia/*/bin/cuobjdump")):
-            return str(path)
+    wheel = next((p for base in sys.path for p in sorted(Path(base).glob("nvidia/*/bin/cuobjdump"))), None)
+    if wheel is not None:
+        return str(wheel)
     raise AndreaError("resource usage: cuobjdump is not installed (pip install nvidia-cuda-cuobjdump)")
 
 
@@ -182,7 +180,7 @@ def resource_usage(filename: str, arch: str = "sm_90", defines: tuple[str, ...] 
     reports them, bytes per thread for the last two (register spills and local arrays land in the stack
     frame). Registers are what CuPy's kernel attributes report on the device (session 21: 214 / 123 / 74
     for the three attention kernels it profiled); shared includes the 1 KB per block sm_90 reserves."""
-    log, cubin = _nvrtc(filename, arch, defines, True)
+    log, cubin = _nvrtc(filename, arch, defines)
     if log is not None:
         raise AndreaError(f"andrea/cuda/{filename}: compile failed:\n{log}")
     return cubin_usage(cubin)
@@ -223,7 +221,7 @@ def main(argv=None) -> int:
         define_lines(defines)
         bad = 0
         for f in args.files or kernel_files():
-            log, cubin = _nvrtc(f, args.arch, defines, args.resources)
+            log, cubin = _nvrtc(f, args.arch, defines)
             bad += log is not None
             print(f"andrea/cuda/{f}: " + ("ok" if log is None else f"FAILED\n{log}"), flush=True)
             if args.resources and log is None:
