@@ -36,6 +36,10 @@ OPTIONS = ("--std=c++17",)
 # compiled for sm_90a on a compute capability 9.0 device (the option goes before CuPy's own -arch=sm_90,
 # and NVRTC keeps the first), for the plain target elsewhere.
 SM90A_FILES = ("attention.cu",)
+# What CuPy's RawModule adds to those options on an NVRTC of CUDA 12 or later (cupy/cuda/compiler.py): the
+# offline compile (``_nvrtc``) passes them too, so that it compiles what ``build`` compiles. Without the first,
+# CUDA 13.0's NVRTC refuses the generic lambdas of the attention kernels as host functions.
+CUPY_ADDS = ("--device-as-default-execution-space", "-ftz=true")
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -142,7 +146,7 @@ def _nvrtc(filename: str, arch: str, defines: tuple[str, ...]) -> tuple[str | No
         raise AndreaError(f"compile check: NVRTC could not start ({err}); is nvidia-cuda-nvrtc installed?")
     try:
         cc = arch.removeprefix("sm_").removesuffix("a")
-        opts = [o.encode() for o in options(filename, cc)] + [f"-arch={arch}".encode()]
+        opts = [o.encode() for o in options(filename, cc) + CUPY_ADDS] + [f"-arch={arch}".encode()]
         (rc,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if rc == nvrtc.nvrtcResult.NVRTC_SUCCESS:
             _, n = nvrtc.nvrtcGetCUBINSize(prog)
