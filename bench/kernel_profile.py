@@ -11,7 +11,10 @@ launches) nothing is added between the kernels, so the sum is what the graph run
 overhead can still stretch it by ~1-2% against the step time. ``--fp8-gelu none`` runs fp8 with
 engine.FUSE_GELU_FP8 empty (the fc GEMM plain, GELU passes of their own) for comparison; ``--fp8-flip
 SWITCH ...`` runs fp8 again with each of those andrea/cuda/fp8.py booleans flipped alone
-(bench/engine_gpu.py's FP8_SWITCHES).
+(bench/engine_gpu.py's FP8_SWITCHES). ``--gaps`` also prints where the device sits idle between
+operations (``step_gaps``): per step its wall and busy ms, and the idle ms a step after each pair of
+neighbouring operations, largest first (session 22: a memset node before nearly every cuBLASLt GEMM,
+and bf16 kernels slowing from step to step while the idle time stays put).
 Needs CuPy and PyTorch with CUDA.
 """
 
@@ -33,7 +36,43 @@ import engine_gpu as eg  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 
-def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: int = 40) -> dict:
+def device_ops(prof) -> list[tuple[int, int, str]]:
+    """(start ns, duration ns, name) of every device operation a torch.profiler run saw (kernels, memsets,
+    copies; its own bookkeeping rows left out), in start order."""
+    ops = [(e.start_ns(), e.duration_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+           if e.device_type().name == "CUDA" and not e.name().startswith(("ProfilerStep", "cudaGraph"))]
+    return sorted(ops)
+
+
+def step_gaps(ops: list, first: str = "k_embed_fwd", top: int = 12) -> dict:
+    """Where the device idles in a step: ``ops`` (``device_ops``) cut into steps at each operation whose
+    name starts with ``first`` (the step's first kernel; the last step, which has no next start, is left
+    out). Per step: wall ms (its first operation's start to the next step's) and busy ms (its operations'
+    durations). Idle: the time between an operation's start and the end of everything before it (0 when
+    they overlap), per (name before, name after) pair, in ms a step and operations a step, the ``top``
+    largest; ``idle_ms`` is the whole idle time a step."""
+    starts = [i for i, o in enumerate(ops) if o[2].startswith(first)]
+    n = len(starts) - 1
+    if n < 1:
+        return {"wall_ms": [], "busy_ms": [], "idle_ms": 0.0, "pairs": []}
+    pairs: dict[tuple[str, str], list] = {}
+    wall, busy = [], []
+    for a, b in zip(starts[:-1], starts[1:]):
+        seg = ops[a:b + 1]                                  # the step and the next step's first operation
+        wall.append((seg[-1][0] - seg[0][0]) / 1e6)
+        busy.append(sum(o[1] for o in seg[:-1]) / 1e6)
+        end, last = seg[0][0] + seg[0][1], seg[0][2]
+        for start, dur, name in seg[1:]:
+            acc = pairs.setdefault((last, name), [0, 0])
+            acc[0] += max(0, start - end)
+            acc[1] += 1
+            if start + dur >= end:
+                end, last = start + dur, name
+    rows = sorted(([t / n / 1e6, c / n, k[0], k[1]] for k, (t, c) in pairs.items()), key=lambda r: -r[0])
+    return {"wall_ms": wall, "busy_ms": busy, "idle_ms": sum(r[0] for r in rows), "pairs": rows[:top]}
+
+
+def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: int = 40, gaps: bool = False) -> dict:
     """ms/step and {kernel name: [device ms a step, calls a step]} of one configuration."""
     import cupy as cp
     from torch.profiler import ProfilerActivity
@@ -71,6 +110,7 @@ def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: in
             step()
         cp.cuda.Device().synchronize()
     by = eg.kernel_times(prof, steps)
+    idle = step_gaps(device_ops(prof)) if gaps else None
     del eng
     cp.get_default_memory_pool().free_all_blocks()
     total = sum(v[0] for v in by.values())
@@ -78,7 +118,15 @@ def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: in
           f"step {ms:.2f} ms, kernels {total:.2f} ms", flush=True)
     for k, (t, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t:8.3f} ms {n:6.1f}x  {t / max(n, 1) * 1e3:8.1f} us  {k[:110]}", flush=True)
-    return {"ms": ms, "kernels_ms": total, "by": by}
+    res = {"ms": ms, "kernels_ms": total, "by": by}
+    if idle is not None:
+        print(f"  steps' wall ms {[round(x, 3) for x in idle['wall_ms']]}, busy ms "
+              f"{[round(x, 3) for x in idle['busy_ms']]}; idle {idle['idle_ms']:.3f} ms a step, largest after:",
+              flush=True)
+        for t, n, before, after in idle["pairs"]:
+            print(f"  {t:8.3f} ms {n:6.1f}x  {before[:50]}  ->  {after[:50]}", flush=True)
+        res["gaps"] = idle
+    return res
 
 
 def main(argv=None) -> int:
@@ -89,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-flip", nargs="*", default=[], choices=list(eg.FP8_SWITCHES),
                     help="fp8 again with each of these andrea/cuda/fp8.py switches flipped alone")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gaps", action="store_true", help="also the device's idle time between operations a step")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import andrea.cuda.fp8 as k8
@@ -96,7 +145,7 @@ def main(argv=None) -> int:
     out = {}
     for v, B in eg.parse_variants(args.variants, 8):
         for p in args.precision:
-            out[f"{v}:{B}:{p}"] = profile(v, B, p, args.steps)
+            out[f"{v}:{B}:{p}"] = profile(v, B, p, args.steps, gaps=args.gaps)
             if args.fp8_gelu is not None and p.startswith("fp8"):
                 g = frozenset(args.fp8_gelu.split(",")) - {"none", ""}
                 out[f"{v}:{B}:{p}:gelu-{args.fp8_gelu}"] = profile(v, B, p, args.steps, fp8_gelu=g)
