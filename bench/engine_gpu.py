@@ -103,9 +103,11 @@ def flops_per_token(s: dict, n_params: int) -> float:
     return 6 * n + 12 * s["L"] * s["C"] * s["T"]
 
 
-def _median_window(step, cuda_sync, steps: int, windows: int = 3) -> float:
-    """ms per step: host clock around ``steps`` steps with the device drained at both ends
-    (our step ends with a read-back anyway; torch's queue is drained by the final sync)."""
+def _windows(step, cuda_sync, steps: int, windows: int = 3) -> list[float]:
+    """ms per step of each of ``windows`` consecutive windows: host clock around ``steps`` steps with the
+    device drained at both ends (our step ends with a read-back anyway; torch's queue is drained by the
+    final sync). The benches report their median as "ms" and the list as "windows_ms": on the H200 bf16
+    steps slow down for a few steps after warm-up (docs/bench/s22_h200.md), which the list shows."""
     times = []
     for _ in range(windows):
         cuda_sync()
@@ -114,7 +116,7 @@ def _median_window(step, cuda_sync, steps: int, windows: int = 3) -> float:
             step()
         cuda_sync()
         times.append((time.perf_counter() - t0) * 1e3 / steps)
-    return float(np.median(times))
+    return times
 
 
 def engine_args(spec: str) -> tuple[str, dict]:
@@ -166,8 +168,8 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     for _ in range(warmup):
         step()
     cp.cuda.Device().synchronize()
-    ms = _median_window(step, cp.cuda.Device().synchronize, steps)
-    res = {"ms": ms, "peak_bytes": int(pool.total_bytes()), "planned_bytes": int(eng.planned_bytes),
+    windows = _windows(step, cp.cuda.Device().synchronize, steps)
+    res = {"ms": float(np.median(windows)), "windows_ms": windows, "peak_bytes": int(pool.total_bytes()), "planned_bytes": int(eng.planned_bytes),
            "pool_used_bytes": int(pool.used_bytes()), "n_params": eng.n_params, "loss": None}
     res["loss"] = eng.train_step([batches[0]], 3e-4, it[0] + 1, hp).loss
     del eng
@@ -502,8 +504,8 @@ def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: 
     torch.cuda.synchronize()
     compile_s = time.time() - t0
     torch.cuda.reset_peak_memory_stats()
-    ms = _median_window(step, torch.cuda.synchronize, steps)
-    res = {"ms": ms, "peak_bytes": int(torch.cuda.max_memory_reserved()),
+    windows = _windows(step, torch.cuda.synchronize, steps)
+    res = {"ms": float(np.median(windows)), "windows_ms": windows, "peak_bytes": int(torch.cuda.max_memory_reserved()),
            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
            "n_params": sum(p.numel() for p in model.parameters())}
     if profile:

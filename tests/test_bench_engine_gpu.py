@@ -151,3 +151,18 @@ def test_kernel_times_averages_per_step_and_drops_the_profilers_own_rows(eg):
                                    E(key="cudaGraphLaunch", count=3, device_time_total=5.0),
                                    E(key="k_zero", count=3, device_time_total=0.0), Old()])
     assert eg.kernel_times(prof, 3) == {"k_a": [0.5, 2.0], "k_old": [1.0, 2.0]}
+
+
+def test_every_window_is_kept_so_a_drift_shows(eg, monkeypatch):
+    # a step that gets slower each time (as bf16 on the H200 for a few steps after warm-up): each window's
+    # ms a step is its own, in order, and the median of them is what "ms" reports
+    clock, cost, synced = [0.0], [1e-3], []
+
+    def step():
+        clock[0] += cost[0]
+        cost[0] += 1e-4
+
+    monkeypatch.setattr(eg.time, "perf_counter", lambda: clock[0])
+    got = eg._windows(step, lambda: synced.append(clock[0]), steps=2, windows=3)
+    assert got == pytest.approx([1.05, 1.25, 1.45])                  # ms a step of steps 1-2, 3-4, 5-6
+    assert len(synced) == 6                                           # the device drained at both ends
