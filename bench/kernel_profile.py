@@ -148,11 +148,11 @@ def main(argv=None) -> int:
             out[f"{v}:{B}:{p}"] = profile(v, B, p, args.steps, gaps=args.gaps)
             if args.fp8_gelu is not None and p.startswith("fp8"):
                 g = frozenset(args.fp8_gelu.split(",")) - {"none", ""}
-                out[f"{v}:{B}:{p}:gelu-{args.fp8_gelu}"] = profile(v, B, p, args.steps, fp8_gelu=g)
+                out[f"{v}:{B}:{p}:gelu-{args.fp8_gelu}"] = profile(v, B, p, args.steps, fp8_gelu=g, gaps=args.gaps)
             for sw in args.fp8_flip if p.startswith("fp8") else ():
                 with eg.patched(k8, **{sw: not getattr(k8, sw)}):
                     print(f"(fp8.{sw} = {getattr(k8, sw)})", flush=True)
-                    out[f"{v}:{B}:{p}:flip-{sw}"] = profile(v, B, p, args.steps)
+                    out[f"{v}:{B}:{p}:flip-{sw}"] = profile(v, B, p, args.steps, gaps=args.gaps)
             if args.json:
                 atomic_write_json(Path(args.json), out)
     return 0

@@ -57,11 +57,12 @@ def test_kernel_profile_flips_each_switch_for_its_own_fp8_profile(tmp_path, monk
 
     before = k8.HPRE_E4M3
     seen = []
-    monkeypatch.setattr(kp, "profile", lambda v, B, p, steps, fp8_gelu=None: seen.append((p, k8.HPRE_E4M3)) or {})
+    monkeypatch.setattr(kp, "profile", lambda v, B, p, steps, fp8_gelu=None, gaps=False:
+                        seen.append((p, k8.HPRE_E4M3, gaps)) or {})
     out = tmp_path / "k.json"
     assert kp.main(["--variants", "andrea-12m:8", "--precision", "bf16", "fp8:delayed", "--fp8-flip", "HPRE_E4M3",
-                    "--json", str(out)]) == 0
-    assert seen == [("bf16", before), ("fp8:delayed", before), ("fp8:delayed", not before)]
+                    "--json", str(out), "--gaps"]) == 0
+    assert seen == [("bf16", before, True), ("fp8:delayed", before, True), ("fp8:delayed", not before, True)]
     assert k8.HPRE_E4M3 == before
     assert sorted(json.loads(out.read_text())) == ["andrea-12m:8:bf16", "andrea-12m:8:fp8:delayed",
                                                    "andrea-12m:8:fp8:delayed:flip-HPRE_E4M3"]
