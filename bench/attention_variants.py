@@ -82,14 +82,15 @@ def run_shape(B: int, C: int, H: int, builds: dict, rounds: int, reps: int) -> d
             loader.swap(FILE, builds[name])
             res[name]["fwd_ms"].append(event_ms(fwd, reps))
             res[name]["bwd_ms"].append(event_ms(bwd, reps))
+            if "outputs" in res[name]:                       # each build's outputs are checked once
+                continue
             for a, nan in ((y, 0x7FC0), (dqkv, 0x7FC0), (lse, cp.nan), (dvec, cp.nan)):
                 a.fill(nan)                                  # an element a build leaves unwritten shows
             fwd()
             bwd()
             outs = (y.copy(), lse.copy(), dqkv.copy())
             ref = ref or outs                                # round 0 runs base first
-            if "outputs" not in res[name]:
-                res[name]["outputs"] = {k: compare(o, f, cp) for k, o, f in zip(("y", "lse2", "dqkv"), outs, ref)}
+            res[name]["outputs"] = {k: compare(o, f, cp) for k, o, f in zip(("y", "lse2", "dqkv"), outs, ref)}
     loader.swap(FILE, builds["base"])
     return res
 

@@ -169,8 +169,9 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
         step()
     cp.cuda.Device().synchronize()
     windows = _windows(step, cp.cuda.Device().synchronize, steps)
-    res = {"ms": float(np.median(windows)), "windows_ms": windows, "peak_bytes": int(pool.total_bytes()), "planned_bytes": int(eng.planned_bytes),
-           "pool_used_bytes": int(pool.used_bytes()), "n_params": eng.n_params, "loss": None}
+    res = {"ms": float(np.median(windows)), "windows_ms": windows, "peak_bytes": int(pool.total_bytes()),
+           "planned_bytes": int(eng.planned_bytes), "pool_used_bytes": int(pool.used_bytes()),
+           "n_params": eng.n_params, "loss": None}
     res["loss"] = eng.train_step([batches[0]], 3e-4, it[0] + 1, hp).loss
     del eng
     pool.free_all_blocks()
@@ -505,8 +506,8 @@ def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: 
     compile_s = time.time() - t0
     torch.cuda.reset_peak_memory_stats()
     windows = _windows(step, torch.cuda.synchronize, steps)
-    res = {"ms": float(np.median(windows)), "windows_ms": windows, "peak_bytes": int(torch.cuda.max_memory_reserved()),
-           "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
+    res = {"ms": float(np.median(windows)), "windows_ms": windows,
+           "peak_bytes": int(torch.cuda.max_memory_reserved()), "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
            "n_params": sum(p.numel() for p in model.parameters())}
     if profile:
         from torch.profiler import ProfilerActivity
