@@ -59,6 +59,7 @@ class TrainSettings:
     fp8_scaling: str = "delayed"   # fp8 only: delayed | current (docs/FP8.md); optional, like gpus
     fp8_amax_history: int = 16     # fp8 delayed: steps of amax history per cast site
     recompute: str = "auto"        # auto | gelu: what the backward recomputes (andrea.engine.model.recompute_set)
+    attention: str = "auto"        # GPU: auto | cudnn | kernels (andrea/cuda/cudnn_attention.py); optional, like gpus
 
 
 @dataclass(frozen=True)

@@ -126,10 +126,12 @@ def engine_args(spec: str) -> tuple[str, dict]:
     return prec, ({"fp8_scaling": scaling} if scaling else {})
 
 
-def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None, fp8_gelu=None) -> dict:
+def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None, fp8_gelu=None,
+               attention=None) -> dict:
     """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE and
     engine.RECOMPUTE_FUSED (bf16/fp16/fp8's, with the GELU epilogues) for this run, ``fp8_gelu``
-    (a frozenset) engine.FUSE_GELU_FP8; ``precision`` as ``engine_args`` reads it."""
+    (a frozenset) engine.FUSE_GELU_FP8; ``precision`` as ``engine_args`` reads it; ``attention``:
+    train.attention (None: its default, auto)."""
     import cupy as cp
 
     import andrea.cuda.engine as ce
@@ -148,6 +150,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
         ce.FUSE_GELU_FP8 = fp8_gelu
     try:
         prec, kw = engine_args(precision)
+        kw.update({} if attention is None else {"attention": attention})
         eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, **kw)
     finally:
         ce.RECOMPUTE, ce.RECOMPUTE_FUSED, ce.FUSE_GELU_FP8 = default
@@ -170,6 +173,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     cp.cuda.Device().synchronize()
     windows = _windows(step, cp.cuda.Device().synchronize, steps)
     res = {"ms": float(np.median(windows)), "windows_ms": windows, "peak_bytes": int(pool.total_bytes()),
+           "attention": eng.attention,
            "planned_bytes": int(eng.planned_bytes), "pool_used_bytes": int(pool.used_bytes()),
            "n_params": eng.n_params, "loss": None}
     res["loss"] = eng.train_step([batches[0]], 3e-4, it[0] + 1, hp).loss
@@ -602,6 +606,9 @@ def main(argv=None) -> int:
                     help="on a compute capability 9.0 device, the attention kernels of the forward and the "
                          "backward (mma or wg each, and wgds for the backward: dQ from stored dS; e.g. wg,wgds) "
                          "instead of kernels.ATTN_HOPPER")
+    ap.add_argument("--attention", nargs="*", default=[], choices=["cudnn", "kernels"],
+                    help="also time ours (each --precision) with train.attention set to each of these (the first "
+                         "run takes its default, auto), same run")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print per kernel class where our step (and the first compile anchor's) spends its time")
     args = ap.parse_args(argv)
@@ -649,6 +656,12 @@ def main(argv=None) -> int:
                     r[f"ours-{p}-heuristic"] = x = bench_ours(s, B, args.steps, args.warmup, p)
                 print(f"{key}: ours {p} with the heuristic's first GEMM algorithms {x['ms']:.2f} ms/step",
                       file=sys.stderr, flush=True)
+                save(key, r)
+        for at in args.attention:
+            for p in args.precision:
+                r[f"ours-{p}-attention-{at}"] = x = bench_ours(s, B, args.steps, args.warmup, p, attention=at)
+                print(f"{key}: ours {p} with train.attention={at} {x['ms']:.2f} ms/step, peak "
+                      f"{x['peak_bytes'] / 2 ** 20:.0f} MiB", file=sys.stderr, flush=True)
                 save(key, r)
         for rc in args.recompute:
             sel = frozenset() if rc == "none" else frozenset(rc.split(","))

@@ -87,7 +87,8 @@ class ShardedBackend(NumpyBackend):
         super().__init__()
         self.comms = comms
 
-    def make_engine(self, mc, batch_size, precision, comm=None, recompute="auto"):
+    def make_engine(self, mc, batch_size, precision, comm=None, recompute="auto", attention="auto"):
+        assert attention == "auto"                  # train.attention reaches the engine (a NumPy one ignores it)
         return ShardedNumpyEngine(mc, batch_size, self, comm, recompute)
 
 

@@ -93,7 +93,7 @@ class CupyBackend:
     def make_engine(self, mc: ModelConfig, batch_size: int, precision: str = "fp32", cuda_graph: bool = True,
                     comm=None, **kw):
         """``comm``: an andrea.dist.NcclComm for the data-parallel (ZeRO-1) engine of one rank;
-        ``kw``: recompute, fp8_scaling, fp8_amax_history (GpuEngine)."""
+        ``kw``: recompute, attention, fp8_scaling, fp8_amax_history (GpuEngine)."""
         return GpuEngine(self, mc, batch_size, precision=precision, cuda_graph=cuda_graph, comm=comm, **kw)
 
 

@@ -27,6 +27,9 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
   32 MiB workspace in the arena; the logits rows padded to ``LOGITS_PAD`` elements and the head's
   forward and dgrad GEMMs run over those padded columns against a zero-padded copy of wte
   (fp8 too: its head is a bf16 GEMM, on its own cuBLASLt handle in ``Fp8Gemm``);
+- attention (``train.attention``): cuDNN's fused SDPA and its deterministic backward at head size 64 on
+  Hopper where its frontend is installed (``cudnn_attention.py``, its workspace in the logits' or the
+  spent h_pre's bytes), else attention.cu's kernels;
 - clipping, the NaN/inf skip and AdamW on the device; the fp16 dynamic loss scale on the host,
   saved and restored with ``extra_state``.
 """
@@ -41,11 +44,14 @@ import numpy as np
 
 from andrea import dist
 from andrea.cuda.kernels import (ADAMW_CHUNK, LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, adamw4_ok,
-                                 attn_ds_bytes, attn_impl, cp, embed_segments, k_adamw, k_attn_bwd, k_attn_fwd, k_cast, k_embed_bwd, k_embed_fwd,
+                                 attn_ds_bytes, attn_impl, cp, embed_segments, hopper, k_adamw, k_attn_bwd, k_attn_fwd,
+                                 k_cast, k_embed_bwd, k_embed_fwd,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd_e4m3, k_loss_bwd, k_loss_fwd,
                                  k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_bwd_vr, ln_e4m3_fits)
 from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
+from andrea.cuda.cudnn_attention import CudnnAttention
+from andrea.cuda.cudnn_attention import resolve as resolve_attention
 from andrea.cuda import fp8 as fp8_mod
 from andrea.cuda.fp8 import (LT_WORKSPACE, SCALINGS, Fp8Gemm, fp8_buffers, n_sites_for, n_slots, require_fp8,
                              weight_plan)
@@ -113,13 +119,21 @@ class FastOps:
     gradients and dres, = elsewhere), but for ``wgrad_beta`` 0: then the four block weight-gradient
     GEMMs write their gradient (=), as GpuEngine asks for a step's first microbatch (WGRAD_WRITES)."""
 
-    def __init__(self, prec: str, blas, a: dict, f8=None, lt=None):
+    def __init__(self, prec: str, blas, a: dict, f8=None, lt=None, dnn=None):
         self.p, self.lowtype, self.blas, self.a = prec, LOWTYPE[prec], blas, a
+        self.dnn = dnn              # a CudnnAttention: both attention passes through cuDNN (train.attention)
         self.deferred = None        # a list: embed_backward appends its launch there instead of running it
         self.wgrad_beta = 1.0       # the block weight-gradient GEMMs' beta: 1 adds (the op contract), 0 writes
         # attn_backward's spare dS scratch: each layer's qkv -> the bytes of its h_pre (_spare_h_pre)
         self._h_pre_of = {q.data.ptr: cp().ndarray((h.nbytes,), dtype=cp().uint8, memptr=h.data)
                           for q, h in zip(a.get("qkv", ()), a.get("h_pre", ()))}
+        # cuDNN's backward workspace (dnn): a layer's qkv -> the larger of the logits' bytes and those of the
+        # h_pre of that layer and the layers above, dead in its attention backward (their MLP backwards ran)
+        lg, hp = a.get("logits"), a.get("h_pre")
+        self._dnn_scratch = {} if dnn is None else {
+            q.data.ptr: max((lg, cp().ndarray((hp[l:].nbytes,), dtype=cp().uint8, memptr=hp[l].data)),
+                            key=lambda x: x.nbytes)
+            for l, q in enumerate(a["qkv"][:len(hp)])}
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
@@ -202,6 +216,9 @@ class FastOps:
         """fp8 (ATTN_FWD_E4M3, the bf16 "wg" kernel): y also straight into E4M3, both orientations, for the
         attention-out GEMM and its weight gradient (``Fp8Gemm.produce``)."""
         B, T, C = out.shape
+        if self.dnn is not None:                        # its workspace in the logits' bytes, dead until the head
+            self.dnn.forward(out, att, qkv, self.a["logits"])
+            return
         if self.f8 is not None and self.p == "bf16" and self.f8.attn_e4m3 \
                 and attn_impl(self.p, C // n_head, 3 * C, "fwd") == "wg":
             self.f8.produce(out.reshape(B * T, C), lambda y8, y8t, sc, rec: k_attn_fwd(
@@ -222,6 +239,9 @@ class FastOps:
         hold 125 of the 192 heads, and a second launch pair cost 0.04 ms a layer (H200). Logits too
         small for one head's tiles (a tiny vocabulary at a long context) run "wg" instead."""
         B, T, C = dout.shape
+        if self.dnn is not None:                        # fp8: dqkv in bf16, cast by its GEMMs (no E4M3 producer)
+            self.dnn.backward(dqkv, dout, y, att, qkv, self._dnn_scratch.get(qkv.data.ptr, self.a["logits"]))
+            return
         lg, impl = self.a["logits"], attn_impl(self.p, C // n_head, 3 * C, "bwd")
         if impl == "wgds" and lg.nbytes < attn_ds_bytes(T):
             impl = "wg"
@@ -410,10 +430,12 @@ class GpuEngine:
     Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
 
     def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True,
-                 comm=None, fp8_scaling: str = "current", fp8_amax_history: int = 16, recompute: str = "auto"):
+                 comm=None, fp8_scaling: str = "current", fp8_amax_history: int = 16, recompute: str = "auto",
+                 attention: str = "auto"):
         """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses.
         ``fp8_scaling`` / ``fp8_amax_history``: train.fp8_scaling and train.fp8_amax_history (fp8 only).
-        ``recompute``: train.recompute (``recompute_for``).
+        ``recompute``: train.recompute (``recompute_for``). ``attention``: train.attention (auto | cudnn |
+        kernels: andrea/cuda/cudnn_attention.py's ``resolve``; ``self.attention`` says which runs).
         A plan larger than the device's free memory (``backend.free_memory()``, with the
         preflight's headroom) is refused before CuPy allocates anything (andrea/preflight.py)."""
         if precision not in PRECISIONS:
@@ -487,7 +509,8 @@ class GpuEngine:
         self._wgrad_span = self._block_span if WGRAD_WRITES and world == 1 and precision != "fp32" else None
         self._writes_wgrad = False         # the next micro_step is a step's first (zero_grads sets it)
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
-        self.ops = FastOps(self.kp, self.blas, a, f8, self.lt)
+        self.attention, self.dnn = self._attention(attention)
+        self.ops = FastOps(self.kp, self.blas, a, f8, self.lt, self.dnn)
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
@@ -513,12 +536,28 @@ class GpuEngine:
         The trainer logs it in .loss.json's train records as ``fp8_clipped``."""
         return None if self.f8 is None or self.f8.hist is None else int(self.f8.hist.clipped_total)
 
+    def _attention(self, choice: str):
+        """("cudnn", its CudnnAttention) or ("kernels", None) for train.attention = ``choice``: cuDNN's
+        workspace must fit the logits' bytes (``CudnnAttention``); where it does not, auto keeps the
+        kernels and an explicit cudnn is refused in one line."""
+        mc = self.mc
+        pick = resolve_attention(choice, self.kp, mc.d_model // mc.n_head, hopper())
+        if pick == "kernels":
+            return pick, None
+        try:
+            return pick, CudnnAttention(self.B, self.T, mc.d_model, mc.n_head, self.a["logits"].nbytes)
+        except AndreaError:
+            if choice == "cudnn":
+                raise
+            return "kernels", None
+
     def describe(self) -> str:
         mc, mib = self.mc, 1 << 20
         return (f"model: {self.n_params:,} parameters (V={mc.vocab_size} C={mc.d_model} H={mc.n_head} "
                 f"L={mc.n_layer} T={mc.context}); batch {self.B}x{self.T}; backend cupy {self.prec}"
                 f"{' + CUDA graph' if self.use_graph else ''}\n"
-                f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
+                + (f"{self.dnn.describe()}\n" if self.dnn is not None else "")
+                + f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
                 f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes"
                 + ("" if self.comm is None or self.comm.size == 1 else
                    f"\nZeRO-1 rank {self.comm.rank} of {self.comm.size}: m and v hold one shard of {self.m.size:,} "

@@ -1,0 +1,295 @@
+"""cuDNN's attention path (andrea/cuda/cudnn_attention.py): the choice and its refusals, the batch chunks
+and their pointers (CPU, over a stand-in cudnn module), and on a GPU with cuDNN's frontend installed the
+forward and backward against the NumPy twin (ops_numpy, float64) with the bf16 tolerance of
+tests/test_cuda_kernels.py, the backward's bytes repeated, and the chunked backward's bytes equal to
+the whole batch's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from andrea.cuda import cudnn_attention as ca
+from andrea.errors import AndreaError
+
+
+def test_pick_chunk_takes_the_largest_divisor_whose_workspace_fits():
+    ws = lambda c: 100 * c  # noqa: E731
+    assert ca.pick_chunk(8, ws, 10_000) == 8
+    assert ca.pick_chunk(8, ws, 250) == 2
+    assert ca.pick_chunk(6, ws, 450) == 3          # 4 fits but does not divide 6
+    assert ca.pick_chunk(8, ws, 99) is None
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    """A stand-in cudnn module: graphs record their tensors and every execute's pointers."""
+    calls = []
+
+    class T:
+        def __init__(self, name, dim=None, stride=None):
+            self.name, self.dim, self.stride = name, dim, stride
+
+        def set_output(self, _):
+            return self
+
+        def set_dim(self, d):
+            self.dim = d
+            return self
+
+        def set_stride(self, s):
+            self.stride = s
+            return self
+
+        def set_data_type(self, _):
+            return self
+
+    class G:
+        def __init__(self, **kw):
+            self.det, self.B = None, None
+
+        def tensor(self, name, dim, stride, data_type):
+            self.B = dim[0]
+            return T(name, dim, stride)
+
+        def sdpa(self, name, q, k, v, generate_stats, **kw):
+            assert generate_stats and kw["diagonal_band_right_bound"] == 0
+            return T("o"), T("lse")
+
+        def sdpa_backward(self, name, use_deterministic_algorithm, **kw):
+            self.det = use_deterministic_algorithm
+            return T("dq"), T("dk"), T("dv")
+
+        validate = build_operation_graph = check_support = build_plans = lambda self: None
+
+        def create_execution_plans(self, _):
+            pass
+
+        def get_workspace_size(self):
+            return 256 if self.det is None else 1000 * self.B
+
+        def execute(self, pack, ws, handle):
+            calls.append(({t.name: p for t, p in pack.items()}, ws, self.det))
+
+    class M:
+        data_type = type("dt", (), {"BFLOAT16": 1, "FLOAT": 2})
+        heur_mode = type("hm", (), {"A": 0, "FALLBACK": 1})
+        diagonal_alignment = type("da", (), {"TOP_LEFT": 0})
+        pygraph = G
+
+        @staticmethod
+        def create_handle():
+            return 7
+
+        @staticmethod
+        def set_stream(handle, stream):
+            assert (handle, stream) == (7, 99)
+
+        @staticmethod
+        def backend_version():
+            return 91900
+
+    monkeypatch.setattr(ca, "_cudnn", lambda: M)
+    monkeypatch.setattr(ca, "_current_stream", lambda: 99)
+    return calls
+
+
+class Buf:
+    def __init__(self, ptr, nbytes=0):
+        self.data, self.nbytes = type("d", (), {"ptr": ptr}), nbytes
+
+
+def test_backward_runs_in_chunks_that_fit_the_scratch_at_the_right_offsets(fake_cudnn):
+    B, T, C, H = 4, 8, 16, 2
+    att = ca.CudnnAttention(B, T, C, H, room=2500)        # the backward's workspace 1000 a sequence: chunks of 2
+    assert att.chunk == 2 and "over 2 to 4 of 4 sequences" in att.describe() and "cuDNN 9.19.0" in att.describe()
+    qkv, dqkv, y, dy, lse = (Buf(p) for p in (10_000, 20_000, 30_000, 40_000, 50_000))
+    scratch = Buf(60_000, 2500)
+    att.forward(y, lse, qkv, scratch)
+    att.backward(dqkv, dy, y, lse, qkv, scratch)
+    att.backward(dqkv, dy, y, lse, qkv, Buf(70_000, 4000))          # room for the whole batch: one call
+    (f, ws, det), *bwd, whole = fake_cudnn
+    assert whole[0]["q"] == 10_000 and whole[0]["dv"] == 20_000 + 4 * C and whole[1] == 70_000
+    assert det is None and ws == 60_000
+    assert f == {"q": 10_000, "k": 10_000 + 2 * C, "v": 10_000 + 4 * C, "o": 30_000, "lse": 50_000}
+    assert len(bwd) == 2 and all(d is True for _, _, d in bwd)    # the deterministic backward, twice
+    for i, (p, _, _) in enumerate(bwd):
+        s3, s1 = i * 2 * T * 3 * C * 2, i * 2 * T * C * 2           # two sequences of bf16 rows a chunk
+        assert p == {"q": 10_000 + s3, "k": 10_000 + s3 + 2 * C, "v": 10_000 + s3 + 4 * C, "o": 30_000 + s1,
+                     "do": 40_000 + s1, "lse": 50_000 + i * 2 * H * T * 4, "dq": 20_000 + s3,
+                     "dk": 20_000 + s3 + 2 * C, "dv": 20_000 + s3 + 4 * C}
+
+
+def test_a_scratch_too_small_for_one_sequence_is_refused_in_one_line(fake_cudnn):
+    with pytest.raises(AndreaError, match="train.attention=kernels") as e:
+        ca.CudnnAttention(4, 8, 16, 2, room=999)
+    assert "\n" not in str(e.value)
+
+
+def test_resolve_picks_cudnn_only_where_it_measured_faster_and_refuses_what_cannot_run(monkeypatch):
+    monkeypatch.setattr(ca, "_cudnn", lambda: object())                # installed
+    assert ca.resolve("auto", "bf16", 64, True) == "cudnn"
+    assert ca.resolve("auto", "bf16", 32, True) == "kernels"           # D = 32: attention.cu's are faster
+    assert ca.resolve("auto", "bf16", 64, False) == "kernels"          # measured on Hopper only
+    assert ca.resolve("auto", "fp16", 64, True) == "kernels"
+    assert ca.resolve("cudnn", "bf16", 32, False) == "cudnn"           # asked for: wherever it runs
+    assert ca.resolve("kernels", "bf16", 64, True) == "kernels"
+    with pytest.raises(AndreaError, match="bf16 storage"):
+        ca.resolve("cudnn", "fp32", 64, True)
+    with pytest.raises(AndreaError, match="'flash' is not one of auto"):
+        ca.resolve("flash", "bf16", 64, True)
+    monkeypatch.setattr(ca, "_cudnn", lambda: "ModuleNotFoundError: No module named 'cudnn'")
+    assert ca.resolve("auto", "bf16", 64, True) == "kernels"
+    with pytest.raises(AndreaError, match="pip install nvidia-cudnn-frontend") as e:
+        ca.resolve("cudnn", "bf16", 64, True)
+    assert "\n" not in str(e.value)
+
+
+def test_train_attention_is_optional_and_checked_by_the_schema():
+    from andrea.errors import ConfigError
+    from andrea.settings import Settings
+    from train_helpers import micro_cfg
+
+    assert Settings.from_dict(micro_cfg(2, 2)).train.attention == "auto"
+    assert Settings.from_dict(micro_cfg(2, 2, **{"train.attention": "kernels"})).train.attention == "kernels"
+    with pytest.raises(ConfigError, match="attention"):
+        micro_cfg(2, 2, **{"train.attention": "flash"})
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+def _gpu():
+    from andrea.cuda.loader import cupy_or_none
+
+    cp = cupy_or_none()
+    if cp is None:
+        pytest.skip("CuPy cannot be imported or finds no CUDA device")
+    if ca.unavailable() is not None:
+        pytest.skip(f"cuDNN's frontend cannot be loaded ({ca.unavailable()})")
+    return cp
+
+
+def _bf16(cp, x):
+    """(device bf16 bits, the float64 values they hold): round-to-nearest-even."""
+    b = np.asarray(x, np.float32).view(np.uint32)
+    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    return cp.asarray(b), (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _f64(cp, a):
+    return (cp.asnumpy(a).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,D", [(2, 200, 2, 64), (3, 1024, 2, 64), (2, 130, 4, 32)])
+def test_cudnn_attention_matches_the_numpy_twin_and_repeats_its_bytes(B, T, H, D):
+    cp = _gpu()
+    from andrea.engine import ops_numpy as ops
+
+    C, N = H * D, B * T
+    rng = np.random.default_rng(T + D)
+    qkv, qkv64 = _bf16(cp, rng.normal(0, 1, (N, 3 * C)))
+    dy, dy64 = _bf16(cp, rng.normal(0, 1, (N, C)))
+    nan16 = lambda shape: cp.full(shape, 0x7FC0, cp.uint16)  # noqa: E731 - bf16 NaN, every output poisoned
+    y, dqkv, lse = nan16((N, C)), nan16((N, 3 * C)), cp.full(B * H * T, np.nan, cp.float32)
+    whole = ca.CudnnAttention(B, T, C, H, room=1 << 30)
+    scratch = cp.empty(1 << 30, cp.uint8)
+    whole.forward(y, lse, qkv, scratch)
+    whole.backward(dqkv, dy, y, lse, qkv, scratch)
+    ry, att = np.zeros((B, T, C)), np.zeros(ops.att_shape(B, H, T))
+    work = np.zeros(ops.work_elems(B, T, C, H, 1))
+    ops.attn_forward(ry, att, qkv64.reshape(B, T, 3 * C), np.triu(np.full((T, T), -np.inf), k=1), H, work)
+    rd = np.zeros((B, T, 3 * C))
+    ops.attn_backward(rd, dy64.reshape(B, T, C), qkv64.reshape(B, T, 3 * C), att, ry, H, work)
+    for got, ref, what in ((_f64(cp, y), ry.reshape(N, C), "y"), (_f64(cp, dqkv), rd.reshape(N, 3 * C), "dqkv")):
+        scale = float(np.abs(ref).max())
+        bound = 2e-2 * scale + 2e-2 * np.abs(ref)          # tests/test_cuda_kernels.py's bf16 (atol, rtol)
+        assert np.isfinite(got).all(), what
+        assert (np.abs(got - ref) <= bound).all(), f"{what}: max error {np.abs(got - ref).max():.3g} (scale {scale:.3g})"
+    first = dqkv.copy()
+    dqkv.fill(0x7FC0)
+    whole.backward(dqkv, dy, y, lse, qkv, scratch)
+    assert bool((dqkv == first).all()), "the deterministic backward gave other bytes on a repeat"
+    if B > 1:                                   # one sequence a call: the workspace of one, the same bytes
+        small = scratch[:whole._ws(B) - 1]
+        one = ca.CudnnAttention(B, T, C, H, room=small.nbytes)
+        assert one.chunk < B
+        dqkv.fill(0x7FC0)
+        one.backward(dqkv, dy, y, lse, qkv, small)
+        assert bool((dqkv == first).all()), "the chunked backward gave other bytes than the whole batch's"
+
+
+# the engine with train.attention=cudnn: D = 64, as the engine's auto picks it on an H200
+def _mc():
+    from andrea.engine.model import ModelConfig
+
+    return ModelConfig(vocab_size=1000, d_model=128, n_head=2, n_layer=2, context=128)  # logits hold the workspace
+
+
+def _batch(seed, mc, b=2):
+    x = np.random.default_rng(seed).integers(0, mc.vocab_size, (b, mc.context)).astype(np.int32)
+    return x, np.roll(x, -1, axis=1)
+
+
+@pytest.mark.gpu
+def test_engine_with_cudnn_attention_matches_numpy_in_the_loss_and_every_gradient():
+    _gpu()
+    from andrea.cuda.backend import make_backend
+    from andrea.engine.backend import NumpyBackend
+    from andrea.engine.engine import Engine
+
+    mc = _mc()
+    ref = Engine(mc, 2, NumpyBackend())
+    ref.init_weights(0)
+    gpu = make_backend().make_engine(mc, 2, precision="bf16", attention="cudnn")
+    assert gpu.attention == "cudnn" and "attention: cuDNN" in gpu.describe()
+    gpu.init_weights(0)
+    x, y = _batch(2, mc)
+    ref.zero_grads()
+    l_ref = ref.forward(x, y)
+    ref.backward(1.0 / ref.N)
+    l_gpu = gpu.compute_grads(x, y)
+    assert abs(l_gpu - l_ref) <= 2e-2 * max(1.0, abs(l_ref))
+    g = gpu.grads_host()
+    for t in ref.layout.tensors:                 # tests/test_cuda_engine.py's bf16 bound: 6% of the largest entry
+        a, r = g[t.offset:t.offset + t.size], ref.g[t.offset:t.offset + t.size]
+        scale = float(np.abs(r).max()) or 1.0
+        assert float(np.abs(a - r).max()) <= 6e-2 * scale, t.name
+
+
+def _run(prec, steps, start=None, graph=True, **kw):
+    from andrea.cuda.backend import make_backend
+    from andrea.engine.engine import Hyper
+
+    mc = _mc()
+    eng = make_backend().make_engine(mc, 2, precision=prec, cuda_graph=graph, attention="cudnn", **kw)
+    t0 = 0
+    if start is None:
+        eng.init_weights(0)
+    else:
+        t0, w, m, v, extra = start
+        eng.load_state(w, m, v)
+        if extra:
+            eng.load_extra_state(extra)
+    for t in range(t0 + 1, t0 + steps + 1):
+        eng.train_step([_batch(300 + 7 * t, mc)], 3e-3, t, Hyper(grad_clip=1.0))
+    return (t0 + steps, *eng.state_host(), eng.extra_state())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prec,kw", [("bf16", {}), ("fp8", {"fp8_scaling": "delayed", "fp8_amax_history": 4})])
+def test_cudnn_attention_runs_repeat_resume_and_replay_the_same_bytes(prec, kw):
+    _gpu()
+    if prec == "fp8":
+        from andrea.cuda.loader import cupy_or_none
+
+        if cupy_or_none().cuda.Device().compute_capability < "89":
+            pytest.skip("fp8 needs compute capability 8.9+")
+    a, b = _run(prec, 6, **kw), _run(prec, 6, **kw)
+    for x, y in zip(a[1:4], b[1:4]):
+        assert x.tobytes() == y.tobytes()
+    resumed = _run(prec, 3, start=_run(prec, 3, **kw), **kw)
+    for x, y in zip(a[1:4], resumed[1:4]):
+        assert x.tobytes() == y.tobytes()
+    eager = _run(prec, 6, graph=False, **kw)      # the CUDA graph replays exactly the eager launches
+    for x, y in zip(a[1:4], eager[1:4]):
+        assert x.tobytes() == y.tobytes()
