@@ -28,7 +28,8 @@ TOOLS = {"snakemake", "dvc", "hydra-core"}
 # optional: imported only where their extra is installed (gpu, oracle), guarded by ImportError
 OPTIONAL = {"cupy", "torch", "tokenizers", "transformers",  # transformers: the shipped HF tokenizer (oracle)
             "mpi4py",  # mpi4py: shares NCCL's id under mpirun (andrea/dist.py), else a file
-            "cuda"}  # cuda-bindings: NVRTC for the GPU-less compile check (python -m andrea.cuda.loader)
+            "cuda",  # cuda-bindings: NVRTC for the GPU-less compile check (python -m andrea.cuda.loader)
+            "cudnn"}  # nvidia-cudnn-frontend (gpu extras): cuDNN's attention (andrea/cuda/cudnn_attention.py)
 
 
 def test_license_matches_pyproject():
