@@ -222,6 +222,7 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
     prec, kw = engine_args(precision)
     eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=False, **kw)
+    print(f"breakdown of ours {precision}: attention {eng.attention}", file=sys.stderr, flush=True)
     eng.init_weights(1)
     rng = np.random.default_rng(0)
     x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
@@ -252,8 +253,11 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
     ours = {n: timed(OUR_CLASSES[n], getattr(be, n)) for n in OUR_CLASSES if hasattr(be, n)}
     casts = {n: timed(cast_class, getattr(f8m, n)) for n in FP8_CASTS}
     casts["k_loss_bwd_e4m3"] = timed("loss", f8m.k_loss_bwd_e4m3)     # the E4M3 head's loss backward (FP8_HEAD)
+    # cuDNN's attention (train.attention): its two calls, in the attention classes like attention.cu's launchers
+    dnn = {} if eng.dnn is None else {"forward": timed("attention fwd", eng.dnn.forward),
+                                       "backward": timed("attention bwd", eng.dnn.backward)}
     per_rep = []
-    with patched(be, **ours), patched(f8m, **casts), patched(eng.ops, _mm=timed_mm):
+    with patched(be, **ours), patched(f8m, **casts), patched(eng.ops, _mm=timed_mm), patched(eng.dnn, **dnn):
         for _ in range(reps + 1):
             pairs.clear()
             phase[0] = "step"

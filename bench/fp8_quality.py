@@ -81,7 +81,7 @@ def _train(prec: str, base: str, mc: ModelConfig, B: int, data: np.ndarray, val:
         curve.append(row)
     final = [r for r in curve if r["heldout_loss"] is not None][-1]["heldout_loss"]
     return {"curve": curve, "skipped_steps": skipped, "final_heldout_loss": final,
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": time.perf_counter() - t0, "attention": eng.attention}   # train.attention's pick (auto)
 
 
 def main(argv=None) -> int:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for p, r in runs.items():
         print(f"{p}: final held-out loss {r['final_heldout_loss']:.4f} ({r['final_heldout_loss'] / ref:.4f}x "
-              f"{args.precisions[0]}), skipped steps {r['skipped_steps']}, {r['wall_s']:.0f}s")
+              f"{args.precisions[0]}), skipped steps {r['skipped_steps']}, {r['wall_s']:.0f}s, attention {r['attention']}")
     try:
         import matplotlib
 
