@@ -143,6 +143,9 @@ def test_resolve_picks_cudnn_only_where_it_measured_faster_and_refuses_what_cann
     with pytest.raises(AndreaError, match="pip install nvidia-cudnn-frontend") as e:
         ca.resolve("cudnn", "bf16", 64, True)
     assert "\n" not in str(e.value)
+    monkeypatch.setattr(ca, "_cudnn", lambda: pytest.fail("auto imported cudnn where it cannot be picked"))
+    assert [ca.resolve("auto", p, d, h) for p, d, h in (("fp32", 64, True), ("bf16", 32, True), ("bf16", 64, False))] \
+        == ["kernels"] * 3
 
 
 def test_train_attention_is_optional_and_checked_by_the_schema():

@@ -79,16 +79,16 @@ def resolve(choice: str, prec: str, D: int, hopper: bool) -> str:
         raise AndreaError(f"train.attention: {choice!r} is not one of {' | '.join(CHOICES)}")
     if choice == "kernels":
         return "kernels"
-    why = unavailable()
     if choice == "cudnn":
         if prec != "bf16":
             raise AndreaError(f"train.attention=cudnn needs bf16 storage (train.precision bf16 or fp8), "
                               f"not {prec}: use train.attention=kernels")
-        if why is not None:
+        if (why := unavailable()) is not None:
             raise AndreaError(f"train.attention=cudnn: cuDNN's frontend cannot be loaded ({why}); {INSTALL}, "
                               f"or use train.attention=kernels")
         return "cudnn"
-    return "cudnn" if why is None and prec == "bf16" and D in AUTO_HEAD_SIZES and hopper else "kernels"
+    # auto: the import (a fraction of a second) only where cuDNN's would be picked
+    return "cudnn" if prec == "bf16" and D in AUTO_HEAD_SIZES and hopper and unavailable() is None else "kernels"
 
 
 class CudnnAttention:
