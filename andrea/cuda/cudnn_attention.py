@@ -3,8 +3,9 @@ attention.cu's where ``train.attention`` picks it (``resolve``): the forward wit
 and cuDNN's deterministic backward, over the engine's packed bf16 qkv (B*T, 3C) and y (B*T, C).
 
     from andrea.cuda.cudnn_attention import CudnnAttention, resolve
-    dnn = CudnnAttention(B, T, C, H, room)     # graphs built once; None from resolve() where it does not serve
-    dnn.forward(y, lse, qkv, scratch); dnn.backward(dqkv, dy, y, lse, qkv, scratch)
+    if resolve("auto", "bf16", C // H, hopper=True) == "cudnn":
+        dnn = CudnnAttention(B, T, C, H, room)     # its graphs built here, once
+        dnn.forward(y, lse, qkv, scratch); dnn.backward(dqkv, dy, y, lse, qkv, scratch)
 
 Why: on the H200 at D = 64 cuDNN's Hopper kernels (wgmma, persistent, three warpgroups) run a layer's
 attention in 0.39 ms against attention.cu's 0.54 (480M B=8; 0.72 against 1.01 at 120M B=32), its
@@ -21,7 +22,7 @@ deterministic backward included; at D = 32 attention.cu's are faster (docs/bench
   of that layer and the layers above, when longer); the backward runs in batch chunks of as many
   sequences as its workspace fits there (``pick_chunk``), the whole batch where it can: the whole
   batch's call is faster than its chunks'.
-- Needs ``pip install nvidia-cudnn-frontend nvidia-cudnn-cu13`` (or -cu12) and bf16 storage; the graphs
+- Needs cuDNN and its frontend (the ``gpu`` extras, ``INSTALL``) and bf16 storage; the graphs
   are legal inside a CUDA graph capture (built before it; each call only launches).
 """
 
@@ -36,7 +37,7 @@ CHOICES = ("auto", "cudnn", "kernels")
 # auto: cuDNN where it measured faster (bf16 storage, head size 64, a compute capability 9.0 device), else
 # attention.cu's kernels.
 AUTO_HEAD_SIZES = (64,)
-INSTALL = "pip install nvidia-cudnn-frontend nvidia-cudnn-cu13 (nvidia-cudnn-cu12 with CUDA 12)"
+INSTALL = "pip install 'nvidia-cudnn-frontend>=1.18,<1.20' nvidia-cudnn-cu13 (nvidia-cudnn-cu12 with CUDA 12)"
 
 
 @functools.cache
