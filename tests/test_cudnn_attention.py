@@ -140,7 +140,7 @@ def test_resolve_picks_cudnn_only_where_it_measured_faster_and_refuses_what_cann
         ca.resolve("flash", "bf16", 64, True)
     monkeypatch.setattr(ca, "_cudnn", lambda: "ModuleNotFoundError: No module named 'cudnn'")
     assert ca.resolve("auto", "bf16", 64, True) == "kernels"
-    with pytest.raises(AndreaError, match="pip install nvidia-cudnn-frontend") as e:
+    with pytest.raises(AndreaError, match="pip install 'nvidia-cudnn-frontend>=1.18") as e:
         ca.resolve("cudnn", "bf16", 64, True)
     assert "\n" not in str(e.value)
     monkeypatch.setattr(ca, "_cudnn", lambda: pytest.fail("auto imported cudnn where it cannot be picked"))
