@@ -515,7 +515,8 @@ def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: 
     torch.cuda.reset_peak_memory_stats()
     windows = _windows(step, torch.cuda.synchronize, steps)
     res = {"ms": float(np.median(windows)), "windows_ms": windows,
-           "peak_bytes": int(torch.cuda.max_memory_reserved()), "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
+           "peak_bytes": int(torch.cuda.max_memory_reserved()),
+           "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
            "n_params": sum(p.numel() for p in model.parameters())}
     if profile:
         from torch.profiler import ProfilerActivity

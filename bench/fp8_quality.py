@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     for p, r in runs.items():
         print(f"{p}: final held-out loss {r['final_heldout_loss']:.4f} ({r['final_heldout_loss'] / ref:.4f}x "
-              f"{args.precisions[0]}), skipped steps {r['skipped_steps']}, {r['wall_s']:.0f}s, attention {r['attention']}")
+              f"{args.precisions[0]}), skipped steps {r['skipped_steps']}, {r['wall_s']:.0f}s, "
+              f"attention {r['attention']}")
     try:
         import matplotlib
 
