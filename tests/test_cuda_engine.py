@@ -221,6 +221,34 @@ def test_first_microbatch_writing_the_weight_gradients_keeps_the_bytes(prec, mon
     assert fp32._wgrad_span is None
 
 
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_the_head_weight_gradient_over_the_padded_vocabulary(prec, monkeypatch):
+    """engine.PAD_HEAD_WGRAD (the default): dwte's GEMM runs over the padded vocabulary (V = 97 -> 128 rows),
+    its last 31 rows landing on wpe's gradient with + 0, the pad columns of dlogits being zero. Against it
+    off, over two microbatches (the second adding onto the first's wpe rows): every gradient but wte's
+    byte-identical, wte's within the rounding of another GEMM kernel."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    def grads(pad):
+        monkeypatch.setattr(ce, "PAD_HEAD_WGRAD", pad)
+        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=False)
+        eng.init_weights(0)
+        eng.zero_grads()
+        for k in range(2):
+            eng.micro_step(*batch(40 + k))
+        eng.stream.synchronize()
+        full = eng.a["logits"].get()
+        assert full.shape[1] == 128 and not full[:, MC.vocab_size:].any()    # dlogits' pad columns: zero
+        return eng.grads_host() / eng.loss_scale
+
+    on, off = grads(True), grads(False)
+    n_wte = MC.vocab_size * MC.d_model
+    assert np.abs(on[n_wte:n_wte + 31 * MC.d_model]).max() > 0              # wpe's rows under the pad
+    assert on[n_wte:].tobytes() == off[n_wte:].tobytes()
+    np.testing.assert_allclose(on[:n_wte], off[:n_wte], rtol=0, atol=1e-6 + 1e-3 * np.abs(off[:n_wte]).max())
+
+
 def test_attention_backward_falls_back_where_the_logits_cannot_hold_ds(monkeypatch):
     # "wgds" keeps dS in the logits' bytes: at T = 1024 one head needs 1.1 MB of tiles, a 97-token
     # vocabulary's logits (B = 1) hold 256 KiB, so the engine runs "wg" there: the same bytes as "wg" forced
@@ -240,10 +268,14 @@ def test_attention_backward_falls_back_where_the_logits_cannot_hold_ds(monkeypat
     assert got[0] == got[1]
 
 
-def test_attention_ds_tiles_split_over_logits_and_h_pre_keep_the_bytes(monkeypatch):
+def test_attention_ds_tiles_over_logits_or_the_free_run_keep_the_bytes(monkeypatch):
     # "wgds" where the logits hold fewer heads' dS tiles than the batch has: the heads they cannot hold
-    # go into the layer's h_pre (dead by then), one launch pair instead of two; the same bytes as the
-    # launches over the logits alone
+    # go into the run of free bytes from the layer's h_pre on (FastOps._spare_run). With the arena's
+    # AFTER_H_PRE order that run contains the logits and holds every head (one launch pair); in the plan's
+    # order the tiles go to the logits and the h_pre run; with no run, launches over the logits alone.
+    # The same bytes every way.
+    import cupy as cp
+
     from andrea.cuda import engine as ce
     from andrea.cuda import kernels as K
     from andrea.cuda.backend import make_backend
@@ -252,16 +284,21 @@ def test_attention_ds_tiles_split_over_logits_and_h_pre_keep_the_bytes(monkeypat
     attn_kernels(monkeypatch, WG_DS)
     per, heads = K.attn_ds_bytes(mc.context), 2 * mc.n_head
     got = []
-    for split in (True, False):
-        if not split:
-            monkeypatch.setattr(ce.FastOps, "_spare_h_pre", lambda self, qkv: None)
-        eng = make_backend().make_engine(mc, 2, precision="bf16", cuda_graph=False)
-        lg, hp = eng.a["logits"].nbytes // per, eng.a["h_pre"][0].nbytes // per
-        assert 1 <= lg < heads <= lg + hp
+    for mode in ("run", "pair", "logits"):
+        if mode == "pair":
+            monkeypatch.setattr(ce, "AFTER_H_PRE", ())
+        if mode == "logits":
+            monkeypatch.setattr(ce.FastOps, "_spare_run", lambda self, l: self.a["h_pre"][l][:0].view(cp.uint8))
+        eng = make_backend().make_engine(mc, 2, precision="bf16", cuda_graph=False, attention="kernels")
+        lg, run = eng.a["logits"], eng.ops._runs[eng.a["qkv"][1].data.ptr]
+        assert 1 <= lg.nbytes // per < heads
+        inside = run.data.ptr <= lg.data.ptr < run.data.ptr + run.nbytes
+        assert (inside, run.nbytes // per >= heads) == {"run": (True, True), "pair": (False, False),
+                                                         "logits": (False, False)}[mode]
         eng.init_weights(0)
         assert eng.train_step([batch(6, mc, 2)], 3e-3, 1, HP).ok
         got.append(eng.state_host()[0].tobytes())
-    assert got[0] == got[1]
+    assert got[0] == got[1] == got[2]
 
 
 def test_fp16_resume_with_extra_state_is_bit_exact():
@@ -304,6 +341,42 @@ def test_grad_accumulation_and_fp16_loss_scaling_run():
     assert all(np.isfinite(x).all() for x in acc[1:])
     f16 = _run("fp16", 3)
     assert all(np.isfinite(x).all() for x in f16[1:])
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_reading_the_last_loss_after_the_update_keeps_the_bytes(graph, monkeypatch):
+    """engine.READ_LOSS_LAST (the default): train_step reads the last microbatch's loss back after the update
+    is queued. Against Engine.train_step's loop (off): the same StepResults, the same on_loss calls and the
+    same w, m, v bytes over steps of 1 and 3 microbatches, with the loss of one microbatch made NaN on the
+    device (finite gradients: only the loss says skip) as the last of its step, then as the first."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    real = ce.GpuEngine._queue_micro
+
+    def run(on, poison):
+        monkeypatch.setattr(ce, "READ_LOSS_LAST", on)
+        calls = [0]
+
+        def queue(self, x, y):
+            real(self, x, y)
+            calls[0] += 1
+            if calls[0] == poison:
+                self.a["loss_out"][:1].fill(np.nan)          # on the engine's stream (queue runs inside it)
+
+        monkeypatch.setattr(ce.GpuEngine, "_queue_micro", queue)
+        eng = make_backend().make_engine(MC, B, precision="bf16", cuda_graph=graph)
+        eng.init_weights(0)
+        seen, results = [], []
+        for t, accum in enumerate((1, 3, 3, 1), start=1):
+            r = eng.train_step([batch(500 + 5 * t + k) for k in range(accum)], 3e-3, t, HP, on_loss=seen.append)
+            results.append((r.loss, r.grad_norm, r.ok))
+        return repr(results), repr(seen), [x.tobytes() for x in eng.state_host()]
+
+    for poison in (4, 5):                      # the 4th microbatch ends step 2, the 5th starts step 3
+        on, off = run(True, poison), run(False, poison)
+        assert on == off
+        assert "nan" in on[0] and on[0].count("False") == 1
 
 
 def test_a_nan_step_never_reaches_the_weights():

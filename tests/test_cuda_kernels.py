@@ -468,6 +468,21 @@ def test_clipping_and_adamw_match_numpy(be):
     assert cp.asnumpy(w0).tobytes() == w.tobytes()
 
 
+def test_gate_finite_matches_its_twin(be):
+    # k_gate_finite: the step's ok (gstate[2]) cleared where the last loss is NaN or inf, as the host's
+    # check does (kernels.gate_finite); exact, every other entry untouched
+    from andrea.cuda.kernels import gate_finite, k_gate_finite
+
+    for loss in (1.5, 0.0, np.nan, np.inf, -np.inf):
+        for ok in (1.0, 0.0):
+            state = np.array([2.5, 0.75, ok, 3.0], dtype=np.float32)
+            gs, dl = cp.asarray(state), cp.asarray(np.array([loss, 7.0], dtype=np.float32))
+            k_gate_finite(dl, gs)
+            gate_finite(loss, state)
+            assert cp.asnumpy(gs).tobytes() == state.tobytes(), (loss, ok)
+            assert state[2] == (ok if np.isfinite(loss) else 0.0)
+
+
 @pytest.mark.parametrize("prec", ["fp32", "bf16", "fp16"])
 def test_adamw_four_a_thread_is_bitwise_the_one_a_thread_kernel(be, prec):
     """k_adamw runs k_adamw4_* (16-byte accesses, the update's roundings pinned) on aligned buffers:

@@ -296,3 +296,56 @@ def test_cudnn_attention_runs_repeat_resume_and_replay_the_same_bytes(prec, kw):
     eager = _run(prec, 6, graph=False, **kw)      # the CUDA graph replays exactly the eager launches
     for x, y in zip(a[1:4], eager[1:4]):
         assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp8", "fp32"])
+def test_arena_puts_what_no_block_backward_reads_behind_h_pre_at_no_cost(prec, monkeypatch):
+    # engine.AFTER_H_PRE: the logits, dh, cuBLASLt's workspace, branch and lnf follow h_pre in the arena,
+    # each where the one before it ends (256-byte aligned), so spare_run reaches through all of them;
+    # the arena is no larger than in the plan's order
+    import andrea.cuda.engine as ce
+    from andrea.engine.model import ModelConfig
+
+    mc = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=3, context=128)
+    lay = ce.arena_layout(mc, 2, prec)
+    size = {n: int(np.prod(s)) * np.dtype(dt).itemsize for n, s, dt in lay.spec}
+    span = lambda n: (lay.offsets[n], size[n]) if n in size else None  # noqa: E731
+    names = [n for n in ce.AFTER_H_PRE if n in size]
+    assert [n for n, _, _ in lay.spec][[n for n, _, _ in lay.spec].index("h_pre") + 1:][:len(names)] == names
+    assert names[:2] == ["logits", "dh"] and ("lt_ws" in names) == (prec != "fp32")
+    h0, hn = span("h_pre")
+    last = span(names[-1])
+    assert ce.spare_run(span, 1, 3) == (h0 + hn // 3, last[0] + last[1])
+    monkeypatch.setattr(ce, "AFTER_H_PRE", ())
+    plain = ce.arena_layout(mc, 2, prec)
+    assert plain.nbytes == lay.nbytes
+    p0 = plain.offsets["h_pre"]                   # h_act follows h_pre there: the run is the h_pre tail
+    assert ce.spare_run(lambda n: (plain.offsets[n], size[n]) if n in size else None, 1, 3) == (p0 + hn // 3, p0 + hn)
+
+
+def test_the_480m_top_layers_run_their_deterministic_backward_in_fewer_calls(monkeypatch):
+    # the calls cuDNN's backward takes in each layer at 480M B=8, over the larger of the logits and the
+    # layer's free run: in the plan's order the top four layers took 4, 4, 2, 2 calls on the H200
+    # (docs/bench/s23_h200.md); behind h_pre, every layer one. The workspace is modelled as a little more
+    # than B H T^2 2 bytes: those 4 calls say that layer 14's h_pre run, exactly 4 H T^2 2 bytes, held
+    # fewer than 4 sequences
+    import andrea.cuda.engine as ce
+    from andrea.memory import load_variants
+
+    mc = next(v.mc for v in load_variants() if v.profile == "andrea-480m")
+    B, H, T, L = 8, mc.n_head, mc.context, mc.n_layer
+
+    def calls():
+        lay = ce.arena_layout(mc, B, "bf16")
+        size = {n: int(np.prod(s)) * np.dtype(dt).itemsize for n, s, dt in lay.spec}
+        span = lambda n: (lay.offsets[n], size[n]) if n in size else None  # noqa: E731
+        out = []
+        for l in reversed(range(L)):
+            start, end = ce.spare_run(span, l, L)
+            c = ca.pick_chunk(B, lambda c: c * H * T * T * 2 + 4096, max(end - start, size["logits"]))
+            out.append(B // c)
+        return out
+
+    assert calls()[:5] == [1, 1, 1, 1, 1]
+    monkeypatch.setattr(ce, "AFTER_H_PRE", ())
+    assert calls()[:5] == [4, 4, 2, 2, 1]

@@ -45,7 +45,7 @@ import numpy as np
 from andrea import dist
 from andrea.cuda.kernels import (ADAMW_CHUNK, LN_ROWS_PER_CHUNK, LOWTYPE, NORM_BLOCKS, adam_hyper, adamw4_ok,
                                  attn_ds_bytes, attn_impl, cp, embed_segments, hopper, k_adamw, k_attn_bwd, k_attn_fwd,
-                                 k_cast, k_embed_bwd, k_embed_fwd,
+                                 k_cast, k_embed_bwd, k_embed_fwd, k_gate_finite,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd_e4m3, k_loss_bwd, k_loss_fwd,
                                  k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_bwd_vr, ln_e4m3_fits)
@@ -94,6 +94,41 @@ FUSE_GELU_FP8 = frozenset({"fwd"})
 # torch's zero_grad(set_to_none=True) leaves the first backward to write. The later microbatches add (beta
 # 1). The same bytes as False (a product plus +0 is the product); one CUDA graph for each beta. One GPU only.
 WGRAD_WRITES = True
+# The buffers no block's backward reads (the head's backward is done with the logits, lnf and the loss
+# gradient; dh is the MLP backward's scratch, lt_ws cuBLASLt's, branch the forward's), laid out in the arena
+# right after h_pre, in this order: with the h_pre of a layer and of the layers above they make one run of
+# free bytes in that layer's attention backward, which cuDNN's workspace takes (spare_run). At
+# 480M B=8 every layer then runs its backward in one call (the top four took 4, 4, 2, 2). Empty:
+# the plan's order, where only the logits and the h_pre run are offered.
+AFTER_H_PRE = ("logits", "dh", "lt_ws", "branch", "lnf")
+# bf16/fp16 (and fp8 with a bf16 head): the head's weight-gradient GEMM runs over the padded vocabulary,
+# dwte (Vp, C) += dlogits (N, Vp)^T lnf, its rows past V being the first Vp - V rows of wpe's gradient,
+# which follows wte's in the flat layout: the pad columns of dlogits are zero (the forward's x . 0, never
+# rewritten by the loss backward), so those rows get + 0. At V = 8449 cuBLASLt's choice for the odd M was
+# an sm80 CUTLASS kernel (H200 480M B=8: 0.54 ms for 213 GFLOP, docs/bench/s23_kernels_h200.json).
+PAD_HEAD_WGRAD = True
+# GpuEngine.train_step (one GPU, not fp8): the last microbatch's loss is read back with the optimizer's state
+# once the update is queued, not before it: the device no longer idles while the host reads the loss,
+# returns it and queues the update (H200, kernel_profile --gaps: 0.35 + 0.16 ms a step of idle device between
+# the graph and the grad-norm kernel, at 480M B=8 and 120M B=32 alike). False: Engine.train_step's loop.
+READ_LOSS_LAST = True
+
+
+def spare_run(span, l: int, n_layer: int) -> tuple[int, int]:
+    """[start, end) of the bytes free in layer l's attention backward that start at its h_pre: the h_pre
+    of that layer and of the layers above (their MLP backwards ran), then each AFTER_H_PRE buffer that the
+    arena placed right behind the run (256-byte aligned entries). ``span(name)``: (first byte, bytes) of
+    an arena entry, or None: the pointers of GpuEngine's arrays or the offsets of ``arena_layout``."""
+    h0, hn = span("h_pre")
+    start, end = h0 + l * (hn // n_layer), h0 + hn
+    for name in AFTER_H_PRE:
+        s = span(name)
+        if s is None:                                   # not in this precision's arena (fp32: no lt_ws)
+            continue
+        if s[0] != -(-end // 256) * 256:
+            break
+        end = s[0] + s[1]
+    return start, end
 
 
 def fused_gelu(precision: str) -> tuple[bool, bool]:
@@ -124,22 +159,24 @@ class FastOps:
         self.dnn = dnn              # a CudnnAttention: both attention passes through cuDNN (train.attention)
         self.deferred = None        # a list: embed_backward appends its launch there instead of running it
         self.wgrad_beta = 1.0       # the block weight-gradient GEMMs' beta: 1 adds (the op contract), 0 writes
-        # attn_backward's spare dS scratch: each layer's qkv -> the bytes of its h_pre (_spare_h_pre)
-        self._h_pre_of = {q.data.ptr: cp().ndarray((h.nbytes,), dtype=cp().uint8, memptr=h.data)
-                          for q, h in zip(a.get("qkv", ()), a.get("h_pre", ()))}
-        # cuDNN's backward workspace (dnn): a layer's qkv -> the larger of the logits' bytes and those of the
-        # h_pre of that layer and the layers above, dead in its attention backward (their MLP backwards ran)
-        lg, hp = a.get("logits"), a.get("h_pre")
+        # the attention backward's scratch besides the logits: a layer's qkv -> the run of bytes free in that
+        # layer's attention backward from its h_pre on (_spare_run)
+        self._runs = {q.data.ptr: self._spare_run(l) for l, q in enumerate(a.get("qkv", ())[:len(a.get("h_pre", ()))])}
+        # cuDNN's backward workspace (dnn): the larger of the logits' bytes and that run
         self._dnn_scratch = {} if dnn is None else {
-            q.data.ptr: max((lg, cp().ndarray((hp[l:].nbytes,), dtype=cp().uint8, memptr=hp[l].data)),
-                            key=lambda x: x.nbytes)
-            for l, q in enumerate(a["qkv"][:len(hp)])}
+            p: max((a["logits"], run), key=lambda x: x.nbytes) for p, run in self._runs.items()}
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
         self.fused, self.fused_bwd = fused_gelu("fp8" if f8 is not None else prec if lt is not None else "fp32")
         if f8 is not None:                                      # fp8.HPRE_E4M3: only without the DGELU epilogue
             f8.hpre_to_cast = not self.fused_bwd
+
+    def _spare_run(self, l: int):
+        """spare_run's bytes of layer l over this arena, as a uint8 array."""
+        a = self.a
+        start, end = spare_run(lambda n: (a[n].data.ptr, a[n].nbytes) if n in a else None, l, len(a["h_pre"]))
+        return cp().ndarray((end - start,), dtype=cp().uint8, memptr=a["h_pre"][l].data)
 
     def _mm(self, C, A, B, ta=False, tb=False, beta=0.0, tag="gemm", epilogue=EPILOGUE_DEFAULT, aux=None):
         """One GEMM (Blas.mm's contract); ``tag`` names it for bench/engine_gpu.py --breakdown (a
@@ -226,16 +263,11 @@ class FastOps:
             return
         k_attn_fwd(self.p, out, att, qkv, B, T, C, n_head)
 
-    def _spare_h_pre(self, qkv):
-        """The h_pre of qkv's layer, as bytes: dead from that layer's MLP backward (its last reader,
-        which runs before the layer's attention backward) until the next forward's fc GEMM. None for
-        a qkv that is not a layer's."""
-        return self._h_pre_of.get(qkv.data.ptr)
-
     def attn_backward(self, dqkv, dout, qkv, att, y, n_head, work):
         """The "wgds" backward keeps its dS tiles in the logits' bytes (the head's backward is done
         with them before the blocks' backward starts, and the next forward rewrites them) and, for
-        the heads they cannot hold, in the layer's h_pre (``_spare_h_pre``): at 480M B=8 the logits
+        the heads they cannot hold, in the run of free bytes from the layer's h_pre on (``_spare_run``;
+        where the arena put the logits inside that run, the run alone): at 480M B=8 the logits alone
         hold 125 of the 192 heads, and a second launch pair cost 0.04 ms a layer (H200). Logits too
         small for one head's tiles (a tiny vocabulary at a long context) run "wg" instead."""
         B, T, C = dout.shape
@@ -248,9 +280,10 @@ class FastOps:
         ds = None
         if impl == "wgds":
             ds = cp().ndarray((lg.nbytes,), dtype=cp().uint8, memptr=lg.data)
-            if lg.nbytes < attn_ds_bytes(T, B * n_head):
-                spare = self._spare_h_pre(qkv)
-                ds = ds if spare is None else (ds, spare)
+            run = self._runs.get(qkv.data.ptr)
+            if lg.nbytes < attn_ds_bytes(T, B * n_head) and run is not None:
+                inside = run.data.ptr <= lg.data.ptr < run.data.ptr + run.nbytes
+                ds = run if inside else (ds, run)
         if impl == "wgds" and self.f8 is not None and self.f8.grad_e4m3(fp8_mod.ATTN_E4M3):
             t = fp8_mod.ATTN_BWD_T                          # the kernels write dqkv^T too
 
@@ -347,9 +380,16 @@ class FastOps:
         k_loss_bwd(self.p, logits, logits, targets, probs, dloss, N, V)
         if pad is None:
             self._mm(dx, logits, wte, tag="head dgrad")         # dx = dlogits @ wte
+            self._mm(dwte, logits, x, ta=True, beta=1.0, tag="head wgrad")   # dwte += dlogits.T @ x
+            return
+        self._mm(dx, pad[0], pad[1], tag="head dgrad")          # the zero pad columns add nothing
+        g, vp = self.a["g"], pad[0].shape[1]
+        if PAD_HEAD_WGRAD and dwte.data.ptr == g.data.ptr and g.size >= vp * dwte.shape[1]:
+            # (Vp, C): wte's gradient, then + 0 onto the first Vp - V rows of wpe's (PAD_HEAD_WGRAD)
+            self._mm(g[:vp * dwte.shape[1]].reshape(vp, dwte.shape[1]), pad[0], x, ta=True, beta=1.0,
+                     tag="head wgrad")
         else:
-            self._mm(dx, pad[0], pad[1], tag="head dgrad")      # the zero pad columns add nothing
-        self._mm(dwte, logits, x, ta=True, beta=1.0, tag="head wgrad")   # dwte += dlogits.T @ x
+            self._mm(dwte, logits, x, ta=True, beta=1.0, tag="head wgrad")
 
 
 def gpu_policy(mc: ModelConfig, B: int, precision: str, recompute: str = "auto") -> PlanPolicy:
@@ -418,6 +458,11 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
     if precision == "fp8":
         plan8, n8 = fp8_plan(mc)
         spec += fp8_buffers(n8, B * mc.context, mc.d_model, n_slots(plan8), mc.n_layer, vp=vp)
+    if AFTER_H_PRE and any(e[0] == "h_pre" for e in spec):     # the free run behind h_pre (AFTER_H_PRE)
+        moved = sorted((e for e in spec if e[0] in AFTER_H_PRE), key=lambda e: AFTER_H_PRE.index(e[0]))
+        rest = [e for e in spec if e[0] not in AFTER_H_PRE]
+        at = next(i for i, e in enumerate(rest) if e[0] == "h_pre") + 1
+        spec = rest[:at] + moved + rest[at:]
     offs, off = {}, 0
     for name, shape, dt in spec:
         offs[name] = off
@@ -523,6 +568,9 @@ class GpuEngine:
             dst = self.a[name]
             mem = xp.cuda.alloc_pinned_memory(dst.nbytes)
             self.staged[name] = np.frombuffer(mem, dtype=dst.dtype, count=dst.size).reshape(dst.shape)
+        # pinned read-back of the last loss and the optimizer's gstate (_read_back)
+        self._back = {name: np.frombuffer(xp.cuda.alloc_pinned_memory(4 * k), dtype=np.float32, count=k)
+                      for name, k in (("loss_out", 1), ("gstate", 4))}
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -746,18 +794,74 @@ class GpuEngine:
         """Forward + backward of one microbatch, accumulating (+=) its mean-loss gradient into g
         (fp32; times the fp16 loss scale); the first one after zero_grads writes the block weights'
         rows instead (WGRAD_WRITES). Returns the microbatch's mean loss."""
-        self.ops.wgrad_beta, self._writes_wgrad = (0.0 if self._writes_wgrad else 1.0), False
         with self.stream:
-            self._load_ids(x, y)
-            calibrating = self.f8 is not None and self.f8.calibrating   # fp8 delayed, first step: current casts
-            if self.use_graph and self.graph is None and not calibrating:
-                self._capture(x)
-            self._pass(x, self.graph is not None and self.graph_scale == self.loss_scale and not calibrating)
+            self._queue_micro(x, y)
             if self.comm is not None and self.comm.size > 1:     # the microbatch's loss over every rank's rows
                 self.comm.all_gather(self.a["loss_out"][:1], self.a["loss_all"])
                 return dist.global_mean(self.a["loss_all"].get(stream=self.stream))
             out = self.a["loss_out"][:1].get(stream=self.stream)
         return float(out[0])
+
+    def _queue_micro(self, x, y) -> None:
+        """micro_step's launches, on the engine's stream; its loss lands in loss_out[0]."""
+        self.ops.wgrad_beta, self._writes_wgrad = (0.0 if self._writes_wgrad else 1.0), False
+        self._load_ids(x, y)
+        calibrating = self.f8 is not None and self.f8.calibrating   # fp8 delayed, first step: current casts
+        if self.use_graph and self.graph is None and not calibrating:
+            self._capture(x)
+        self._pass(x, self.graph is not None and self.graph_scale == self.loss_scale and not calibrating)
+
+    def train_step(self, batches, lr: float, t: int, hp: Hyper, n_micro: int | None = None,
+                   on_loss=None) -> StepResult:
+        """Engine.train_step (its contract and its bytes), waiting for the device once a step instead of
+        twice (READ_LOSS_LAST): the last microbatch's loss is read back with the update's state, after the
+        update is queued, and a non-finite one makes the update's kernels skip the step (k_gate_finite), as
+        apply_update skips it on the host. Its ``on_loss`` call comes then, before the step returns. fp8
+        and several ranks keep Engine.train_step's loop."""
+        if not READ_LOSS_LAST or self.f8 is not None or self.comm is not None:
+            return Engine.train_step(self, batches, lr, t, hp, n_micro, on_loss)
+        n = len(batches) if n_micro is None else int(n_micro)
+        self.zero_grads()
+        loss, queued = 0.0, False
+        for i, (x, y) in enumerate(batches):
+            if queued:                                   # more batches than n_micro: read the last one's loss
+                loss, queued = loss + self._observe(on_loss) / n, False
+            if i == n - 1 and math.isfinite(loss):
+                with self.stream:
+                    self._queue_micro(x, y)
+                queued = True
+            else:
+                li = self.micro_step(x, y)
+                if on_loss is not None:
+                    on_loss(li)
+                loss += li / n
+        if not queued:
+            return self.apply_update(n, loss, lr, t, hp)
+        stepped = self._queue_update(n, lr, t, hp, gate=True)
+        last, out = self._read_back("loss_out", "gstate")
+        loss += self._observe(on_loss, last) / n
+        if not math.isfinite(loss):                      # the kernels skipped the step (k_gate_finite)
+            self._scaler(False)
+            return StepResult(loss, float("nan"), False)
+        return self._result(loss, out, stepped)
+
+    def _observe(self, on_loss, last=None) -> float:
+        """The queued microbatch's loss (``last``: as read back already), given to ``on_loss``."""
+        li = float((self._read_back("loss_out")[0] if last is None else last)[0])
+        if on_loss is not None:
+            on_loss(li)
+        return li
+
+    def _read_back(self, *names) -> list:
+        """The first entries of these stat buffers (``_back``), copied to the host after what the stream
+        holds, with one wait for them all."""
+        rt = self.cp.cuda.runtime
+        for name in names:
+            host = self._back[name]
+            rt.memcpyAsync(host.ctypes.data, self.a[name].data.ptr, host.nbytes, rt.memcpyDeviceToHost,
+                           self.stream.ptr)
+        self.stream.synchronize()
+        return [self._back[name].copy() for name in names]
 
     def apply_update(self, n_micro: int, loss: float, lr: float, t: int, hp: Hyper) -> StepResult:
         """Global norm of the accumulated gradients / n_micro (/ loss scale), clip, AdamW, all on
@@ -768,6 +872,12 @@ class GpuEngine:
                 with self.stream:
                     self.f8.after_step(self.stream)
             return StepResult(loss, float("nan"), False)
+        stepped = self._queue_update(n_micro, lr, t, hp)
+        return self._result(loss, self._read_back("gstate")[0], stepped)
+
+    def _queue_update(self, n_micro: int, lr: float, t: int, hp: Hyper, gate: bool = False):
+        """apply_update's launches; returns ``stepped`` (``_w8_range``) for ``_result``. ``gate``: the step is
+        also skipped where the last microbatch's loss (loss_out[0]) is not finite."""
         a, n = self.a, self.n_params
         inv = 1.0 / (self.loss_scale * n_micro * (1 if self.comm is None else self.comm.size))
         with self.stream:
@@ -780,6 +890,8 @@ class GpuEngine:
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
             else:
                 k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
+                if gate:
+                    k_gate_finite(a["loss_out"], a["gstate"])
                 wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
                 if stepped is None:
                     part = self._amax_part()
@@ -792,7 +904,10 @@ class GpuEngine:
             self._weights_changed(part, stepped=stepped is not None)
             if self.f8 is not None:
                 self.f8.after_step(self.stream)
-            out = a["gstate"][:4].get(stream=self.stream)
+        return stepped
+
+    def _result(self, loss: float, out, stepped) -> StepResult:
+        """The StepResult of a queued update: ``out`` its gstate as read back, ``stepped`` _queue_update's."""
         ok = bool(out[2] != 0.0)
         if stepped is not None and ok:
             self.f8.count_weight_clips(int(out[3]))
@@ -829,9 +944,6 @@ class GpuEngine:
             self.good_steps += 1
             if self.good_steps % FP16_GROWTH_EVERY == 0:
                 self.loss_scale = min(FP16_SCALE_MAX, self.loss_scale * 2)
-
-    # The microbatch loop is the NumPy engine's, over this engine's zero_grads/micro_step/apply_update.
-    train_step = Engine.train_step
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """Summed loss and token count of b <= B rows (b < B is padded with row 0, not counted).

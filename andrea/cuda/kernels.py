@@ -587,6 +587,18 @@ def k_grad_norm_final(part, G, grad_clip, inv, gstate):
     kernel("optim.cu", "k_grad_norm_final")((1,), (512,), (part, i32(G), f32(grad_clip), f32(inv), gstate))
 
 
+def k_gate_finite(loss, gstate):
+    """gstate[2] (the step's ok) = 0 where loss[0] is NaN or inf: k_adamw then skips the step, as the engines'
+    apply_update does on the host for a non-finite loss (its NumPy twin: ``gate_finite``)."""
+    kernel("optim.cu", "k_gate_finite")((1,), (32,), (loss, gstate))
+
+
+def gate_finite(loss: float, gstate: np.ndarray) -> None:
+    """k_gate_finite's NumPy twin."""
+    if not np.isfinite(loss):
+        gstate[2] = 0.0
+
+
 ADAMW_CHUNK = 1024                # parameters a block of k_adamw4_* (4 a thread): its amax partials' stride
 
 

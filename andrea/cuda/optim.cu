@@ -9,6 +9,7 @@
 //                        scale = inv_loss_scale * min(1, clip / (norm + 1e-6)) (clip <= 0: no clipping),
 //                        finite = 1 if the norm is finite else 0.
 //   k_grad_scale:        g *= gstate[1].
+//   k_gate_finite:       gstate[2] = 0 where the step's loss is not finite.
 // k_adamw: one thread per parameter; skips everything when gstate[2] == 0 (a NaN/inf step never
 // reaches the weights, also inside a replayed CUDA graph). Weight decay on the prefix [0, n_decay)
 // of the flat layout (andrea/engine/model.py puts every decayed matrix first).
@@ -49,6 +50,12 @@ extern "C" __global__ void k_grad_norm_final(const float* __restrict__ partial, 
         gstate[1] = scale;
         gstate[2] = finite ? 1.0f : 0.0f;
     }
+}
+
+// k_gate_finite: gstate[2] = 0 where the step's last loss (loss[0]) is NaN or inf, so that k_adamw skips
+// the step as for a non-finite norm: the engine reads that loss back only after the update is queued.
+extern "C" __global__ void k_gate_finite(const float* __restrict__ loss, float* __restrict__ gstate) {
+    if (threadIdx.x == 0 && !isfinite(loss[0])) gstate[2] = 0.0f;
 }
 
 extern "C" __global__ void k_grad_scale(float* __restrict__ g, long long n, const float* __restrict__ gstate) {
