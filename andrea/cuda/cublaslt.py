@@ -46,9 +46,10 @@ fastest of the heuristic's candidates, where it beat the first by 2% or more), e
 cuBLASLt's heuristic candidates that runs. The table is data in git, so the same GPU model and
 library give the same choice, and the same bytes, on every run (``USE_CHOICES = False``: the
 heuristic's first everywhere). The committed table holds the H200's choices for the 120M B=32
-problems only: there the step measured 49.72 ms against 50.81 (bf16) and 44.58 against 44.77 (fp8);
-at 480M B=8 the candidates that ran faster alone gave the step nothing (53.62 vs 53.60 bf16), so
-those entries and the unmeasured shapes' were left out (docs/bench/lt_choices_s11_h200.json). The
+problems (the step measured 49.72 ms against 50.81 bf16, 44.58 against 44.77 fp8;
+docs/bench/lt_choices_s11_h200.json), the 480M B=8 ones (bf16 and fp8, added from a later
+``lt_algos.py`` pass) and the 12M B=8 and B=64 bf16 ones (session 24: the step 3.34 against 3.43 ms at
+B=8, 20.33 against 20.45 at B=64, the tables alternating in one process; docs/bench/s24_h200.md). The
 epilogue (a cublasLtEpilogue_t; default 1 = none), its aux buffer's leading dimension and
 alignment are part of the problem; the aux pointer is set on the problem's descriptor at each call
 (the engine's layers differ only in it). The calls are legal inside a CUDA graph capture (no allocation; the heuristic
