@@ -482,11 +482,14 @@ def _row_ld(op: str, x, N: int, V: int) -> int:
     return x.strides[0] // x.itemsize if N > 1 else V
 
 
+LOSS_ROWS = 8                     # k_loss_fwd: rows (one warp each) a block
+
+
 def k_loss_fwd(prec, lse, losses, logits, targets, N, V):
     """lse, losses (N,) of logits (N, V), contiguous or rows further apart (``_row_ld``)."""
     ld = _row_ld("loss_forward", logits, N, V)
-    kernel("loss.cu", f"k_loss_fwd_{SUFFIX[prec]}")((N,), (512,), (ptr(logits), targets, lse, losses, i32(N), i32(V),
-                                                                    i32(ld)))
+    kernel("loss.cu", f"k_loss_fwd_{SUFFIX[prec]}")((-(-N // LOSS_ROWS),), (32 * LOSS_ROWS,),
+                                                    (ptr(logits), targets, lse, losses, i32(N), i32(V), i32(ld)))
 
 
 def k_loss_bwd(prec, dlogits, logits, targets, lse, dscale, N, V):
