@@ -249,6 +249,39 @@ def test_the_head_weight_gradient_over_the_padded_vocabulary(prec, monkeypatch):
     np.testing.assert_allclose(on[:n_wte], off[:n_wte], rtol=0, atol=1e-6 + 1e-3 * np.abs(off[:n_wte]).max())
 
 
+@pytest.mark.parametrize("prec,rel", [("bf16", 6e-2), ("fp32", 2e-3)])
+def test_dh_in_the_logits_bytes_keeps_the_gradients_and_the_bytes(prec, rel, monkeypatch):
+    """engine.DH_IN_LOGITS at a vocabulary where dL/dh fits in the logits (V = 300, Vp = 320 >= 4C = 256; MC's
+    97 is too small): dh is a view of the logits' first bytes, every gradient matches NumPy's, and w, m, v
+    after 4 steps (CUDA graph) are byte-identical to dh in its own bytes."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    mc = ModelConfig(vocab_size=300, d_model=64, n_head=2, n_layer=2, context=128)
+
+    def run(on):
+        monkeypatch.setattr(ce, "DH_IN_LOGITS", on)
+        eng = make_backend().make_engine(mc, B, precision=prec)
+        assert (eng.a["dh"].data.ptr == eng.a["logits"].data.ptr) == on
+        eng.init_weights(0)
+        for t in range(1, 5):
+            eng.train_step([batch(700 + t, mc)], 3e-3, t, HP)
+        return eng, [x.tobytes() for x in eng.state_host()]
+
+    eng, on = run(True)
+    assert on == run(False)[1]
+    ref = Engine(mc, B, NumpyBackend())
+    ref.init_weights(0)
+    gpu = make_backend().make_engine(mc, B, precision=prec)
+    gpu.init_weights(0)
+    x, y = batch(9, mc)
+    ref.zero_grads()
+    ref.forward(x, y)
+    ref.backward(1.0 / ref.N)
+    gpu.compute_grads(x, y)
+    grads_close(gpu.grads_host(), ref.g, ref.layout, rel)
+
+
 def test_attention_backward_falls_back_where_the_logits_cannot_hold_ds(monkeypatch):
     # "wgds" keeps dS in the logits' bytes: at T = 1024 one head needs 1.1 MB of tiles, a 97-token
     # vocabulary's logits (B = 1) hold 256 KiB, so the engine runs "wg" there: the same bytes as "wg" forced

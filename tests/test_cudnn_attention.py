@@ -326,9 +326,10 @@ def test_arena_puts_what_no_block_backward_reads_behind_h_pre_at_no_cost(prec, m
 def test_the_480m_top_layers_run_their_deterministic_backward_in_fewer_calls(monkeypatch):
     # the calls cuDNN's backward takes in each layer at 480M B=8, over the larger of the logits and the
     # layer's free run: in the plan's order the top four layers took 4, 4, 2, 2 calls on the H200
-    # (docs/bench/s23_h200.md); behind h_pre, every layer one. The workspace is modelled as a little more
-    # than B H T^2 2 bytes: those 4 calls say that layer 14's h_pre run, exactly 4 H T^2 2 bytes, held
-    # fewer than 4 sequences
+    # (docs/bench/s23_h200.md); behind h_pre, every layer one, but the top layer's two once dh lies in the
+    # logits (DH_IN_LOGITS: the run loses dh's own bytes). The workspace is modelled as a little more than
+    # B H T^2 2 bytes: those 4 calls say that layer 14's h_pre run, exactly 4 H T^2 2 bytes, held fewer
+    # than 4 sequences
     import andrea.cuda.engine as ce
     from andrea.memory import load_variants
 
@@ -346,6 +347,31 @@ def test_the_480m_top_layers_run_their_deterministic_backward_in_fewer_calls(mon
             out.append(B // c)
         return out
 
+    assert calls()[:5] == [2, 1, 1, 1, 1]
+    monkeypatch.setattr(ce, "DH_IN_LOGITS", False)
     assert calls()[:5] == [1, 1, 1, 1, 1]
     monkeypatch.setattr(ce, "AFTER_H_PRE", ())
     assert calls()[:5] == [4, 4, 2, 2, 1]
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp32", "fp8"])
+def test_dh_lies_in_the_logits_bytes_where_it_fits(prec, monkeypatch):
+    # engine.DH_IN_LOGITS: the MLP backward's dL/dh (N, 4C) takes the first bytes of the logits (N, Vp) where
+    # it fits, in the logits' dtype, and the arena shrinks by its bytes; not in fp8 (its E4M3 head writes the
+    # logits' bytes in the backward), nor where 4C > Vp; the memory report follows the arena
+    import andrea.cuda.engine as ce
+    from andrea.engine.model import ModelConfig
+    from andrea.memory import plan_items
+
+    for V, fits in ((1000, prec != "fp8"), (97, False)):        # 4C = 256 against Vp = 1024 (fp32 1000), 128
+        mc = ModelConfig(vocab_size=V, d_model=64, n_head=2, n_layer=2, context=128)
+        monkeypatch.setattr(ce, "DH_IN_LOGITS", True)
+        lay = ce.arena_layout(mc, 2, prec)
+        monkeypatch.setattr(ce, "DH_IN_LOGITS", False)
+        off = ce.arena_layout(mc, 2, prec)
+        dh = next(e for e in off.spec if e[0] == "dh")
+        assert ("dh" not in [e[0] for e in lay.spec]) == fits
+        assert lay.aliases == ((*dh, "logits"),) if fits else lay.aliases == ()
+        assert off.nbytes - lay.nbytes == (-(-int(np.prod(dh[1])) * np.dtype(dh[2]).itemsize // 256) * 256 if fits else 0)
+        monkeypatch.setattr(ce, "DH_IN_LOGITS", True)
+        assert sum(plan_items(mc, 2, prec).values()) == lay.nbytes

@@ -107,6 +107,13 @@ AFTER_H_PRE = ("logits", "dh", "lt_ws", "branch", "lnf")
 # rewritten by the loss backward), so those rows get + 0. At V = 8449 cuBLASLt's choice for the odd M was
 # an sm80 CUTLASS kernel (H200 480M B=8: 0.54 ms for 213 GFLOP, docs/bench/s23_kernels_h200.json).
 PAD_HEAD_WGRAD = True
+# The MLP backward's scratch dL/dh (N, 4C) in the first bytes of the logits (N, Vp), where it fits (4C <= Vp:
+# every variant) and no one else writes the logits in the backward (not fp8, whose E4M3 head writes its
+# dlogits and their transpose there): the head's backward is done with them before the first block's MLP
+# backward, and the next forward rewrites them. -N 4C 16-bit values (12M B=8: -24 MiB, 120M B=32: -192 MiB,
+# 480M B=8: -96 MiB). The attention backward's run behind h_pre loses dh's separate bytes: at 480M B=8 the
+# top layer's cuDNN backward takes 2 calls again.
+DH_IN_LOGITS = True
 # GpuEngine.train_step (one GPU, not fp8): the last microbatch's loss is read back with the optimizer's state
 # once the update is queued, not before it: the device no longer idles while the host reads the loss,
 # returns it and queues the update (H200, kernel_profile --gaps: 0.35 + 0.16 ms a step of idle device between
@@ -123,8 +130,8 @@ def spare_run(span, l: int, n_layer: int) -> tuple[int, int]:
     start, end = h0 + l * (hn // n_layer), h0 + hn
     for name in AFTER_H_PRE:
         s = span(name)
-        if s is None:                                   # not in this precision's arena (fp32: no lt_ws)
-            continue
+        if s is None or s[0] + s[1] <= end:             # not in this arena (fp32: no lt_ws), or inside the
+            continue                                    # run already (dh in the logits: DH_IN_LOGITS)
         if s[0] != -(-end // 256) * 256:
             break
         end = s[0] + s[1]
@@ -424,6 +431,7 @@ class Arena:
     spec: list
     offsets: dict
     nbytes: int
+    aliases: tuple = ()      # (name, shape, dtype, host): a buffer laid over the start of another's bytes
 
 
 def fp8_plan(mc: ModelConfig) -> tuple[dict, int]:
@@ -463,11 +471,18 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         rest = [e for e in spec if e[0] not in AFTER_H_PRE]
         at = next(i for i, e in enumerate(rest) if e[0] == "h_pre") + 1
         spec = rest[:at] + moved + rest[at:]
+    aliases = []
+    if DH_IN_LOGITS and precision != "fp8":                   # dL/dh in the logits' bytes (DH_IN_LOGITS)
+        size = {name: math.prod(shape) * np.dtype(dt).itemsize for name, shape, dt in spec}
+        dh = next(e for e in spec if e[0] == "dh")
+        if size["dh"] <= size["logits"] and dh[2] == next(e for e in spec if e[0] == "logits")[2]:
+            spec = [e for e in spec if e[0] != "dh"]
+            aliases.append((*dh, "logits"))
     offs, off = {}, 0
     for name, shape, dt in spec:
         offs[name] = off
         off += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
-    return Arena(policy, plan, spec, offs, -(-off // 512) * 512)
+    return Arena(policy, plan, spec, offs, -(-off // 512) * 512, tuple(aliases))
 
 
 class GpuEngine:
@@ -527,6 +542,8 @@ class GpuEngine:
         for name, shape, dt in spec:
             nb = math.prod(shape) * np.dtype(dt).itemsize
             self.a[name] = self.arena[offs[name]:offs[name] + nb].view(dt).reshape(shape)
+        for name, shape, dt, host in arena.aliases:
+            self.a[name] = self.a[host].reshape(-1)[:math.prod(shape)].view(dt).reshape(shape)
         a = self.a
         self.w, self.g, self.m, self.v = a["w"], a["g"], a["m"], a["v"]
         if world > 1:                                  # the real n of the padded flat buffers
