@@ -31,7 +31,10 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
   Hopper where its frontend is installed (``cudnn_attention.py``, its workspace in the logits' or the
   spent h_pre's bytes), else attention.cu's kernels;
 - clipping, the NaN/inf skip and AdamW on the device; the fp16 dynamic loss scale on the host,
-  saved and restored with ``extra_state``.
+  saved and restored with ``extra_state``; the step's last loss read back with the optimizer's state
+  (``READ_LOSS_LAST``);
+- the arena's placement: the buffers no block backward reads right behind h_pre (``AFTER_H_PRE``, the
+  attention backward's scratch), and dL/dh over the logits' first bytes (``DH_IN_LOGITS``).
 """
 
 from __future__ import annotations
