@@ -1000,7 +1000,7 @@ class GpuEngine:
 
     def logits_host(self) -> np.ndarray:
         """The last forward's logits (N, V) as float32 on the host (after a forward: a backward turns
-        the buffer into dlogits, then into attention's dS tiles)."""
+        the buffer into dlogits, then into dL/dh (DH_IN_LOGITS) and attention's scratch)."""
         bits = self.cp.asnumpy(self.a["logits"][:, :self.mc.vocab_size])
         if self.prec == "fp32":
             return bits
