@@ -476,9 +476,8 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec = rest[:at] + moved + rest[at:]
     aliases = []
     if DH_IN_LOGITS and precision != "fp8":                   # dL/dh in the logits' bytes (DH_IN_LOGITS)
-        size = {name: math.prod(shape) * np.dtype(dt).itemsize for name, shape, dt in spec}
-        dh = next(e for e in spec if e[0] == "dh")
-        if size["dh"] <= size["logits"] and dh[2] == next(e for e in spec if e[0] == "logits")[2]:
+        dh, lg = (next(e for e in spec if e[0] == name) for name in ("dh", "logits"))
+        if dh[2] == lg[2] and math.prod(dh[1]) <= math.prod(lg[1]):
             spec = [e for e in spec if e[0] != "dh"]
             aliases.append((*dh, "logits"))
     offs, off = {}, 0
