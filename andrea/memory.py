@@ -44,10 +44,12 @@ ITEMS = (("master", "fp32 weights (master)"), ("copy", "weight copies (16-bit; +
 
 
 # ------------------------------------------------------------------------------ the planners
-def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy", recompute: str = "auto") -> dict[str, int]:
+def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy", recompute: str = "auto",
+               grad_accum: int | None = 1) -> dict[str, int]:
     """Planned bytes of one training engine by item (keys of ``ITEMS``); their sum is the
     engine's planned_bytes. ``engine``: cupy (GpuEngine, fp32 | bf16 | fp16 | fp8) or numpy (Engine,
-    fp32); ``recompute``: train.recompute."""
+    fp32); ``recompute``: train.recompute; ``grad_accum``: train.grad_accum (the GPU engine's bf16/fp16
+    lay activations in the gradients' bytes at 1, ACTS_IN_GRADS; None: any number)."""
     B = int(batch_size)
     out = {k: 0 for k, _ in ITEMS}
     if engine == "numpy":
@@ -66,7 +68,7 @@ def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy", recomp
         return out
     from andrea.cuda.engine import arena_layout
 
-    arena = arena_layout(mc, B, precision, recompute=recompute)
+    arena = arena_layout(mc, B, precision, recompute=recompute, grad_accum=grad_accum)
     kind = {b.name: b.kind for b in arena.plan}
     for name, shape, dt in arena.spec:                 # each entry with its 256-byte alignment
         key = {"w": "master", "wlow": "copy", "w8": "copy", "wte_pad": "copy", "g": "grads", "m": "adam", "v": "adam"}.get(name)
@@ -76,8 +78,9 @@ def plan_items(mc, batch_size: int, precision: str, engine: str = "cupy", recomp
     return out
 
 
-def planned_bytes(mc, batch_size: int, precision: str, engine: str = "cupy", recompute: str = "auto") -> int:
-    return sum(plan_items(mc, batch_size, precision, engine, recompute).values())
+def planned_bytes(mc, batch_size: int, precision: str, engine: str = "cupy", recompute: str = "auto",
+                  grad_accum: int | None = 1) -> int:
+    return sum(plan_items(mc, batch_size, precision, engine, recompute, grad_accum).values())
 
 
 def card_batch(mc, precision: str, card_gib: int, recompute: str = "auto") -> int:
@@ -242,7 +245,7 @@ def example_refusal(vs: list[Variant]) -> str:
     v = vs[-1]
     try:
         check_memory(lambda b: planned_bytes(v.mc, b, "bf16"), 64, (24 * GIB - CONTEXT_RESERVE, "GPU 0 (24.0 GiB in all)"),
-                     "cupy bf16 engine")
+                     "cupy bf16 engine", accum_of=lambda b: planned_bytes(v.mc, b, "bf16", grad_accum=None))
     except AndreaError as e:
         return f"```\nandrea train: error: {e}\n```"
     return f"(batch 64 of {v.profile} fits a 24 GiB card: no refusal to show)"

@@ -137,19 +137,22 @@ def largest_batch(planned_of: Callable[[int], int], free: int) -> int:
 
 
 def check_memory(planned_of: Callable[[int], int], batch_size: int, free: tuple[int, str] | None,
-                 engine: str, instead: tuple[str, Callable[[int], int]] | None = None) -> None:
+                 engine: str, instead: tuple[str, Callable[[int], int]] | None = None,
+                 accum_of: Callable[[int], int] | None = None) -> None:
     """AndreaError (exit 2, one line) when the plan of ``batch_size`` does not fit ``free``
     = (bytes, where), the answer of a backend's ``free_memory()`` (None: unknown, no check).
     ``planned_of(B)`` is the engine's planned bytes at batch B, computed without allocating;
     ``instead`` = (setting, its planned_of): a setting that plans less (train.recompute=gelu),
-    named in the refusal when the batch fits with it."""
+    named in the refusal when the batch fits with it. ``accum_of(B)``: the planned bytes at batch B with
+    more than one microbatch a step, where they differ (the GPU engine's ACTS_IN_GRADS): the batch the
+    refusal offers, with train.grad_accum raised, is the largest that fits by it."""
     if free is None:
         return
     nbytes, where = free
     B, need = int(batch_size), planned_of(int(batch_size))
     if fits(need, nbytes):
         return
-    fit = largest_batch(planned_of, nbytes)
+    fit = largest_batch(accum_of or planned_of, nbytes)
     head = (f"train.batch_size={B}: the {engine} plans {fmt_bytes(need)} ({fmt_bytes(need * HEADROOM)} with the "
             f"x{HEADROOM} headroom) but {where} has {fmt_bytes(nbytes)} free")
     if instead is not None:

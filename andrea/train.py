@@ -246,8 +246,8 @@ class Trainer:
         kw = {"comm": self.comm} if self.comm else {}
         if tc.precision == "fp8":                      # train.fp8_scaling (docs/FP8.md)
             kw.update(fp8_scaling=tc.fp8_scaling, fp8_amax_history=tc.fp8_amax_history)
-        if make is not None:                           # train.attention: the GPU engine's (cudnn_attention.py)
-            kw["attention"] = tc.attention
+        if make is not None:                           # train.attention, train.grad_accum: the GPU engine's
+            kw.update(attention=tc.attention, grad_accum=self.accum)   # (cudnn_attention.py; ACTS_IN_GRADS)
         self.engine = (make(self.mc, eb, tc.precision, recompute=tc.recompute, **kw) if make
                        else Engine(self.mc, self.B, be, recompute=tc.recompute))
         self.hp = Hyper.of(tc)

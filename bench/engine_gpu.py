@@ -151,7 +151,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     try:
         prec, kw = engine_args(precision)
         kw.update({} if attention is None else {"attention": attention})
-        eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, **kw)
+        eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, grad_accum=1, **kw)   # one batch a step
     finally:
         ce.RECOMPUTE, ce.RECOMPUTE_FUSED, ce.FUSE_GELU_FP8 = default
     print(eng.describe(), file=sys.stderr, flush=True)

@@ -87,7 +87,7 @@ def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: in
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
     prec, kw = eg.engine_args(spec)
     with eg.patched(ce, **({} if fp8_gelu is None else {"FUSE_GELU_FP8": fp8_gelu})):
-        eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, **kw)
+        eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=True, grad_accum=1, **kw)   # bench_ours' engine
     eng.init_weights(1337)
     x = np.random.default_rng(0).integers(0, s["V"], (B, s["T"])).astype(np.int32)
     y = np.roll(x, -1, axis=1)

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
         for p in args.precision:
             prec, kw = eg.engine_args(p)
-            eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=False, **kw)
+            eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=False, grad_accum=1, **kw)
             eng.init_weights(1337)
             rng = np.random.default_rng(0)
             x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)

@@ -412,6 +412,38 @@ def test_reading_the_last_loss_after_the_update_keeps_the_bytes(graph, monkeypat
         assert "nan" in on[0] and on[0].count("False") == 1
 
 
+@pytest.mark.parametrize("prec,graph", [("bf16", True), ("bf16", False), ("fp16", False)])
+def test_activations_in_the_gradients_bytes_keep_the_bytes(prec, graph):
+    """engine.ACTS_IN_GRADS (grad_accum=1): layers 1.. of the moved activations lie in the gradient rows of the
+    layer below. Against the engine planned for any number of microbatches: the same StepResults and w, m, v
+    bytes over four steps, then the same gradients of compute_grads, byte for byte; a step's second
+    microbatch is refused in one line."""
+    from andrea.cuda.backend import make_backend
+
+    mc = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=3, context=128)
+
+    def run(accum):
+        eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=graph, grad_accum=accum)
+        eng.init_weights(0)
+        res = [eng.train_step([batch(700 + t, mc)], 3e-3, t, HP) for t in range(1, 5)]
+        eng.compute_grads(*batch(800, mc))
+        return eng, repr([(r.loss, r.grad_norm, r.ok) for r in res]), [x.tobytes() for x in eng.state_host()], \
+            eng.grads_host().tobytes()
+
+    one, any_ = run(1), run(None)
+    eng = one[0]
+    assert eng.acts_in_grads and not any_[0].acts_in_grads
+    assert one[1:] == any_[1:]
+    g0, g1 = eng.g.data.ptr, eng.g.data.ptr + eng.g.nbytes
+    for name in eng.acts_in_grads:
+        assert len(eng.a[name]) == mc.n_layer and not g0 <= eng.a[name][0].data.ptr < g1
+        assert all(g0 <= v.data.ptr and v.data.ptr + v.nbytes <= g1 for v in eng.a[name][1:])
+    eng.zero_grads()
+    eng.micro_step(*batch(900, mc))
+    with pytest.raises(AndreaError, match=r"a second microbatch in one step.*train\.grad_accum\)$"):
+        eng.micro_step(*batch(901, mc))
+
+
 def test_a_nan_step_never_reaches_the_weights():
     from andrea.cuda.backend import make_backend
 

@@ -371,7 +371,7 @@ def test_dh_lies_in_the_logits_bytes_where_it_fits(prec, monkeypatch):
         off = ce.arena_layout(mc, 2, prec)
         dh = next(e for e in off.spec if e[0] == "dh")
         assert ("dh" not in [e[0] for e in lay.spec]) == fits
-        assert lay.aliases == ((*dh, "logits"),) if fits else lay.aliases == ()
+        assert lay.aliases == ((*dh, "logits", 0),) if fits else lay.aliases == ()
         assert off.nbytes - lay.nbytes == (-(-int(np.prod(dh[1])) * np.dtype(dh[2]).itemsize // 256) * 256 if fits else 0)
         monkeypatch.setattr(ce, "DH_IN_LOGITS", True)
-        assert sum(plan_items(mc, 2, prec).values()) == lay.nbytes
+        assert sum(plan_items(mc, 2, prec, grad_accum=None).values()) == lay.nbytes

@@ -87,8 +87,9 @@ class ShardedBackend(NumpyBackend):
         super().__init__()
         self.comms = comms
 
-    def make_engine(self, mc, batch_size, precision, comm=None, recompute="auto", attention="auto"):
+    def make_engine(self, mc, batch_size, precision, comm=None, recompute="auto", attention="auto", grad_accum=None):
         assert attention == "auto"                  # train.attention reaches the engine (a NumPy one ignores it)
+        assert grad_accum == 2                      # so does train.grad_accum (_cfg; the GPU engine's ACTS_IN_GRADS)
         return ShardedNumpyEngine(mc, batch_size, self, comm, recompute)
 
 

@@ -95,9 +95,10 @@ def test_the_numpy_items_sum_to_the_engines_planned_bytes(B):
 
 @pytest.mark.parametrize("prec", ["fp32", "bf16", "fp16"])
 def test_the_gpu_items_sum_to_the_arena(prec):
-    items = plan_items(MC, 3, prec)
-    arena = arena_layout(MC, 3, prec)
+    items = plan_items(MC, 3, prec)                           # train.grad_accum 1, the profiles' own
+    arena = arena_layout(MC, 3, prec, grad_accum=1)
     assert sum(items.values()) == arena.nbytes
+    assert sum(plan_items(MC, 3, prec, grad_accum=None).values()) == arena_layout(MC, 3, prec).nbytes
     n = param_layout(MC).n_params
     pad = lambda b: -(-b // 256) * 256  # noqa: E731
     name, shape, dt = arena.spec[-1]                          # the entries tile the arena up to its rounding
@@ -107,6 +108,61 @@ def test_the_gpu_items_sum_to_the_arena(prec):
     vp = -(-MC.vocab_size // 64) * 64                         # + the head's zero-padded wte (Vp, C), 16-bit
     assert items["copy"] == (0 if prec == "fp32" else pad(2 * n) + pad(2 * vp * MC.d_model))
     assert all(items[k] > 0 for k in ("saved", "dgrad", "work"))
+
+
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_one_microbatch_a_step_lays_the_upper_layers_activations_in_the_gradients(B):
+    # engine.ACTS_IN_GRADS: with grad_accum 1 (bf16/fp16, one GPU) layer l's moved buffers lie inside the
+    # gradient rows of layer l-1's matmul weights, 256-byte aligned, one after the other, the same names in
+    # every layer 1..L-1, each with its layer's shape; their entries keep layer 0, and the arena shrinks by
+    # what left them; nothing moves with more microbatches, in fp32 or fp8, on two ranks
+    import andrea.cuda.engine as ce
+    from andrea.engine import recipe
+    from andrea.engine.model import contiguous_span
+
+    mc = ModelConfig(vocab_size=97, d_model=64, n_head=2, n_layer=3, context=32)
+    layout, L = param_layout(mc), mc.n_layer
+    nbytes = lambda shape, dt: math.prod(shape) * np.dtype(dt).itemsize  # noqa: E731
+    pad = lambda b: -(-b // 256) * 256  # noqa: E731
+    for prec in ("bf16", "fp16"):
+        whole, one = arena_layout(mc, B, prec), arena_layout(mc, B, prec, grad_accum=1)
+        full, kept = {n: (s, dt) for n, s, dt in whole.spec}, {n: s for n, s, _ in one.spec}
+        assert one.layers and set(one.layers) <= set(ce.ACTS_IN_GRADS) and whole.layers == ()
+        placed = {}
+        for name, shape, dt, host, at in one.aliases:
+            if host != "g":
+                continue
+            base, l = name.rsplit(".", 1)
+            lo, hi = contiguous_span(layout, [f"h.{int(l) - 1}.{k}" for k in recipe.MATMUL_WEIGHTS])
+            assert at % 256 == 0 and 4 * lo <= at and at + nbytes(shape, dt) <= 4 * hi
+            assert (shape, dt) == (full[base][0][1:], full[base][1]) and kept[base] == (1, *shape)
+            placed.setdefault(int(l), []).append((at, at + nbytes(shape, dt), base))
+        assert sorted(placed) == list(range(1, L))
+        for spans in placed.values():
+            assert [s[2] for s in spans] == list(one.layers)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        freed = sum(pad(nbytes(*full[n])) - pad(nbytes((1, *full[n][0][1:]), full[n][1])) for n in one.layers)
+        assert 0 <= freed - (whole.nbytes - one.nbytes) < 512
+        assert sum(plan_items(mc, B, prec).values()) == one.nbytes
+    for kw in ({"grad_accum": 2}, {"grad_accum": None}, {"world": 2, "grad_accum": 1}):
+        assert arena_layout(mc, B, "bf16", **kw).layers == ()
+    for prec in ("fp32", "fp8"):
+        assert arena_layout(mc, B, prec, grad_accum=1) == arena_layout(mc, B, prec)
+    gelu = arena_layout(mc, B, "bf16", recompute="gelu", grad_accum=1)   # one h_act for every layer: stays
+    assert "h_act" not in gelu.layers and dict((n, s) for n, s, _ in gelu.spec)["h_act"][0] == 1
+
+
+def test_the_refusal_counts_its_batch_with_more_microbatches_where_that_plans_more(variants):
+    # check_memory's accum_of: the batch it offers (raising train.grad_accum) fits with more than one
+    # microbatch a step, whose plan keeps every layer's activations in their own bytes (ACTS_IN_GRADS)
+    v = next(v for v in variants if v.profile == "andrea-480m")
+    one = lambda b: planned_bytes(v.mc, b, "bf16")  # noqa: E731
+    more = lambda b: planned_bytes(v.mc, b, "bf16", grad_accum=None)  # noqa: E731
+    free = 24 * GIB - CONTEXT_RESERVE
+    assert largest_batch(one, free) > largest_batch(more, free)       # 13 against 12 on 24 GiB
+    with pytest.raises(AndreaError) as e:
+        check_memory(one, 64, (free, "GPU 0"), "cupy bf16 engine", accum_of=more)
+    assert f"the largest batch that fits is {largest_batch(more, free)}:" in str(e.value)
 
 
 def test_the_planners_grow_with_the_batch():

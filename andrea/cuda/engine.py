@@ -34,7 +34,9 @@ What this engine chooses (``FastOps`` and ``GpuEngine.policy``), the model being
   saved and restored with ``extra_state``; the step's last loss read back with the optimizer's state
   (``READ_LOSS_LAST``);
 - the arena's placement: the buffers no block backward reads right behind h_pre (``AFTER_H_PRE``, the
-  attention backward's scratch), and dL/dh over the logits' first bytes (``DH_IN_LOGITS``).
+  attention backward's scratch), dL/dh over the logits' first bytes (``DH_IN_LOGITS``), and with one
+  microbatch a step (``grad_accum=1``) layers 1.. of some saved activations in the gradient rows of the
+  layer below, which that layer's backward writes only after them (``ACTS_IN_GRADS``).
 """
 
 from __future__ import annotations
@@ -122,6 +124,15 @@ DH_IN_LOGITS = True
 # returns it and queues the update (H200, kernel_profile --gaps: 0.35 + 0.16 ms a step of idle device between
 # the graph and the grad-norm kernel, at 480M B=8 and 120M B=32 alike). False: Engine.train_step's loop.
 READ_LOSS_LAST = True
+# A step of one microbatch (GpuEngine's grad_accum=1: train.grad_accum 1) in bf16/fp16 on one GPU: layer l's
+# saved activations of these names (first fit, in this order) lie in the fp32 gradient rows of layer l-1's
+# matmul weights. Only layer l-1's backward writes those rows (beta 0, WGRAD_WRITES), after layer l's backward
+# has read them; zero_grads leaves them alone and no forward writes a gradient. Layer 0 keeps its own bytes,
+# and so does every layer of a step of more microbatches (the next one's forward would overwrite the
+# gradients summed so far): such an engine refuses a second microbatch. The arena keeps the fp32 gradients
+# for the whole step where torch allocates them in its backward: this gives those bytes back. Planned,
+# 480M: B=8 h_act of 15 layers (-1.5 GB), B=16 atty and ln2 (-1.5 GB). Empty: every layer in its own bytes.
+ACTS_IN_GRADS = ("h_act", "qkv", "atty", "ln2", "ln1", "att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd")
 
 
 def spare_run(span, l: int, n_layer: int) -> tuple[int, int]:
@@ -434,7 +445,8 @@ class Arena:
     spec: list
     offsets: dict
     nbytes: int
-    aliases: tuple = ()      # (name, shape, dtype, host): a buffer laid over the start of another's bytes
+    aliases: tuple = ()      # (name, shape, dtype, host, byte offset): a buffer laid over another's bytes
+    layers: tuple = ()       # per-layer buffers whose spec entry holds layer 0; layer l is the alias "name.l"
 
 
 def fp8_plan(mc: ModelConfig) -> tuple[dict, int]:
@@ -442,12 +454,39 @@ def fp8_plan(mc: ModelConfig) -> tuple[dict, int]:
     return weight_plan(param_layout(mc), recipe.MATMUL_WEIGHTS)
 
 
-def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 1, recompute: str = "auto") -> Arena:
+def grads_room(mc: ModelConfig, spec: list, precision: str, world: int, grad_accum: int | None) -> tuple[list, list]:
+    """ACTS_IN_GRADS: (the aliases (``name.l``, shape, dtype, "g", byte offset) of layers 1..L-1, the names
+    moved): a name is moved where its layer fits every layer's room after the names before it, each
+    start 256-byte aligned; none where a step may hold more than one microbatch (``grad_accum``)."""
+    L = mc.n_layer
+    if grad_accum != 1 or world != 1 or precision not in LT_PRECISIONS or not WGRAD_WRITES or L < 2:
+        return [], []
+    layout, entries = param_layout(mc), {e[0]: e for e in spec}
+    spans = [contiguous_span(layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS]) for l in range(L - 1)]
+    at, ends = [4 * lo for lo, _ in spans], [4 * hi for _, hi in spans]     # bytes into g of layer l-1's rows
+    aliases, moved = [], []
+    for name in ACTS_IN_GRADS:
+        e = entries.get(name)
+        if e is None or e[1][0] != L:                 # not planned, or one buffer for every layer (recompute)
+            continue
+        nb = math.prod(e[1][1:]) * np.dtype(e[2]).itemsize
+        starts = [-(-s // 256) * 256 for s in at]
+        if any(s + nb > end for s, end in zip(starts, ends)):
+            continue
+        at = [s + nb for s in starts]
+        moved.append(name)
+        aliases += [(f"{name}.{l + 1}", e[1][1:], e[2], "g", s) for l, s in enumerate(starts)]
+    return aliases, moved
+
+
+def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 1, recompute: str = "auto",
+                 grad_accum: int | None = None) -> Arena:
     """The arena GpuEngine(mc, batch_size, precision) allocates, computed without CuPy or a GPU
     (andrea/memory.py itemises it; the memory preflight searches batch sizes with it). With
     ``world`` > 1 ranks (ZeRO-1, andrea/dist.py) w and g are padded to world shards, m and v are
     one shard, and the gathered norm partials and losses get their buffers. fp8 is bf16's arena
-    plus the entries of ``andrea.cuda.fp8.fp8_buffers``."""
+    plus the entries of ``andrea.cuda.fp8.fp8_buffers``. ``grad_accum`` 1 (one microbatch a step):
+    layers 1.. of the ACTS_IN_GRADS buffers lie in g (``grads_room``); None: any number."""
     B, n = int(batch_size), param_layout(mc).n_params
     shard = dist.shard_size(n, world)
     policy = gpu_policy(mc, B, precision, recompute)
@@ -474,17 +513,18 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         rest = [e for e in spec if e[0] not in AFTER_H_PRE]
         at = next(i for i, e in enumerate(rest) if e[0] == "h_pre") + 1
         spec = rest[:at] + moved + rest[at:]
-    aliases = []
+    aliases, moved = grads_room(mc, spec, precision, world, grad_accum)      # layers 1.. in g (ACTS_IN_GRADS)
+    spec = [(n, (1, *shape[1:]), dt) if n in moved else (n, shape, dt) for n, shape, dt in spec]
     if DH_IN_LOGITS and precision != "fp8":                   # dL/dh in the logits' bytes (DH_IN_LOGITS)
         dh, lg = (next(e for e in spec if e[0] == name) for name in ("dh", "logits"))
         if dh[2] == lg[2] and math.prod(dh[1]) <= math.prod(lg[1]):
             spec = [e for e in spec if e[0] != "dh"]
-            aliases.append((*dh, "logits"))
+            aliases.append((*dh, "logits", 0))
     offs, off = {}, 0
     for name, shape, dt in spec:
         offs[name] = off
         off += -(-math.prod(shape) * np.dtype(dt).itemsize // 256) * 256
-    return Arena(policy, plan, spec, offs, -(-off // 512) * 512, tuple(aliases))
+    return Arena(policy, plan, spec, offs, -(-off // 512) * 512, tuple(aliases), tuple(moved))
 
 
 class GpuEngine:
@@ -493,11 +533,13 @@ class GpuEngine:
 
     def __init__(self, backend, mc: ModelConfig, batch_size: int, precision: str = "bf16", cuda_graph: bool = True,
                  comm=None, fp8_scaling: str = "current", fp8_amax_history: int = 16, recompute: str = "auto",
-                 attention: str = "auto"):
+                 attention: str = "auto", grad_accum: int | None = None):
         """``backend``: the CupyBackend whose cuBLAS handle and host copies this engine uses.
         ``fp8_scaling`` / ``fp8_amax_history``: train.fp8_scaling and train.fp8_amax_history (fp8 only).
         ``recompute``: train.recompute (``recompute_for``). ``attention``: train.attention (auto | cudnn |
         kernels: andrea/cuda/cudnn_attention.py's ``resolve``; ``self.attention`` says which runs).
+        ``grad_accum``: the microbatches of every step (train.grad_accum), None for any number; with 1 the
+        arena lays activations in the gradients' bytes (ACTS_IN_GRADS) and a second microbatch is refused.
         A plan larger than the device's free memory (``backend.free_memory()``, with the
         preflight's headroom) is refused before CuPy allocates anything (andrea/preflight.py)."""
         if precision not in PRECISIONS:
@@ -514,12 +556,14 @@ class GpuEngine:
         if precision == "fp8" and fp8_scaling == "delayed" and world > 1:
             raise AndreaError(f"train.fp8_scaling=delayed runs on one GPU (its amax history is per rank; "
                               f"train.gpus={world}): use train.fp8_scaling=current with more than one GPU")
-        arena = arena_layout(mc, batch_size, precision, world, recompute)
+        arena = arena_layout(mc, batch_size, precision, world, recompute, grad_accum)
         lighter = None                                 # the refusal names train.recompute=gelu where it plans less
         if recompute == "auto" and recompute_for(precision, "gelu") != recompute_for(precision):
-            lighter = ("train.recompute=gelu", lambda b: arena_layout(mc, b, precision, world, "gelu").nbytes)
-        check_memory(lambda b: arena_layout(mc, b, precision, world, recompute).nbytes, int(batch_size),
-                     backend.free_memory(), f"cupy {precision} engine", lighter)
+            lighter = ("train.recompute=gelu",
+                       lambda b: arena_layout(mc, b, precision, world, "gelu", grad_accum).nbytes)
+        check_memory(lambda b: arena_layout(mc, b, precision, world, recompute, grad_accum).nbytes, int(batch_size),
+                     backend.free_memory(), f"cupy {precision} engine", lighter,
+                     lambda b: arena_layout(mc, b, precision, world, recompute).nbytes)
         xp = cp()
         if precision == "fp8":
             require_fp8(xp.cuda.Device().compute_capability)
@@ -544,8 +588,12 @@ class GpuEngine:
         for name, shape, dt in spec:
             nb = math.prod(shape) * np.dtype(dt).itemsize
             self.a[name] = self.arena[offs[name]:offs[name] + nb].view(dt).reshape(shape)
-        for name, shape, dt, host in arena.aliases:
-            self.a[name] = self.a[host].reshape(-1)[:math.prod(shape)].view(dt).reshape(shape)
+        for name, shape, dt, host, at in arena.aliases:
+            start = offs[host] + at
+            self.a[name] = self.arena[start:start + math.prod(shape) * np.dtype(dt).itemsize].view(dt).reshape(shape)
+        for name in arena.layers:                      # layer 0 in its entry, the others in g (ACTS_IN_GRADS)
+            self.a[name] = [self.a[name][0], *(self.a.pop(f"{name}.{l}") for l in range(1, mc.n_layer))]
+        self.acts_in_grads = arena.layers
         a = self.a
         self.w, self.g, self.m, self.v = a["w"], a["g"], a["m"], a["v"]
         if world > 1:                                  # the real n of the padded flat buffers
@@ -771,7 +819,7 @@ class GpuEngine:
             beta = self.ops.wgrad_beta
             try:
                 graphs = {}
-                for b in ((0.0, 1.0) if self._wgrad_span else (1.0,)):
+                for b in ((0.0,) if self.acts_in_grads else (0.0, 1.0) if self._wgrad_span else (1.0,)):
                     self.ops.wgrad_beta, self.ops.deferred = b, []
                     self.stream.begin_capture()
                     self._forward(True)
@@ -823,6 +871,10 @@ class GpuEngine:
 
     def _queue_micro(self, x, y) -> None:
         """micro_step's launches, on the engine's stream; its loss lands in loss_out[0]."""
+        if self.acts_in_grads and not self._writes_wgrad:
+            raise AndreaError(f"cupy engine: a second microbatch in one step, but this engine was built for one "
+                              f"(grad_accum=1: layers 1.. keep {', '.join(self.acts_in_grads)} in the gradients' "
+                              f"bytes); build it with the step's number of microbatches (train.grad_accum)")
         self.ops.wgrad_beta, self._writes_wgrad = (0.0 if self._writes_wgrad else 1.0), False
         self._load_ids(x, y)
         calibrating = self.f8 is not None and self.f8.calibrating   # fp8 delayed, first step: current casts

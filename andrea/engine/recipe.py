@@ -118,9 +118,10 @@ def backward(ops, z, n_head: int, dloss: float, recompute=frozenset()) -> None:
 
 # ------------------------------------------------------------------------------ views
 def _layer(a: dict, name: str, l: int):
-    """Layer l's buffer of a per-layer saved tensor (a recomputed one has a single layer)."""
+    """Layer l's buffer of a per-layer saved tensor (a recomputed one has a single layer): an array
+    (L, ...) or a list of L layers (the GPU engine's ACTS_IN_GRADS)."""
     buf = a[name]
-    return buf[l if buf.shape[0] > 1 else 0]
+    return buf[l if len(buf) > 1 else 0]
 
 
 def views(a: dict, W: dict, WC: dict, G: dict, mc: ModelConfig, rows: tuple[int, int], work=None,
