@@ -412,6 +412,45 @@ def test_reading_the_last_loss_after_the_update_keeps_the_bytes(graph, monkeypat
         assert "nan" in on[0] and on[0].count("False") == 1
 
 
+@pytest.mark.parametrize("graph", [True, False])
+def test_clearing_the_gradients_after_the_update_keeps_the_bytes(graph, monkeypatch):
+    """engine.CLEAR_AFTER_UPDATE (the default): the update clears g outside the block weights' rows, so the
+    next zero_grads queues nothing. Against off: the same StepResults and w, m, v bytes over steps of 1 and 3
+    microbatches, one skipped (a NaN loss last in it), with a microbatch queued between an update and the
+    next step's zero_grads (which then clears again); on, that part of g is zero after every update."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    real = ce.GpuEngine._queue_micro
+
+    def run(on):
+        monkeypatch.setattr(ce, "CLEAR_AFTER_UPDATE", on)
+        calls = [0]
+
+        def queue(self, x, y):
+            real(self, x, y)
+            calls[0] += 1
+            if calls[0] == 4:                             # the last microbatch of step 2
+                self.a["loss_out"][:1].fill(np.nan)
+
+        monkeypatch.setattr(ce.GpuEngine, "_queue_micro", queue)
+        eng = make_backend().make_engine(MC, B, precision="bf16", cuda_graph=graph)
+        eng.init_weights(0)
+        results, cleared = [], []
+        for t, accum in enumerate((1, 3, 1, 3), start=1):
+            if t == 3:
+                eng.micro_step(*batch(77))                 # outside a step: adds into every part of g
+            r = eng.train_step([batch(600 + 5 * t + k) for k in range(accum)], 3e-3, t, HP)
+            results.append((r.loss, r.grad_norm, r.ok))
+            lo, hi = eng._wgrad_span
+            cleared.append(not np.any(np.concatenate([eng.g[:lo].get(), eng.g[hi:].get()])))
+        return repr(results), [x.tobytes() for x in eng.state_host()], cleared
+
+    on, off = run(True), run(False)
+    assert on[:2] == off[:2] and "nan" in on[0] and on[0].count("False") == 1
+    assert on[2] == [True] * 4 and off[2] == [False] * 4
+
+
 @pytest.mark.parametrize("prec,graph", [("bf16", True), ("bf16", False), ("fp16", False)])
 def test_activations_in_the_gradients_bytes_keep_the_bytes(prec, graph):
     """engine.ACTS_IN_GRADS (grad_accum=1): layers 1.. of the moved activations lie in the gradient rows of the

@@ -49,7 +49,10 @@ heuristic's first everywhere). The committed table holds the H200's choices for 
 problems (the step measured 49.72 ms against 50.81 bf16, 44.58 against 44.77 fp8;
 docs/bench/lt_choices_s11_h200.json), the 480M B=8 ones (bf16 and fp8, added from a later
 ``lt_algos.py`` pass) and the 12M B=8 and B=64 bf16 ones (session 24: the step 3.34 against 3.43 ms at
-B=8, 20.33 against 20.45 at B=64, the tables alternating in one process; docs/bench/s24_h200.md). The
+B=8, 20.33 against 20.45 at B=64, the tables alternating in one process; docs/bench/s24_h200.md), and
+from session 25 the 480M B=16 ones (the step 92.14 against 93.04 ms, alternating) and the 480M B=8
+weight-gradient GEMMs as they run since WGRAD_WRITES (beta 0: their beta-1 entries no longer matched;
+docs/bench/s25_h200.md). The
 epilogue (a cublasLtEpilogue_t; default 1 = none), its aux buffer's leading dimension and
 alignment are part of the problem; the aux pointer is set on the problem's descriptor at each call
 (the engine's layers differ only in it). The calls are legal inside a CUDA graph capture (no allocation; the heuristic

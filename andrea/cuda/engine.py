@@ -132,6 +132,11 @@ READ_LOSS_LAST = True
 # gradients summed so far): such an engine refuses a second microbatch. The arena keeps the fp32 gradients
 # for the whole step where torch allocates them in its backward: this gives those bytes back. Planned,
 # 480M: B=8 h_act of 15 layers (-1.5 GB), B=16 atty and ln2 (-1.5 GB). Empty: every layer in its own bytes.
+# One GPU with WGRAD_WRITES: a step's update also clears g outside the block weights' rows once AdamW has read
+# it, so the next step's zero_grads has nothing to queue and the device does not idle between steps while the
+# host launches those fills (H200 480M B=8, kernel_profile --gaps: 0.10 ms idle between them and the batch's
+# upload, plus the fills). The same bytes: that part of g is zero when the next forward starts either way.
+CLEAR_AFTER_UPDATE = True
 ACTS_IN_GRADS = ("h_act", "qkv", "atty", "ln2", "ln1", "att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd")
 
 
@@ -620,6 +625,9 @@ class GpuEngine:
                                                          for k in recipe.MATMUL_WEIGHTS])
         self._wgrad_span = self._block_span if WGRAD_WRITES and world == 1 and precision != "fp32" else None
         self._writes_wgrad = False         # the next micro_step is a step's first (zero_grads sets it)
+        # g outside the block weights' rows (what zero_grads fills), and whether it is zero now (CLEAR_AFTER_UPDATE)
+        self._rest = () if self._wgrad_span is None else (self.g[:self._wgrad_span[0]], self.g[self._wgrad_span[1]:])
+        self._rest_clear = False
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.attention, self.dnn = self._attention(attention)
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt, self.dnn)
@@ -845,15 +853,15 @@ class GpuEngine:
 
     def zero_grads(self) -> None:
         """The start of a step: g = 0, but for the block weights' rows when the first microbatch writes them
-        (WGRAD_WRITES, ``_wgrad_span``)."""
+        (WGRAD_WRITES, ``_wgrad_span``); nothing to queue where the last update cleared them
+        (CLEAR_AFTER_UPDATE)."""
         with self.stream:
             if self._wgrad_span is None:
                 self.g.fill(0)
-            else:
-                lo, hi = self._wgrad_span
-                self.g[:lo].fill(0)
-                self.g[hi:].fill(0)
-            self._writes_wgrad = self._wgrad_span is not None
+            elif not self._rest_clear:
+                for part in self._rest:
+                    part.fill(0)
+            self._writes_wgrad, self._rest_clear = self._wgrad_span is not None, False
             if self.f8 is not None:
                 self.f8.reset_amax()
 
@@ -871,6 +879,7 @@ class GpuEngine:
 
     def _queue_micro(self, x, y) -> None:
         """micro_step's launches, on the engine's stream; its loss lands in loss_out[0]."""
+        self._rest_clear = False
         if self.acts_in_grads and not self._writes_wgrad:
             raise AndreaError(f"cupy engine: a second microbatch in one step, but this engine was built for one "
                               f"(grad_accum=1: layers 1.. keep {', '.join(self.acts_in_grads)} in the gradients' "
@@ -972,6 +981,10 @@ class GpuEngine:
                     self._adamw_around(stepped)
                     self.f8.step_weights(a["w"], a["g"], a["m"], a["v"], wlow, a["hp"], a["gstate"],
                                          self.layout.n_decay)
+                if CLEAR_AFTER_UPDATE and self._rest:        # the next zero_grads' fills, now (CLEAR_AFTER_UPDATE)
+                    for part in self._rest:
+                        part.fill(0)
+                    self._rest_clear = True
             self._weights_changed(part, stepped=stepped is not None)
             if self.f8 is not None:
                 self.f8.after_step(self.stream)
