@@ -859,8 +859,8 @@ class GpuEngine:
             if self._wgrad_span is None:
                 self.g.fill(0)
             elif not self._rest_clear:
-                for part in self._rest:
-                    part.fill(0)
+                for rows in self._rest:
+                    rows.fill(0)
             self._writes_wgrad, self._rest_clear = self._wgrad_span is not None, False
             if self.f8 is not None:
                 self.f8.reset_amax()
@@ -982,8 +982,8 @@ class GpuEngine:
                     self.f8.step_weights(a["w"], a["g"], a["m"], a["v"], wlow, a["hp"], a["gstate"],
                                          self.layout.n_decay)
                 if CLEAR_AFTER_UPDATE and self._rest:        # the next zero_grads' fills, now (CLEAR_AFTER_UPDATE)
-                    for part in self._rest:
-                        part.fill(0)
+                    for rows in self._rest:
+                        rows.fill(0)
                     self._rest_clear = True
             self._weights_changed(part, stepped=stepped is not None)
             if self.f8 is not None:
