@@ -131,13 +131,15 @@ READ_LOSS_LAST = True
 # and so does every layer of a step of more microbatches (the next one's forward would overwrite the
 # gradients summed so far): such an engine refuses a second microbatch. The arena keeps the fp32 gradients
 # for the whole step where torch allocates them in its backward: this gives those bytes back. Planned,
-# 480M: B=8 h_act of 15 layers (-1.5 GB), B=16 atty and ln2 (-1.5 GB). Empty: every layer in its own bytes.
+# 480M: B=8 h_act of 15 layers (-1.5 GB), B=16 atty and ln2 (-1.5 GB); H200 peak against torch.compile's:
+# 0.97-0.99 at B=8, 0.99 at B=16, was 1.07-1.10 (docs/bench/s25_h200.md). Empty: every layer in its own bytes.
+ACTS_IN_GRADS = ("h_act", "qkv", "atty", "ln2", "ln1", "att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd")
 # One GPU with WGRAD_WRITES: a step's update also clears g outside the block weights' rows once AdamW has read
 # it, so the next step's zero_grads has nothing to queue and the device does not idle between steps while the
-# host launches those fills (H200 480M B=8, kernel_profile --gaps: 0.10 ms idle between them and the batch's
-# upload, plus the fills). The same bytes: that part of g is zero when the next forward starts either way.
+# host launches those fills (H200, alternating in one process: 480M B=8 47.81 against 48.20 ms a step, 12M B=8
+# 3.304 against 3.322; docs/bench/s25_h200.md). The same bytes: that part of g is zero when the next forward
+# starts either way.
 CLEAR_AFTER_UPDATE = True
-ACTS_IN_GRADS = ("h_act", "qkv", "atty", "ln2", "ln1", "att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd")
 
 
 def spare_run(span, l: int, n_layer: int) -> tuple[int, int]:
