@@ -861,11 +861,15 @@ class GpuEngine:
             if self._wgrad_span is None:
                 self.g.fill(0)
             elif not self._rest_clear:
-                for rows in self._rest:
-                    rows.fill(0)
+                self._clear_rest()
             self._writes_wgrad, self._rest_clear = self._wgrad_span is not None, False
             if self.f8 is not None:
                 self.f8.reset_amax()
+
+    def _clear_rest(self) -> None:
+        """g = 0 outside the block weights' rows (``_rest``), on the current stream."""
+        for rows in self._rest:
+            rows.fill(0)
 
     def micro_step(self, x, y) -> float:
         """Forward + backward of one microbatch, accumulating (+=) its mean-loss gradient into g
@@ -984,8 +988,7 @@ class GpuEngine:
                     self.f8.step_weights(a["w"], a["g"], a["m"], a["v"], wlow, a["hp"], a["gstate"],
                                          self.layout.n_decay)
                 if CLEAR_AFTER_UPDATE and self._rest:        # the next zero_grads' fills, now (CLEAR_AFTER_UPDATE)
-                    for rows in self._rest:
-                        rows.fill(0)
+                    self._clear_rest()
                     self._rest_clear = True
             self._weights_changed(part, stepped=stepped is not None)
             if self.f8 is not None:
@@ -1033,7 +1036,8 @@ class GpuEngine:
 
     def eval_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
         """Summed loss and token count of b <= B rows (b < B is padded with row 0, not counted).
-        Touches activations only, never weights or gradients."""
+        Touches activations only, never weights; gradients only where activations lie in their bytes
+        (ACTS_IN_GRADS: between steps, where g is dead)."""
         b = x.shape[0]
         if b < self.B:
             px = np.concatenate([x, np.repeat(x[:1], self.B - b, axis=0)])
