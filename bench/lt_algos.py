@@ -10,7 +10,8 @@ problem's plan and the buffers of its last call); then each problem runs ``--rep
 every candidate (after 3 untimed calls; CUDA events on the stream; the buffers of that last call, so
 an accumulating weight gradient keeps accumulating, which does not change its time). Printed per
 problem: calls a step, the candidate the engine runs and its ms, the fastest candidate and its ms,
-and the step time the fastest would save; the total at the end. ``--write-table PATH`` merges the
+and the step time the fastest would save; the total at the end. ``--sustain-ms MS`` times each candidate
+after MS of back-to-back calls, at the power limit where the step runs (``time_candidates``). ``--write-table PATH`` merges the
 choices into that table (andrea/cuda/lt_choices.json is the engine's, read by cublaslt.Lt): for each
 problem the fastest candidate when it beats the heuristic's first by ``MARGIN`` or more, else the
 first; keyed by GPU model and cuBLASLt version. Measure with ``USE_CHOICES`` as committed: the
@@ -66,8 +67,11 @@ def record(eng) -> dict:
     return seen
 
 
-def time_candidates(lt, plan, args, reps: int) -> list[float | None]:
-    """ms per call of each candidate (None: it refused the problem)."""
+def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[float | None]:
+    """ms per call of each candidate (None: it refused the problem). ``sustain_ms`` > 0: each candidate first
+    runs back to back for that long, and is then timed over as many calls as fill half that time (at least
+    ``reps``): the steady state under the card's power limit, where a training step runs (an H200 step of
+    480M sits at its 700 W cap, its SM clock 1.6 GHz against 1.98 idle), not a short burst at full clock."""
     import cupy as cp
 
     desc, a_l, b_l, d_l, _, algos, chosen, c_l, _ = plan
@@ -85,13 +89,25 @@ def time_candidates(lt, plan, args, reps: int) -> list[float | None]:
             continue
         for _ in range(3):
             call()
+        n = reps
+        if sustain_ms > 0:
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            for _ in range(3):
+                call()
+            e1.record(s)
+            e1.synchronize()
+            one = max(cp.cuda.get_elapsed_time(e0, e1) / 3, 1e-3)
+            for _ in range(int(sustain_ms / one)):
+                call()
+            n = max(reps, int(sustain_ms / 2 / one))
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(s)
-        for _ in range(reps):
+        for _ in range(n):
             call()
         e1.record(s)
         e1.synchronize()
-        out.append(cp.cuda.get_elapsed_time(e0, e1) / reps)
+        out.append(cp.cuda.get_elapsed_time(e0, e1) / n)
     return out
 
 
@@ -100,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=["andrea-120m:32"])
     ap.add_argument("--precision", nargs="+", default=["bf16", "fp8:delayed"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sustain-ms", type=float, default=0.0,
+                    help="run each candidate this long before timing it, so it is timed at the power limit")
     ap.add_argument("--json", default=None)
     ap.add_argument("--write-table", default=None, metavar="PATH",
                     help="merge each problem's choice into this table (e.g. andrea/cuda/lt_choices.json)")
@@ -133,7 +151,7 @@ def main(argv=None) -> int:
             cp.cuda.Device().synchronize()
             rows, total = [], 0.0
             for plan, call_args, calls, what, lt in seen.values():
-                times = time_candidates(lt, plan, call_args, args.reps)
+                times = time_candidates(lt, plan, call_args, args.reps, args.sustain_ms)
                 ok = [(t, i) for i, t in enumerate(times) if t is not None]
                 best_t, best_i = min(ok)
                 cur = times[plan[6]]

@@ -1,21 +1,56 @@
-"""bench/lt_algos.py on the GPU: one 12M step's cuBLASLt problems, each timed under every heuristic
-candidate; the engine's own choice is among them and the fastest is no slower than it.
+"""bench/lt_algos.py: on the GPU, one 12M step's cuBLASLt problems, each timed under every heuristic
+candidate (the engine's own choice is among them and the fastest is no slower than it); on the CPU, how
+``--sustain-ms`` times a candidate, against a fake device clock.
 
-    PYTHONPATH=. python3 -m pytest -m gpu tests/test_bench_lt_algos.py
+    PYTHONPATH=. python3 -m pytest tests/test_bench_lt_algos.py        # -m gpu for the device test
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import pytest
 
 from andrea.cuda.loader import cupy_or_none
 from script_helpers import load_script
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy_or_none() is None, reason="needs CuPy and a CUDA device")]
+@pytest.mark.parametrize("sustain_ms,warm,timed", [(0.0, 0, 4), (10.0, 20, 10), (1.0, 2, 4)])
+def test_a_sustained_candidate_is_timed_after_its_warm_run(sustain_ms, warm, timed, monkeypatch):
+    """time_candidates against a fake device where every GEMM call takes 0.5 ms: without --sustain-ms, 3
+    untimed calls and ``reps`` timed; with it, 3 more to gauge a call, sustain_ms of calls back to back, then
+    at least ``reps`` timed calls filling half of sustain_ms. A refused candidate is None and runs once."""
+    mod = load_script("bench/lt_algos.py")
+    calls = [0]
+
+    class Event:
+        def record(self, stream=None):
+            self.n = calls[0]
+
+        def synchronize(self):
+            pass
+
+    cuda = types.SimpleNamespace(Event=Event, ExternalStream=lambda ptr: ptr, Stream=types.SimpleNamespace(null=0),
+                                 get_elapsed_time=lambda a, b: 0.5 * (b.n - a.n))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+
+    def matmul(*args):
+        calls[0] += 1
+        return 7 if args[12] == "refused" else 0        # the algo pointer: a status of 7 refuses the problem
+
+    lib = types.SimpleNamespace(cublasLtMatmul=matmul)
+    lt = types.SimpleNamespace(lib=lib, h=0, _alpha=types.SimpleNamespace(ctypes=types.SimpleNamespace(data=0)),
+                               _beta={0.0: types.SimpleNamespace(ctypes=types.SimpleNamespace(data=0))},
+                               ws=types.SimpleNamespace(data=types.SimpleNamespace(ptr=0)), ws_bytes=0)
+    plan = [None, None, None, None, None, ["ok", "refused"], 0, None, "p"]
+    times = mod.time_candidates(lt, plan, (1, 2, 3, 0.0, 0, None), 4, sustain_ms)
+    assert times == [0.5, None]
+    assert calls[0] == 1 + 3 + (3 + warm if sustain_ms else 0) + timed + 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy_or_none() is None, reason="needs CuPy and a CUDA device")
 def test_every_problem_of_a_step_is_timed_under_each_candidate(tmp_path):
     mod = load_script("bench/lt_algos.py")
     out = tmp_path / "lt.json"
