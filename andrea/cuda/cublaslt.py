@@ -52,7 +52,10 @@ docs/bench/lt_choices_s11_h200.json), the 480M B=8 ones (bf16 and fp8, added fro
 B=8, 20.33 against 20.45 at B=64, the tables alternating in one process; docs/bench/s24_h200.md), and
 from session 25 the 480M B=16 ones (the step 92.14 against 93.04 ms, alternating) and the 480M B=8
 weight-gradient GEMMs as they run since WGRAD_WRITES (beta 0: their beta-1 entries no longer matched;
-docs/bench/s25_h200.md). The
+docs/bench/s25_h200.md). Session 26 re-timed the 480M B=8 and B=16 problems with ``lt_algos.py
+--sustain-ms 200``, each candidate at the card's power limit as in the step (docs/bench/s26_h200.md): 11
+entries changed; the step, the tables alternating, 47.19 against 47.41 ms at B=8 (four rounds) and 91.22
+against 91.32 at B=16 (three). The
 epilogue (a cublasLtEpilogue_t; default 1 = none), its aux buffer's leading dimension and
 alignment are part of the problem; the aux pointer is set on the problem's descriptor at each call
 (the engine's layers differ only in it). The calls are legal inside a CUDA graph capture (no allocation; the heuristic
