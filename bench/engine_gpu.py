@@ -53,6 +53,9 @@ ours per named GEMM (qkv, attn-out, fc, proj, head x fwd, dgrad, wgrad: ms, TFLO
 tag the GEMMs with a fused GELU epilogue "fc fwd+gelu" and "proj dgrad+dgelu": their time holds the
 GELU that the elementwise class then lacks), and
 (bf16) each GEMM alone through cublasGemmEx, cuBLASLt and cuBLASLt with padded logits rows.
+``--power``: the SM clock and the board power over each engine's timed steps (medians of ``nvidia-smi``
+samples every 100 ms, ``PowerLog``): both engines of a 480M step hold the H200 at its 700 W limit, and the
+one at the lower clock does more work per unit of time (docs/bench/s26_h200.md).
 Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
 """
 
@@ -60,7 +63,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -101,6 +107,39 @@ def variant_shapes(name: str) -> dict:
 def flops_per_token(s: dict, n_params: int) -> float:
     n = n_params - s["T"] * s["C"]
     return 6 * n + 12 * s["L"] * s["C"] * s["T"]
+
+
+class PowerLog:
+    """GPU 0's SM clock (MHz) and board power (W), sampled in the background by ``cmd`` (nvidia-smi every
+    100 ms), each line stamped with the host clock (time.time) as it arrives. ``between(t0, t1)``: the
+    medians of the samples in that window, or None where none fell in it."""
+
+    CMD = ("nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100")
+
+    def __init__(self, cmd=CMD):
+        self.samples: list[tuple[float, float, float]] = []
+        self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                mhz, watts = (float(x) for x in line.split(",")[:2])
+            except ValueError:                   # "[N/A]" or a header: not a sample
+                continue
+            self.samples.append((time.time(), mhz, watts))
+
+    def between(self, t0: float, t1: float) -> dict | None:
+        got = [x for x in list(self.samples) if t0 <= x[0] <= t1]
+        if not got:
+            return None
+        return {"sm_mhz": statistics.median(x[1] for x in got), "power_w": statistics.median(x[2] for x in got),
+                "power_samples": len(got)}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
 
 
 def _windows(step, cuda_sync, steps: int, windows: int = 3) -> list[float]:
@@ -171,8 +210,10 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     for _ in range(warmup):
         step()
     cp.cuda.Device().synchronize()
+    t0 = time.time()
     windows = _windows(step, cp.cuda.Device().synchronize, steps)
-    res = {"ms": float(np.median(windows)), "windows_ms": windows, "peak_bytes": int(pool.total_bytes()),
+    res = {"ms": float(np.median(windows)), "windows_ms": windows, "timed_at": [t0, time.time()],
+           "peak_bytes": int(pool.total_bytes()),
            "attention": eng.attention,
            "planned_bytes": int(eng.planned_bytes), "pool_used_bytes": int(pool.used_bytes()),
            "n_params": eng.n_params, "loss": None}
@@ -513,8 +554,9 @@ def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: 
     torch.cuda.synchronize()
     compile_s = time.time() - t0
     torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
     windows = _windows(step, torch.cuda.synchronize, steps)
-    res = {"ms": float(np.median(windows)), "windows_ms": windows,
+    res = {"ms": float(np.median(windows)), "windows_ms": windows, "timed_at": [t0, time.time()],
            "peak_bytes": int(torch.cuda.max_memory_reserved()),
            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()), "warmup_s": compile_s,
            "n_params": sum(p.numel() for p in model.parameters())}
@@ -614,6 +656,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", nargs="*", default=[], choices=["cudnn", "kernels"],
                     help="also time ours (each --precision) with train.attention set to each of these (the first "
                          "run takes its default, auto), same run")
+    ap.add_argument("--power", action="store_true",
+                    help="also record the SM clock and board power over each engine's timed steps (nvidia-smi)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print per kernel class where our step (and the first compile anchor's) spends its time")
     args = ap.parse_args(argv)
@@ -631,6 +675,12 @@ def main(argv=None) -> int:
         icfg.compile_threads = min(16, os.cpu_count() or 1)
     compiled = [a for a in args.anchors if a.startswith("compile-")]
     rows, allres = [], {}
+    plog = None
+    if args.power:
+        try:
+            plog = PowerLog()
+        except OSError as e:
+            print(f"--power: nvidia-smi cannot run ({e}); no clock or power figures", file=sys.stderr)
 
     def save(key=None, partial=None) -> None:
         """--json after every measurement (a figure survives a later step's timeout or crash);
@@ -709,6 +759,11 @@ def main(argv=None) -> int:
         for x in r.values():
             x["tokens_per_s"] = tok / (x["ms"] / 1e3)
             x["mfu"] = fpt * x["tokens_per_s"] / PEAK_BF16
+            x.update((plog.between(*x["timed_at"]) if plog else None) or {})
+        if plog:
+            print(f"{key}: SM MHz / board W over the timed steps: " + ", ".join(
+                f"{k} {x['sm_mhz']:.0f} / {x['power_w']:.0f}" if "sm_mhz" in x else f"{k} no samples"
+                for k, x in r.items()), file=sys.stderr, flush=True)
         best = max(compiled, key=lambda a: r[a]["tokens_per_s"]) if compiled else None
         allres[key] = {"variant": v, "shapes": s, "batch": B, "best_compile": best, **r}
         if best:
@@ -778,6 +833,8 @@ def main(argv=None) -> int:
         print(f"\n{p} / {args.precision[0]} tokens/s (same run): " + ", ".join(
             f"{key} {r[f'ours-{p}']['tokens_per_s'] / r['ours']['tokens_per_s']:.3f}x" for key, r in allres.items()))
     save()
+    if plog:
+        plog.close()
     return 0
 
 

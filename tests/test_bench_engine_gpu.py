@@ -166,3 +166,44 @@ def test_every_window_is_kept_so_a_drift_shows(eg, monkeypatch):
     got = eg._windows(step, lambda: synced.append(clock[0]), steps=2, windows=3)
     assert got == pytest.approx([1.05, 1.25, 1.45])                  # ms a step of steps 1-2, 3-4, 5-6
     assert len(synced) == 6                                           # the device drained at both ends
+
+
+def test_power_log_takes_the_medians_of_the_samples_in_a_window(eg):
+    """PowerLog over a stand-in for nvidia-smi: lines that are not samples ("[N/A]") are skipped, each
+    sample is stamped as it arrives, and a window holds the medians of its own samples only."""
+    import sys
+    import time
+
+    script = ("import sys, time\nprint('[N/A], [N/A]', flush=True)\n"
+              "for i in range(30):\n    print(f'{1500 + i}, 690.5', flush=True)\n    time.sleep(0.01)\n")
+    t0 = time.time()
+    log = eg.PowerLog((sys.executable, "-c", script))
+    log.proc.wait()
+    log.thread.join(timeout=10)
+    t1 = time.time()
+    got = log.between(t0, t1)
+    assert got == {"sm_mhz": 1514.5, "power_w": 690.5, "power_samples": 30}
+    assert log.between(t1 + 1, t1 + 2) is None
+    log.close()
+
+
+def test_power_figures_land_beside_each_engines_timing(eg, tmp_path, monkeypatch):
+    """--power: each engine's result gets the clock and power of its own timed steps (``timed_at``)."""
+    class Log:
+        def __init__(self):
+            self.closed = False
+
+        def between(self, t0, t1):
+            return {"sm_mhz": 1000.0 + t0, "power_w": 690.0, "power_samples": 3}
+
+        def close(self):
+            self.closed = True
+
+    logs = []
+    monkeypatch.setattr(eg, "PowerLog", lambda: logs.append(Log()) or logs[-1])
+    monkeypatch.setattr(eg, "bench_ours", lambda s, B, steps, warmup, prec: {**fake_ours(5.0), "timed_at": [7.0, 8.0]})
+    out = tmp_path / "bench.json"
+    assert eg.main(["--variants", "andrea-12m:8", "--anchors", "--power", "--json", str(out)]) == 0
+    ours = json.loads(out.read_text())["andrea-12m:B8"]["ours"]
+    assert (ours["sm_mhz"], ours["power_w"], ours["power_samples"]) == (1007.0, 690.0, 3)
+    assert logs[0].closed
