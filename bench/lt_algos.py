@@ -11,11 +11,11 @@ every candidate (after 3 untimed calls; CUDA events on the stream; the buffers o
 an accumulating weight gradient keeps accumulating, which does not change its time). Printed per
 problem: calls a step, the candidate the engine runs and its ms, the fastest candidate and its ms,
 and the step time the fastest would save; the total at the end. ``--sustain-ms MS`` times each candidate
-after MS of back-to-back calls, at the power limit where the step runs (``time_candidates``). ``--write-table PATH`` merges the
-choices into that table (andrea/cuda/lt_choices.json is the engine's, read by cublaslt.Lt): for each
-problem the fastest candidate when it beats the heuristic's first by ``MARGIN`` or more, else the
-first; keyed by GPU model and cuBLASLt version. Measure with ``USE_CHOICES`` as committed: the
-candidate lists do not depend on it.
+after MS of back-to-back calls, at the power limit where the step runs (``time_candidates``).
+``--write-table PATH`` merges the choices into that table (andrea/cuda/lt_choices.json is the engine's,
+read by cublaslt.Lt): for each problem the fastest candidate when it beats the heuristic's first by
+``MARGIN`` or more, else the first; keyed by GPU model and cuBLASLt version. Measure with
+``USE_CHOICES`` as committed: the candidate lists do not depend on it.
 """
 
 from __future__ import annotations
