@@ -54,8 +54,9 @@ tag the GEMMs with a fused GELU epilogue "fc fwd+gelu" and "proj dgrad+dgelu": t
 GELU that the elementwise class then lacks), and
 (bf16) each GEMM alone through cublasGemmEx, cuBLASLt and cuBLASLt with padded logits rows.
 ``--power``: the SM clock and the board power over each engine's timed steps (medians of ``nvidia-smi``
-samples every 100 ms, ``PowerLog``): both engines of a 480M step hold the H200 at its 700 W limit, and the
-one at the lower clock does more work per unit of time (docs/bench/s26_h200.md).
+samples every 100 ms, ``PowerLog``) and the energy a step (power x step time): both engines of a 480M
+step hold the H200 at its 700 W limit, where the ratio of their step times is the ratio of these
+energies, and the one at the lower clock does more work per unit of time (docs/bench/s26_h200.md).
 Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
 """
 
@@ -760,10 +761,12 @@ def main(argv=None) -> int:
             x["tokens_per_s"] = tok / (x["ms"] / 1e3)
             x["mfu"] = fpt * x["tokens_per_s"] / PEAK_BF16
             x.update((plog.between(*x["timed_at"]) if plog else None) or {})
+            if "power_w" in x:                   # at the power limit the ratio of these is the ratio of speeds
+                x["joules_per_step"] = x["power_w"] * x["ms"] / 1e3
         if plog:
-            print(f"{key}: SM MHz / board W over the timed steps: " + ", ".join(
-                f"{k} {x['sm_mhz']:.0f} / {x['power_w']:.0f}" if "sm_mhz" in x else f"{k} no samples"
-                for k, x in r.items()), file=sys.stderr, flush=True)
+            print(f"{key}: SM MHz / board W / J a step over the timed steps: " + ", ".join(
+                f"{k} {x['sm_mhz']:.0f} / {x['power_w']:.0f} / {x['joules_per_step']:.2f}" if "sm_mhz" in x
+                else f"{k} no samples" for k, x in r.items()), file=sys.stderr, flush=True)
         best = max(compiled, key=lambda a: r[a]["tokens_per_s"]) if compiled else None
         allres[key] = {"variant": v, "shapes": s, "batch": B, "best_compile": best, **r}
         if best:

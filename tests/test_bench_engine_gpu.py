@@ -206,4 +206,5 @@ def test_power_figures_land_beside_each_engines_timing(eg, tmp_path, monkeypatch
     assert eg.main(["--variants", "andrea-12m:8", "--anchors", "--power", "--json", str(out)]) == 0
     ours = json.loads(out.read_text())["andrea-12m:B8"]["ours"]
     assert (ours["sm_mhz"], ours["power_w"], ours["power_samples"]) == (1007.0, 690.0, 3)
+    assert ours["joules_per_step"] == pytest.approx(690.0 * 5.0e-3)
     assert logs[0].closed
