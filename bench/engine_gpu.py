@@ -760,9 +760,9 @@ def main(argv=None) -> int:
         for x in r.values():
             x["tokens_per_s"] = tok / (x["ms"] / 1e3)
             x["mfu"] = fpt * x["tokens_per_s"] / PEAK_BF16
-            x.update((plog.between(*x["timed_at"]) if plog else None) or {})
-            if "power_w" in x:                   # at the power limit the ratio of these is the ratio of speeds
-                x["joules_per_step"] = x["power_w"] * x["ms"] / 1e3
+            if plog and (pw := plog.between(*x["timed_at"])):
+                # at the power limit the ratio of the energies is the ratio of the speeds
+                x.update(pw, joules_per_step=pw["power_w"] * x["ms"] / 1e3)
         if plog:
             print(f"{key}: SM MHz / board W / J a step over the timed steps: " + ", ".join(
                 f"{k} {x['sm_mhz']:.0f} / {x['power_w']:.0f} / {x['joules_per_step']:.2f}" if "sm_mhz" in x

@@ -84,6 +84,15 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[
             return lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
                                          lt._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l, algo,
                                          lt.ws.data.ptr, lt.ws_bytes, stream)
+        def ms_per_call(n: int) -> float:             # n calls between two events on the stream
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            for _ in range(n):
+                call()
+            e1.record(s)
+            e1.synchronize()
+            return cp.cuda.get_elapsed_time(e0, e1) / n
+
         if call():
             out.append(None)
             continue
@@ -91,23 +100,11 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[
             call()
         n = reps
         if sustain_ms > 0:
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(s)
-            for _ in range(3):
-                call()
-            e1.record(s)
-            e1.synchronize()
-            one = max(cp.cuda.get_elapsed_time(e0, e1) / 3, 1e-3)
+            one = max(ms_per_call(3), 1e-3)
             for _ in range(int(sustain_ms / one)):
                 call()
             n = max(reps, int(sustain_ms / 2 / one))
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        for _ in range(n):
-            call()
-        e1.record(s)
-        e1.synchronize()
-        out.append(cp.cuda.get_elapsed_time(e0, e1) / n)
+        out.append(ms_per_call(n))
     return out
 
 
