@@ -55,7 +55,10 @@ weight-gradient GEMMs as they run since WGRAD_WRITES (beta 0: their beta-1 entri
 docs/bench/s25_h200.md). Session 26 re-timed the 480M B=8 and B=16 problems with ``lt_algos.py
 --sustain-ms 200``, each candidate at the card's power limit as in the step (docs/bench/s26_h200.md): 11
 entries changed; the step, the tables alternating, 47.19 against 47.41 ms at B=8 (four rounds) and 91.22
-against 91.32 at B=16 (three). The
+against 91.32 at B=16 (three). Session 27 re-timed the 12M and 120M problems the same way
+(docs/bench/s27_h200.md) and kept the new choices for 12M and 120M B=8 (the step 12.57 against 12.64
+ms at 120M B=8, 19.91 against 20.10 at 12M B=64, alternating) but not for 120M B=32, whose entries stay as
+they were (re-chosen, the step measured 44.12 against 43.96). The
 epilogue (a cublasLtEpilogue_t; default 1 = none), its aux buffer's leading dimension and
 alignment are part of the problem; the aux pointer is set on the problem's descriptor at each call
 (the engine's layers differ only in it). The calls are legal inside a CUDA graph capture (no allocation; the heuristic
