@@ -54,9 +54,10 @@ tag the GEMMs with a fused GELU epilogue "fc fwd+gelu" and "proj dgrad+dgelu": t
 GELU that the elementwise class then lacks), and
 (bf16) each GEMM alone through cublasGemmEx, cuBLASLt and cuBLASLt with padded logits rows.
 ``--power``: the SM clock and the board power over each engine's timed steps (medians of ``nvidia-smi``
-samples every 100 ms, ``PowerLog``) and the energy a step (power x step time): both engines of a 480M
-step hold the H200 at its 700 W limit, where the ratio of their step times is the ratio of these
-energies, and the one at the lower clock does more work per unit of time (docs/bench/s26_h200.md).
+samples every 100 ms, ``PowerLog``) and the energy a step (power x step time): at 480M B=16 both engines
+hold the H200 at its 700 W limit (at B=8 and 120M B=32 too on some cards), where the ratio of their step
+times is the ratio of these energies, and the one at the lower clock does more work per unit of time
+(docs/bench/s26_h200.md, s27_h200.md).
 Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
 """
 
