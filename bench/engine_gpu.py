@@ -368,6 +368,32 @@ def event_ms(fn, reps: int) -> float:
     return cp.cuda.get_elapsed_time(e0, e1) / reps
 
 
+def sustained_ms(call, reps: int, sustain_ms: float = 0.0, stream=None) -> float:
+    """ms per call of ``call`` (already warmed up) on ``stream`` (None: the current one), between CUDA
+    events: over ``reps`` calls; with ``sustain_ms`` > 0, first back to back for that long, then over as
+    many calls as fill half of it (at least ``reps``): the steady state under the card's power limit,
+    where a training step runs (an H200 step of 480M B=16 sits at its 700 W cap, its SM clock near 1.6
+    GHz against 1.98 idle), not a short burst at full clock."""
+    import cupy as cp
+
+    def ms_per_call(n: int) -> float:
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(stream)
+        for _ in range(n):
+            call()
+        e1.record(stream)
+        e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) / n
+
+    n = reps
+    if sustain_ms > 0:
+        one = max(ms_per_call(3), 1e-3)
+        for _ in range(int(sustain_ms / one)):
+            call()
+        n = max(reps, int(sustain_ms / 2 / one))
+    return ms_per_call(n)
+
+
 def gemm_compare(s: dict, B: int, reps: int = 5) -> dict:
     """ms per call of every named GEMM alone (random bf16 operands) through cuBLAS's cublasGemmEx
     (kernels.Blas, the engine's path before cuBLASLt) and through cuBLASLt (cublaslt.Lt.mm, the

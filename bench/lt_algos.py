@@ -68,10 +68,9 @@ def record(eng) -> dict:
 
 
 def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[float | None]:
-    """ms per call of each candidate (None: it refused the problem). ``sustain_ms`` > 0: each candidate first
-    runs back to back for that long, and is then timed over as many calls as fill half that time (at least
-    ``reps``): the steady state under the card's power limit, where a training step runs (an H200 step of
-    480M sits at its 700 W cap, its SM clock 1.6 GHz against 1.98 idle), not a short burst at full clock."""
+    """ms per call of each candidate (None: it refused the problem), after 3 untimed calls:
+    ``engine_gpu.sustained_ms`` over ``reps`` calls, or with ``sustain_ms`` > 0 after that long back to
+    back, at the card's power limit where a training step runs, not a short burst at full clock."""
     import cupy as cp
 
     desc, a_l, b_l, d_l, _, algos, chosen, c_l, _ = plan
@@ -84,27 +83,12 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[
             return lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
                                          lt._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l, algo,
                                          lt.ws.data.ptr, lt.ws_bytes, stream)
-        def ms_per_call(n: int) -> float:             # n calls between two events on the stream
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(s)
-            for _ in range(n):
-                call()
-            e1.record(s)
-            e1.synchronize()
-            return cp.cuda.get_elapsed_time(e0, e1) / n
-
         if call():
             out.append(None)
             continue
         for _ in range(3):
             call()
-        n = reps
-        if sustain_ms > 0:
-            one = max(ms_per_call(3), 1e-3)
-            for _ in range(int(sustain_ms / one)):
-                call()
-            n = max(reps, int(sustain_ms / 2 / one))
-        out.append(ms_per_call(n))
+        out.append(eg.sustained_ms(call, reps, sustain_ms, s))
     return out
 
 

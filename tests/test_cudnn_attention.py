@@ -120,6 +120,23 @@ def test_backward_runs_in_chunks_that_fit_the_scratch_at_the_right_offsets(fake_
                      "dk": 20_000 + s3 + 2 * C, "dv": 20_000 + s3 + 4 * C}
 
 
+def test_the_bench_only_switch_is_read_once_when_the_graphs_are_built(fake_cudnn, monkeypatch):
+    """DETERMINISTIC = False (bench/attention_det.py) builds cuDNN's default backward and says so; an
+    object built under it keeps it after the switch is put back, and one built after is deterministic."""
+    B, T, C, H = 4, 8, 16, 2
+    scratch = Buf(60_000, 8000)
+    monkeypatch.setattr(ca, "DETERMINISTIC", False)
+    other = ca.CudnnAttention(B, T, C, H, room=8000)
+    monkeypatch.setattr(ca, "DETERMINISTIC", True)
+    plain = ca.CudnnAttention(B, T, C, H, room=8000)
+    qkv, dqkv, y, dy, lse = (Buf(p) for p in (10_000, 20_000, 30_000, 40_000, 50_000))
+    other.backward(dqkv, dy, y, lse, qkv, scratch)
+    other.backward(dqkv, dy, y, lse, qkv, Buf(70_000, 2000))       # a new chunk's graph, built now
+    plain.backward(dqkv, dy, y, lse, qkv, scratch)
+    assert [d for _, _, d in fake_cudnn] == [False] * 3 + [True]    # 1 + 2 calls of chunk 2, then one
+    assert "NON-DETERMINISTIC" in other.describe() and "NON-" not in plain.describe()
+
+
 def test_a_scratch_too_small_for_one_sequence_is_refused_in_one_line(fake_cudnn):
     with pytest.raises(AndreaError, match="train.attention=kernels") as e:
         ca.CudnnAttention(4, 8, 16, 2, room=999)

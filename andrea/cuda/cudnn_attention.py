@@ -14,9 +14,11 @@ deterministic backward included; at D = 32 attention.cu's are faster (docs/bench
 - The same bytes on every run: the forward has one algorithm, and the backward is asked for cuDNN's
   deterministic one (``use_deterministic_algorithm``: its dQ is reduced through a workspace of
   B H T^2 2 bytes, not by float atomics). Runs on another cuDNN version may differ in the last bits,
-  so ``describe()`` names the version and the engine prints it. The price, measured on the H200: 51 us
-  a layer over the default backward at 480M B=16 (577 against 526), 0.4-0.8 ms a step at 480M; the
-  default one gave different dqkv bytes on each of five runs (docs/bench/s27_h200.md).
+  so ``describe()`` names the version and the engine prints it. The price, measured on the H200 by
+  ``bench/attention_det.py``: 51 us a layer over cuDNN's default backward at 480M B=16 (577 against 526),
+  0.4-0.8 ms a step at 480M; the default one gave different dqkv bytes on each of five runs
+  (docs/bench/s27_h200.md). ``DETERMINISTIC`` = False builds that default backward: for that bench only,
+  the engine never sets it.
 - ``lse`` (B*H, T) holds cuDNN's statistics, the natural-log row log-sum-exp (attention.cu keeps log2):
   only this module's backward reads it, and the engine runs both passes through one of the two.
 - Memory: nothing of its own. Both passes use ``scratch``, a byte array the caller lends (the engine:
@@ -57,6 +59,9 @@ def unavailable() -> str | None:
     """Why cuDNN's attention cannot run here (None: it can)."""
     m = _cudnn()
     return m if isinstance(m, str) else None
+
+
+DETERMINISTIC = True    # cuDNN's deterministic backward; False (bench/attention_det.py only): its default, dQ by atomics
 
 
 def _current_stream() -> int:
@@ -105,6 +110,7 @@ class CudnnAttention:
             raise AndreaError(f"cuDNN attention: the frontend cannot be loaded ({m}); {INSTALL}")
         self.cudnn, self.B, self.T, self.C, self.H = m, B, T, C, H
         self.scale = 1.0 / math.sqrt(C // H)
+        self.deterministic = DETERMINISTIC            # as the backward graphs are built
         self.handle = m.create_handle()
         self.fwd = self._graph(B, backward=False)
         if self.fwd[1] > room:
@@ -130,7 +136,8 @@ class CudnnAttention:
 
     def describe(self) -> str:
         v = self.cudnn.backend_version()
-        return (f"attention: cuDNN {v // 10000}.{v // 100 % 100}.{v % 100} SDPA, deterministic backward "
+        kind = "deterministic" if self.deterministic else "NON-DETERMINISTIC (atomic dQ)"
+        return (f"attention: cuDNN {v // 10000}.{v // 100 % 100}.{v % 100} SDPA, {kind} backward "
                 f"over {self.chunk} to {self.B} of {self.B} sequences a call, as the free bytes fit")
 
     def _graph(self, B: int, backward: bool):
@@ -153,7 +160,7 @@ class CudnnAttention:
             do = g.tensor(name="do", dim=dim, stride=rows, data_type=bf)
             lse = g.tensor(name="lse", dim=[B, H, T, 1], stride=stats, data_type=fl)
             dq, dk, dv = g.sdpa_backward(name="attn_bwd", q=q, k=k, v=v, o=o, dO=do, stats=lse,
-                                         use_deterministic_algorithm=True, **causal)
+                                         use_deterministic_algorithm=self.deterministic, **causal)
             for t in (dq, dk, dv):
                 t.set_output(True).set_dim(dim).set_stride(packed).set_data_type(bf)
             tensors = (q, k, v, o, do, lse, dq, dk, dv)

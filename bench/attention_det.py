@@ -1,0 +1,163 @@
+"""Benchmark: what byte-identical runs cost in attention. cuDNN's deterministic SDPA backward (the
+engine's) against cuDNN's default one, which adds dQ by float atomics: alone and in the training step.
+
+    PYTHONPATH=. python3 bench/attention_det.py --variants andrea-480m:8,16 --json det.json   # on the GPU
+
+For each variant and batch (T, C, H, L from its profile):
+- alone: one layer's backward as the engine builds it (``CudnnAttention`` over the whole batch, after
+  its forward on random bf16 qkv), once with each setting of ``cudnn_attention.DETERMINISTIC``. Each is
+  timed by ``engine_gpu.sustained_ms``, after ``--sustain-ms`` of back-to-back calls (the power limit
+  the step runs at). ``--rounds`` rounds alternate which goes first; the median is reported. Also
+  recorded: whether ``--repeats`` calls leave the same dqkv bytes, and the largest difference between
+  the two settings' dqkv;
+- step (unless ``--no-step``): ``engine_gpu.bench_ours`` under each setting, ``--rounds`` alternating
+  rounds, and the ``--anchor`` (``none``: no anchor) once in the same process; each setting's ratio of
+  tokens/s and its MFU against it.
+Printed: each setting's us a layer and their difference over the variant's L layers as ms a step; the
+step's ms and ratios. ``--json`` is written after every measurement. DETERMINISTIC = False exists for
+this bench: the engine never sets it, and the runs the issue holds byte-identical never use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import engine_gpu as eg  # noqa: E402
+
+from andrea.fsutil import atomic_write_json  # noqa: E402
+
+SETTINGS = {"deterministic": True, "default": False}        # name -> cudnn_attention.DETERMINISTIC
+
+
+def alternate(rounds: int, names: list[str], measure) -> dict[str, list[float]]:
+    """``measure(name)`` for every name, ``rounds`` times, the order reversed every other round (so
+    neither setting always runs on the cooler card) -> {name: [one value a round]}."""
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            out[n].append(measure(n))
+    return out
+
+
+def bf16_values(cp, bits):
+    """float32 values of bf16 bits (uint16)."""
+    return (bits.astype(cp.uint32) << 16).view(cp.float32)
+
+
+def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: int) -> dict:
+    """One layer's backward under each setting: us a call (median of the rounds), same bytes over
+    ``repeats`` calls, the workspace bytes; and the largest |default - deterministic| of dqkv beside the
+    largest |deterministic| (both as float values)."""
+    import cupy as cp
+
+    import andrea.cuda.cudnn_attention as ca
+    from attention_gpu import random_bf16
+
+    T, C, H = s["T"], s["C"], s["H"]
+    cp.random.seed(0)
+    qkv, dy = random_bf16((B * T, 3 * C)), random_bf16((B * T, C))
+    y, lse, dqkv = cp.zeros((B * T, C), cp.uint16), cp.zeros((B * H, T), cp.float32), cp.zeros_like(qkv)
+    arms = {}
+    for name, det in SETTINGS.items():
+        with eg.patched(ca, DETERMINISTIC=det):
+            att = ca.CudnnAttention(B, T, C, H, room=1 << 40)      # the whole batch a call
+        arms[name] = (att, cp.empty(max(att.fwd[1], att.bwd[att.chunk][1], 1), cp.uint8))
+    arms["deterministic"][0].forward(y, lse, qkv, arms["deterministic"][1])   # y and lse as a step has them
+
+    res, first = {}, {}
+    for name, (att, scratch) in arms.items():
+        outs = []
+        for _ in range(repeats):
+            att.backward(dqkv, dy, y, lse, qkv, scratch)
+            outs.append(dqkv.copy())
+        first[name] = outs[0]
+        res[name] = {"workspace_bytes": int(scratch.nbytes), "repeats": repeats,
+                     "same_bytes": all(bool((o == outs[0]).all()) for o in outs[1:])}
+    ref, other = bf16_values(cp, first["deterministic"]), bf16_values(cp, first["default"])
+    res["max_abs_diff"] = float(cp.abs(other - ref).max())
+    res["max_abs_deterministic"] = float(cp.abs(ref).max())
+
+    def measure(name: str) -> float:
+        att, scratch = arms[name]
+        return 1e3 * eg.sustained_ms(lambda: att.backward(dqkv, dy, y, lse, qkv, scratch), reps, sustain_ms)
+
+    for name, us in alternate(rounds, list(SETTINGS), measure).items():
+        res[name].update(us=statistics.median(us), us_rounds=us)
+    res["det_minus_default_us"] = res["deterministic"]["us"] - res["default"]["us"]
+    res["det_minus_default_ms_a_step"] = res["det_minus_default_us"] * s["L"] / 1e3
+    return res
+
+
+def step(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None) -> dict:
+    """The engine's bf16 step (train.attention=cudnn) under each setting, alternating; the anchor once;
+    ratios of tokens/s and MFU against it."""
+    import andrea.cuda.cudnn_attention as ca
+
+    n_params = []
+
+    def measure(name: str) -> float:
+        with eg.patched(ca, DETERMINISTIC=SETTINGS[name]):
+            r = eg.bench_ours(s, B, steps, warmup, "bf16", attention="cudnn")
+        n_params.append(r["n_params"])
+        return r["ms"]
+
+    res = {n: {"ms": statistics.median(v), "ms_rounds": v} for n, v in alternate(rounds, list(SETTINGS), measure).items()}
+    fpt = eg.flops_per_token(s, n_params[0])
+    for x in res.values():
+        x["mfu"] = fpt * B * s["T"] / (x["ms"] / 1e3) / eg.PEAK_BF16
+    if anchor:
+        a = eg.bench_torch(s, B, steps, warmup, anchor)
+        res["anchor"] = {"name": anchor, "ms": a["ms"]}
+        for n in SETTINGS:
+            res[n]["ratio_vs_anchor"] = a["ms"] / res[n]["ms"]
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="+", default=["andrea-480m:8,16"])
+    ap.add_argument("--batch", type=int, default=8, help="batch of a variant named without ':B'")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds, alone and in the step")
+    ap.add_argument("--sustain-ms", type=float, default=200.0)
+    ap.add_argument("--reps", type=int, default=20, help="timed calls alone (at least)")
+    ap.add_argument("--repeats", type=int, default=5, help="backward calls compared for their bytes")
+    ap.add_argument("--no-step", action="store_true", help="only the backward alone")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    anchor = None if args.anchor == "none" else args.anchor
+    out = {}
+    for v, B in eg.parse_variants(args.variants, args.batch):
+        s, key = eg.variant_shapes(v), f"{v}:B{B}"
+        out[key] = {"alone": alone(s, B, args.rounds, args.sustain_ms, args.reps, args.repeats)}
+        a = out[key]["alone"]
+        print(f"{key} alone: " + ", ".join(
+            f"{n} {a[n]['us']:.1f} us (same bytes over {a[n]['repeats']}: {'yes' if a[n]['same_bytes'] else 'NO'})"
+            for n in SETTINGS) + f"; {a['det_minus_default_us']:.1f} us a layer, "
+            f"{a['det_minus_default_ms_a_step']:.2f} ms a step over {s['L']} layers; dqkv differs by up to "
+            f"{a['max_abs_diff']:.3g} (largest |dqkv| {a['max_abs_deterministic']:.3g})", flush=True)
+        if args.json:
+            atomic_write_json(Path(args.json), out)
+        if args.no_step:
+            continue
+        out[key]["step"] = r = step(s, B, args.rounds, args.steps, args.warmup, anchor)
+        vs = f"; {r['anchor']['name']} {r['anchor']['ms']:.2f} ms" if anchor else ""
+        print(f"{key} step: " + ", ".join(
+            f"{n} {r[n]['ms']:.2f} ms (MFU {r[n]['mfu']:.1%}"
+            + (f", {r[n]['ratio_vs_anchor']:.3f}x)" if anchor else ")") for n in SETTINGS) + vs, flush=True)
+        if args.json:
+            atomic_write_json(Path(args.json), out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
