@@ -16,7 +16,7 @@ deterministic backward included; at D = 32 attention.cu's are faster (docs/bench
   B H T^2 2 bytes, not by float atomics). Runs on another cuDNN version may differ in the last bits,
   so ``describe()`` names the version and the engine prints it. The price, measured on the H200 by
   ``bench/attention_det.py``: 51 us a layer over cuDNN's default backward at 480M B=16 (577 against 526),
-  0.4-0.8 ms a step at 480M; the default one gave different dqkv bytes on each of five runs
+  0.4-0.9 ms a step at 480M; the default one gave different dqkv bytes on each of five runs
   (docs/bench/s27_h200.md). ``DETERMINISTIC`` = False builds that default backward: for that bench only,
   the engine never sets it.
 - ``lse`` (B*H, T) holds cuDNN's statistics, the natural-log row log-sum-exp (attention.cu keeps log2):
