@@ -354,20 +354,6 @@ def gemm_shapes(s: dict, B: int) -> dict:
     return out
 
 
-def event_ms(fn, reps: int) -> float:
-    """ms per call of ``fn`` on the current stream: one untimed call, then ``reps`` between CUDA events."""
-    import cupy as cp
-
-    fn()
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return cp.cuda.get_elapsed_time(e0, e1) / reps
-
-
 def sustained_ms(call, reps: int, sustain_ms: float = 0.0, stream=None) -> float:
     """ms per call of ``call`` (already warmed up) on ``stream`` (None: the current one), between CUDA
     events: over ``reps`` calls; with ``sustain_ms`` > 0, first back to back for that long, then over as
@@ -392,6 +378,12 @@ def sustained_ms(call, reps: int, sustain_ms: float = 0.0, stream=None) -> float
             call()
         n = max(reps, int(sustain_ms / 2 / one))
     return ms_per_call(n)
+
+
+def event_ms(fn, reps: int) -> float:
+    """ms per call of ``fn`` on the current stream: one untimed call, then ``reps`` between CUDA events."""
+    fn()
+    return sustained_ms(fn, reps)
 
 
 def gemm_compare(s: dict, B: int, reps: int = 5) -> dict:

@@ -9,6 +9,8 @@ The timed functions are replaced by stand-ins; nothing here measures speed.
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import pytest
 
@@ -208,3 +210,28 @@ def test_power_figures_land_beside_each_engines_timing(eg, tmp_path, monkeypatch
     assert (ours["sm_mhz"], ours["power_w"], ours["power_samples"]) == (1007.0, 690.0, 3)
     assert ours["joules_per_step"] == pytest.approx(690.0 * 5.0e-3)
     assert logs[0].closed
+
+
+@pytest.mark.parametrize("sustain_ms,calls", [(0.0, 4), (10.0, 3 + 20 + 10)])
+def test_event_timing_counts_its_calls_against_a_fake_device_clock(eg, monkeypatch, sustain_ms, calls):
+    """sustained_ms over a fake device where every call takes 0.5 ms: ``reps`` timed calls; with
+    sustain_ms, 3 calls to gauge one, sustain_ms of calls back to back, then calls filling half of it.
+    event_ms adds one untimed call before its ``reps``."""
+    n = [0]
+
+    class Event:
+        def record(self, stream=None):
+            self.n = n[0]
+
+        def synchronize(self):
+            pass
+
+    cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 0.5 * (b.n - a.n))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+
+    def call():
+        n[0] += 1
+
+    assert eg.sustained_ms(call, 4, sustain_ms) == 0.5 and n[0] == calls
+    n[0] = 0
+    assert eg.event_ms(call, 4) == 0.5 and n[0] == 5
