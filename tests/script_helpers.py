@@ -8,6 +8,8 @@ as a fresh module, for the tests that call its functions.
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,3 +22,19 @@ def load_script(relpath: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def fake_device_clock(monkeypatch, calls: list[int], ms_per_call: float = 0.5) -> types.SimpleNamespace:
+    """A stand-in ``cupy`` module (in sys.modules) whose CUDA events read ``calls[0]``, a count the caller's
+    fake kernel launches bump: the elapsed time between two events is ``ms_per_call`` a launch between
+    them. Its ``cuda`` namespace is returned for more attributes."""
+    class Event:
+        def record(self, stream=None):
+            self.n = calls[0]
+
+        def synchronize(self):
+            pass
+
+    cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: ms_per_call * (b.n - a.n))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    return cuda

@@ -9,12 +9,10 @@ The timed functions are replaced by stand-ins; nothing here measures speed.
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 
-from script_helpers import load_script
+from script_helpers import fake_device_clock, load_script
 
 
 @pytest.fixture()
@@ -218,16 +216,7 @@ def test_event_timing_counts_its_calls_against_a_fake_device_clock(eg, monkeypat
     sustain_ms, 3 calls to gauge one, sustain_ms of calls back to back, then calls filling half of it.
     event_ms adds one untimed call before its ``reps``."""
     n = [0]
-
-    class Event:
-        def record(self, stream=None):
-            self.n = n[0]
-
-        def synchronize(self):
-            pass
-
-    cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 0.5 * (b.n - a.n))
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    fake_device_clock(monkeypatch, n)
 
     def call():
         n[0] += 1

@@ -8,13 +8,12 @@ candidate (the engine's own choice is among them and the fastest is no slower th
 from __future__ import annotations
 
 import json
-import sys
 import types
 
 import pytest
 
 from andrea.cuda.loader import cupy_or_none
-from script_helpers import load_script
+from script_helpers import fake_device_clock, load_script
 
 @pytest.mark.parametrize("sustain_ms,warm,timed", [(0.0, 0, 4), (10.0, 20, 10), (1.0, 2, 4)])
 def test_a_sustained_candidate_is_timed_after_its_warm_run(sustain_ms, warm, timed, monkeypatch):
@@ -23,17 +22,8 @@ def test_a_sustained_candidate_is_timed_after_its_warm_run(sustain_ms, warm, tim
     at least ``reps`` timed calls filling half of sustain_ms. A refused candidate is None and runs once."""
     mod = load_script("bench/lt_algos.py")
     calls = [0]
-
-    class Event:
-        def record(self, stream=None):
-            self.n = calls[0]
-
-        def synchronize(self):
-            pass
-
-    cuda = types.SimpleNamespace(Event=Event, ExternalStream=lambda ptr: ptr, Stream=types.SimpleNamespace(null=0),
-                                 get_elapsed_time=lambda a, b: 0.5 * (b.n - a.n))
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    cuda = fake_device_clock(monkeypatch, calls)
+    cuda.ExternalStream, cuda.Stream = (lambda ptr: ptr), types.SimpleNamespace(null=0)
 
     def matmul(*args):
         calls[0] += 1
