@@ -25,12 +25,16 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
+from fp8_ab import round_order  # noqa: E402  (A B, B A, ...)
 
+from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 SETTINGS = {"deterministic": True, "default": False}        # name -> cudnn_attention.DETERMINISTIC
@@ -41,14 +45,9 @@ def alternate(rounds: int, names: list[str], measure) -> dict[str, list[float]]:
     neither setting always runs on the cooler card) -> {name: [one value a round]}."""
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):
+        for n in round_order(names, r):
             out[n].append(measure(n))
     return out
-
-
-def bf16_values(cp, bits):
-    """float32 values of bf16 bits (uint16)."""
-    return (bits.astype(cp.uint32) << 16).view(cp.float32)
 
 
 def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: int) -> dict:
@@ -80,9 +79,9 @@ def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: i
         first[name] = outs[0]
         res[name] = {"workspace_bytes": int(scratch.nbytes), "repeats": repeats,
                      "same_bytes": all(bool((o == outs[0]).all()) for o in outs[1:])}
-    ref, other = bf16_values(cp, first["deterministic"]), bf16_values(cp, first["default"])
-    res["max_abs_diff"] = float(cp.abs(other - ref).max())
-    res["max_abs_deterministic"] = float(cp.abs(ref).max())
+    ref, other = (bf16_to_f32(cp.asnumpy(first[n])) for n in ("deterministic", "default"))
+    res["max_abs_diff"] = float(np.abs(other - ref).max())
+    res["max_abs_deterministic"] = float(np.abs(ref).max())
 
     def measure(name: str) -> float:
         att, scratch = arms[name]
