@@ -74,10 +74,11 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[
     import cupy as cp
 
     desc, a_l, b_l, d_l, _, algos, chosen, c_l, _ = plan
-    a_ptr, b_ptr, d_ptr, beta, stream, c_ptr = args
+    a_ptr, b_ptr, d_ptr, beta, _, c_ptr = args
     c_ptr = d_ptr if c_ptr is None else c_ptr
     out = []
-    s = cp.cuda.ExternalStream(stream) if stream else cp.cuda.Stream.null
+    s = cp.cuda.Stream(non_blocking=True)        # the candidates' own stream (the engine's is not ours to wrap)
+    stream = s.ptr
     for algo in algos:
         def call():
             return lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
