@@ -41,6 +41,7 @@ def test_a_sustained_candidate_is_timed_after_its_warm_run(sustain_ms, warm, tim
 
 @pytest.mark.gpu
 @pytest.mark.skipif(cupy_or_none() is None, reason="needs CuPy and a CUDA device")
+@pytest.mark.filterwarnings("error::DeprecationWarning")     # CuPy 14's ExternalStream warned in every run
 def test_every_problem_of_a_step_is_timed_under_each_candidate(tmp_path):
     mod = load_script("bench/lt_algos.py")
     out = tmp_path / "lt.json"
