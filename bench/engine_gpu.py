@@ -354,20 +354,20 @@ def gemm_shapes(s: dict, B: int) -> dict:
     return out
 
 
-def sustained_ms(call, reps: int, sustain_ms: float = 0.0, stream=None) -> float:
-    """ms per call of ``call`` (already warmed up) on ``stream`` (None: the current one), between CUDA
-    events: over ``reps`` calls; with ``sustain_ms`` > 0, first back to back for that long, then over as
-    many calls as fill half of it (at least ``reps``): the steady state under the card's power limit,
+def sustained_ms(call, reps: int, sustain_ms: float = 0.0) -> float:
+    """ms per call of ``call`` (already warmed up) on the current stream, between CUDA events: over
+    ``reps`` calls; with ``sustain_ms`` > 0, first back to back for that long, then over as many calls as
+    fill half of it (at least ``reps``): the steady state under the card's power limit,
     where a training step runs (an H200 step of 480M B=16 sits at its 700 W cap, its SM clock near 1.6
     GHz against 1.98 idle), not a short burst at full clock."""
     import cupy as cp
 
     def ms_per_call(n: int) -> float:
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(stream)
+        e0.record()
         for _ in range(n):
             call()
-        e1.record(stream)
+        e1.record()
         e1.synchronize()
         return cp.cuda.get_elapsed_time(e0, e1) / n
 

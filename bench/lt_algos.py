@@ -77,8 +77,7 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[
     a_ptr, b_ptr, d_ptr, beta, _, c_ptr = args
     c_ptr = d_ptr if c_ptr is None else c_ptr
     out = []
-    s = cp.cuda.Stream(non_blocking=True)        # the candidates' own stream (the engine's is not ours to wrap)
-    stream = s.ptr
+    stream = cp.cuda.get_current_stream().ptr     # timed where sustained_ms records its events
     for algo in algos:
         def call():
             return lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
@@ -89,7 +88,7 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[
             continue
         for _ in range(3):
             call()
-        out.append(eg.sustained_ms(call, reps, sustain_ms, s))
+        out.append(eg.sustained_ms(call, reps, sustain_ms))
     return out
 
 

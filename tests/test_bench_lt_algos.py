@@ -23,7 +23,7 @@ def test_a_sustained_candidate_is_timed_after_its_warm_run(sustain_ms, warm, tim
     mod = load_script("bench/lt_algos.py")
     calls = [0]
     cuda = fake_device_clock(monkeypatch, calls)
-    cuda.Stream = lambda non_blocking=False: types.SimpleNamespace(ptr=0)
+    cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
 
     def matmul(*args):
         calls[0] += 1
