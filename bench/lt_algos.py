@@ -47,7 +47,8 @@ def choose(times: list) -> int:
 
 
 def record(eng) -> dict:
-    """id(plan) -> [plan, (a, b, d, beta, stream, c), calls in one step, the problem's description]."""
+    """id(plan) -> [plan, (a, b, d, beta, c), calls in one step, the problem's description] (the stream is
+    not kept: time_candidates runs on the current one)."""
     from andrea.cuda.cublaslt import Lt
 
     seen: dict = {}
@@ -56,7 +57,7 @@ def record(eng) -> dict:
     def run(self, plan, a_ptr, b_ptr, d_ptr, beta, stream, what, c_ptr=None):
         orig(self, plan, a_ptr, b_ptr, d_ptr, beta, stream, what, c_ptr=c_ptr)
         hit = seen.setdefault(id(plan), [plan, None, 0, what(), self])
-        hit[1] = (a_ptr, b_ptr, d_ptr, beta, stream, c_ptr)
+        hit[1] = (a_ptr, b_ptr, d_ptr, beta, c_ptr)
         hit[2] += 1
 
     Lt._run = run
@@ -74,7 +75,7 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[
     import cupy as cp
 
     desc, a_l, b_l, d_l, _, algos, chosen, c_l, _ = plan
-    a_ptr, b_ptr, d_ptr, beta, _, c_ptr = args
+    a_ptr, b_ptr, d_ptr, beta, c_ptr = args
     c_ptr = d_ptr if c_ptr is None else c_ptr
     out = []
     stream = cp.cuda.get_current_stream().ptr     # timed where sustained_ms records its events

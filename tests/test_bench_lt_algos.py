@@ -34,7 +34,7 @@ def test_a_sustained_candidate_is_timed_after_its_warm_run(sustain_ms, warm, tim
                                _beta={0.0: types.SimpleNamespace(ctypes=types.SimpleNamespace(data=0))},
                                ws=types.SimpleNamespace(data=types.SimpleNamespace(ptr=0)), ws_bytes=0)
     plan = [None, None, None, None, None, ["ok", "refused"], 0, None, "p"]
-    times = mod.time_candidates(lt, plan, (1, 2, 3, 0.0, 0, None), 4, sustain_ms)
+    times = mod.time_candidates(lt, plan, (1, 2, 3, 0.0, None), 4, sustain_ms)
     assert times == [0.5, None]
     assert calls[0] == 1 + 3 + (3 + warm if sustain_ms else 0) + timed + 1
 
