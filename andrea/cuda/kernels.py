@@ -15,6 +15,7 @@ are compiled through ``andrea.cuda.loader``; importing this module needs neither
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
@@ -630,3 +631,172 @@ def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate, part=Non
         raise AndreaError("k_adamw: the amax partials need the four-a-thread kernel (16-byte aligned buffers)")
     else:
         kernel("optim.cu", f"k_adamw_{SUFFIX[prec]}")((blocks(n),), (256,), args)
+
+
+# ----------------------------------------------------------------------------- the proj dgrad with gelu'
+# mm_dgelu.cu (Hopper only): D (M, N) = bf16((A (M, K) B (N, K)^T) * fp16(gelu'(X (M, N)))), bf16 payloads,
+# row-major. Its variants are defines; MmDgelu compiles one, encodes the TMA maps of each operand set and
+# launches it; mm_dgelu_reference is the NumPy twin. The engine's proj dgrad is still cuBLASLt's DGELU
+# GEMM: bench/dgelu_gemm.py measures this kernel against it, which it has to beat to replace it.
+#
+#     mm = MmDgelu(("MM_CLUSTER=2",)); mm(d, a, b, x)        # d, a, b, x cupy uint16
+
+MM_DGELU = {"MM_BN": 256, "MM_STAGES": 3, "MM_CLUSTER": 1, "MM_GROUP": 8}   # mm_dgelu.cu's #ifndef values
+MM_BN_BUILT = (256, 192)              # the wgmma shapes the file spells out (WG_SS_N256, WG_SS_N192)
+MM_BM, MM_BK, MM_THREADS = 128, 64, 384
+SMEM_LIMIT = 232448                # sm_90's opt-in dynamic shared memory a block (227 KB)
+
+# cuTensorMapEncodeTiled's enums (cuda.h)
+_BFLOAT16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE = 9, 0, 3, 3, 0
+
+
+def mm_dgelu_config(defines: tuple[str, ...] = ()) -> dict[str, int]:
+    """MM_DGELU with ``defines`` ("NAME=VALUE", as ``bench/dgelu_gemm.py --configs`` takes them) applied;
+    AndreaError names a define the kernel does not have, a value that is not an integer, a tile width it
+    has no wgmma for, a cluster other than 1 or 2, or a ring too deep for shared memory."""
+    cfg = dict(MM_DGELU)
+    for d in defines:
+        name, eq, value = d.partition("=")
+        if name not in cfg or not eq:
+            raise AndreaError(f"mm_dgelu variant {d!r}: expected NAME=VALUE with NAME one of {', '.join(cfg)}")
+        try:
+            cfg[name] = int(value)
+        except ValueError:
+            raise AndreaError(f"mm_dgelu variant {d!r}: {name} must be an integer") from None
+    if cfg["MM_BN"] not in MM_BN_BUILT:
+        raise AndreaError(f"mm_dgelu variant: MM_BN={cfg['MM_BN']}, the kernel has wgmma for {MM_BN_BUILT} only")
+    if cfg["MM_CLUSTER"] not in (1, 2) or cfg["MM_STAGES"] < 2 or cfg["MM_GROUP"] < 1:
+        raise AndreaError(f"mm_dgelu variant {cfg}: MM_CLUSTER is 1 or 2, MM_STAGES at least 2, MM_GROUP at least 1")
+    if mm_dgelu_smem(cfg) > SMEM_LIMIT:
+        raise AndreaError(f"mm_dgelu variant {cfg}: needs {mm_dgelu_smem(cfg)} bytes of shared memory, more than "
+                          f"the {SMEM_LIMIT} a block can have; take fewer MM_STAGES or MM_BN=192")
+    return cfg
+
+
+def mm_dgelu_defines(cfg: dict[str, int]) -> tuple[str, ...]:
+    """The "NAME=VALUE" defines that differ from the file's defaults (none for the default build)."""
+    return tuple(f"{k}={v}" for k, v in cfg.items() if MM_DGELU[k] != v)
+
+
+def mm_dgelu_smem(cfg: dict[str, int]) -> int:
+    """Dynamic shared memory of a block, as k_mm_dgelu lays it out: the A/B ring, xbuf, 2 MM_STAGES + 3
+    mbarriers and up to 1023 bytes to align the tiles to 1024 (128-byte swizzle)."""
+    bn, st = cfg["MM_BN"], cfg["MM_STAGES"]
+    return st * (MM_BM * MM_BK * 2 + bn * MM_BK * 2) + MM_BM * bn * 2 + 8 * (2 * st + 3) + 1024
+
+
+def mm_dgelu_fits(M: int, N: int, K: int, cfg: dict[str, int]) -> bool:
+    """Whether k_mm_dgelu covers an (M, N, K) problem exactly: whole cluster tiles, whole k steps."""
+    return M > 0 and K > 0 and M % (MM_BM * cfg["MM_CLUSTER"]) == 0 and N % cfg["MM_BN"] == 0 and N > 0 \
+        and K % MM_BK == 0
+
+
+def mm_dgelu_grid(M: int, N: int, cfg: dict[str, int], sms: int) -> int:
+    """CTAs of the persistent launch: one an SM, whole clusters, no more than there are tiles."""
+    cl = cfg["MM_CLUSTER"]
+    units = (M // (MM_BM * cl)) * (N // cfg["MM_BN"])
+    return max(1, min(units, sms // cl)) * cl
+
+
+def gelu_grad(x: np.ndarray) -> np.ndarray:
+    """d gelu_tanh / dx in float64: s + x s (1 - s) 2k (1 + 3a x^2), s = sigmoid(2k (x + a x^3)) (common.cuh's
+    gelu_grad_f, exactly)."""
+    x = np.asarray(x, dtype=np.float64)
+    k, a = math.sqrt(2.0 / math.pi), 0.044715
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-2.0 * k * (x + a * x ** 3)))
+    return s + x * s * (1.0 - s) * 2.0 * k * (1.0 + 3.0 * a * x * x)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values -> bf16 payloads, rounded to nearest even (finite inputs)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def mm_dgelu_reference(a: np.ndarray, b: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The twin of k_mm_dgelu on bf16 payloads a (M, K), b (N, K), x (M, N): the product in float64, g =
+    gelu'(x) rounded to fp16 as the gelu' warps store it, bf16(float32(product * g)) -> (M, N) uint16.
+    The kernel sums in fp32 in its own order, so it may differ by one bf16 unit."""
+    from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: PLC0415
+
+    A, B, X = (bf16_to_f32(v).astype(np.float64) for v in (a, b, x))
+    g = gelu_grad(X).astype(np.float16).astype(np.float64)
+    return bf16_bits(((A @ B.T) * g).astype(np.float32))
+
+
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise AndreaError(f"mm_dgelu: the CUDA driver library (libcuda.so.1) does not load ({e})") from None
+
+
+def tensor_map(lib, addr: int, rows: int, cols: int, box_rows: int) -> bytes:
+    """The 128-byte CUtensorMap of a row-major (rows, cols) bf16 matrix at device address ``addr``: boxes
+    of box_rows x 64 columns (128 bytes, one swizzle row), 128-byte swizzle, L2 promotion 256 B."""
+    out = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(cols * 2)
+    box = (ctypes.c_uint32 * 2)(MM_BK, box_rows)
+    ones = (ctypes.c_uint32 * 2)(1, 1)
+    rc = lib.cuTensorMapEncodeTiled(out, _BFLOAT16, 2, ctypes.c_void_p(addr), dims, strides, box, ones,
+                                    _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE)
+    if rc != 0:
+        raise AndreaError(f"mm_dgelu: cuTensorMapEncodeTiled failed (CUresult {rc}) for a ({rows}, {cols}) bf16 "
+                          f"matrix at 0x{addr:x} with boxes of {box_rows} x {MM_BK}")
+    return bytes(out)
+
+
+class MmDgelu:
+    """k_mm_dgelu of one variant, compiled for this device, with the TMA maps of every operand set it was
+    called with (kept on the device, 512 bytes a set, so a call inside a CUDA graph reads fixed maps)."""
+
+    def __init__(self, defines: tuple[str, ...] = ()):
+        import cupy  # noqa: PLC0415
+
+        from andrea.cuda import loader  # noqa: PLC0415
+
+        if not hopper():
+            raise AndreaError("mm_dgelu: the kernel needs a compute capability 9.0 GPU (TMA, wgmma, clusters)")
+        self.cfg = mm_dgelu_config(defines)
+        extra = mm_dgelu_defines(self.cfg)
+        mod = loader.build("mm_dgelu.cu", extra) if extra else loader.module("mm_dgelu.cu")
+        self.fn = mod.get_function("k_mm_dgelu")
+        self.smem = mm_dgelu_smem(self.cfg)
+        self.fn.max_dynamic_shared_size_bytes = self.smem
+        self.sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._lib = _libcuda()
+        self._maps: dict[tuple, object] = {}
+
+    def maps(self, d, a, b, x, M: int, N: int, K: int):
+        """The device copy of the four maps (A, B, X, D) of these operands, encoded on first use."""
+        import cupy  # noqa: PLC0415
+
+        key = (d.data.ptr, a.data.ptr, b.data.ptr, x.data.ptr, M, N, K)
+        buf = self._maps.get(key)
+        if buf is None:
+            enc = (tensor_map(self._lib, a.data.ptr, M, K, MM_BM),
+                   tensor_map(self._lib, b.data.ptr, N, K, self.cfg["MM_BN"] // self.cfg["MM_CLUSTER"]),
+                   tensor_map(self._lib, x.data.ptr, M, N, MM_BM),
+                   tensor_map(self._lib, d.data.ptr, M, N, MM_BM))
+            buf = cupy.asarray(np.frombuffer(b"".join(enc), dtype=np.uint8))   # 512-byte aligned allocation
+            self._maps[key] = buf
+        return buf
+
+    def __call__(self, d, a, b, x, ctas: int | None = None) -> None:
+        """D = bf16((A B^T) * fp16(gelu'(X))) on the current stream. ``ctas`` caps the persistent grid (a
+        test makes each CTA run several tiles); refusals name the argument and what it needs."""
+        if a.ndim != 2 or b.ndim != 2:
+            raise AndreaError(f"mm_dgelu: A and B must be matrices (got shapes {a.shape}, {b.shape})")
+        (M, K), N = a.shape, b.shape[0]
+        need("mm_dgelu", "A", a, np.uint16, (M, K))
+        need("mm_dgelu", "B", b, np.uint16, (N, K))
+        need("mm_dgelu", "X", x, np.uint16, (M, N))
+        need("mm_dgelu", "D", d, np.uint16, (M, N))
+        if not mm_dgelu_fits(M, N, K, self.cfg):
+            raise AndreaError(f"mm_dgelu: a {M} x {N} x {K} problem does not fit the variant {self.cfg}: M must be a "
+                              f"multiple of {MM_BM * self.cfg['MM_CLUSTER']}, N of {self.cfg['MM_BN']}, K of {MM_BK}")
+        n = mm_dgelu_grid(M, N, self.cfg, self.sms if ctas is None else int(ctas))
+        self.fn((n,), (MM_THREADS,), (self.maps(d, a, b, x, M, N, K), np.int32(M), np.int32(N), np.int32(K)),
+                shared_mem=self.smem)

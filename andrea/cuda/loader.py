@@ -35,7 +35,7 @@ OPTIONS = ("--std=c++17",)
 # Files with kernels for Hopper's arch-specific features (wgmma), behind `#if __CUDA_ARCH_FEAT_SM90_ALL`:
 # compiled for sm_90a on a compute capability 9.0 device (the option goes before CuPy's own -arch=sm_90,
 # and NVRTC keeps the first), for the plain target elsewhere.
-SM90A_FILES = ("attention.cu",)
+SM90A_FILES = ("attention.cu", "mm_dgelu.cu")
 # What CuPy's RawModule adds to those options on an NVRTC of CUDA 12 or later (cupy/cuda/compiler.py): the
 # offline compile (``_nvrtc``) passes them too, so that it compiles what ``build`` compiles. Without the first,
 # CUDA 13.0's NVRTC refuses the generic lambdas of the attention kernels as host functions.
