@@ -94,29 +94,47 @@ def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: i
     return res
 
 
-def step(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None) -> dict:
-    """The engine's bf16 step (train.attention=cudnn) under each setting, alternating; the anchor once;
-    ratios of tokens/s and MFU against it."""
-    import andrea.cuda.cudnn_attention as ca
-
+def step_ab(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None, settings: dict,
+            **ours) -> dict:
+    """The engine's bf16 step (``engine_gpu.bench_ours``, keywords ``ours``) under each of ``settings``
+    ({name: a no-argument callable giving the context the run goes in}), ``rounds`` alternating rounds;
+    the anchor once; each setting's median ms, MFU and ratio of tokens/s against the anchor."""
     n_params = []
 
     def measure(name: str) -> float:
-        with eg.patched(ca, DETERMINISTIC=SETTINGS[name]):
-            r = eg.bench_ours(s, B, steps, warmup, "bf16", attention="cudnn")
+        with settings[name]():
+            r = eg.bench_ours(s, B, steps, warmup, "bf16", **ours)
         n_params.append(r["n_params"])
         return r["ms"]
 
-    res = {n: {"ms": statistics.median(v), "ms_rounds": v} for n, v in alternate(rounds, list(SETTINGS), measure).items()}
+    res = {n: {"ms": statistics.median(v), "ms_rounds": v} for n, v in alternate(rounds, list(settings), measure).items()}
     fpt = eg.flops_per_token(s, n_params[0])
     for x in res.values():
         x["mfu"] = fpt * B * s["T"] / (x["ms"] / 1e3) / eg.PEAK_BF16
     if anchor:
         a = eg.bench_torch(s, B, steps, warmup, anchor)
         res["anchor"] = {"name": anchor, "ms": a["ms"]}
-        for n in SETTINGS:
+        for n in settings:
             res[n]["ratio_vs_anchor"] = a["ms"] / res[n]["ms"]
     return res
+
+
+def print_step(key: str, r: dict, names) -> None:
+    """One line: each setting's ms, MFU and ratio, then the anchor's ms (step_ab's result)."""
+    anchor = "anchor" in r
+    vs = f"; {r['anchor']['name']} {r['anchor']['ms']:.2f} ms" if anchor else ""
+    print(f"{key} step: " + ", ".join(
+        f"{n} {r[n]['ms']:.2f} ms (MFU {r[n]['mfu']:.1%}"
+        + (f", {r[n]['ratio_vs_anchor']:.3f}x)" if anchor else ")") for n in names) + vs, flush=True)
+
+
+def step(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None) -> dict:
+    """The engine's bf16 step (train.attention=cudnn) under each setting, alternating; the anchor once;
+    ratios of tokens/s and MFU against it."""
+    import andrea.cuda.cudnn_attention as ca
+
+    settings = {n: (lambda det=det: eg.patched(ca, DETERMINISTIC=det)) for n, det in SETTINGS.items()}
+    return step_ab(s, B, rounds, steps, warmup, anchor, settings, attention="cudnn")
 
 
 def main(argv=None) -> int:
@@ -148,11 +166,8 @@ def main(argv=None) -> int:
             atomic_write_json(Path(args.json), out)
         if args.no_step:
             continue
-        out[key]["step"] = r = step(s, B, args.rounds, args.steps, args.warmup, anchor)
-        vs = f"; {r['anchor']['name']} {r['anchor']['ms']:.2f} ms" if anchor else ""
-        print(f"{key} step: " + ", ".join(
-            f"{n} {r[n]['ms']:.2f} ms (MFU {r[n]['mfu']:.1%}"
-            + (f", {r[n]['ratio_vs_anchor']:.3f}x)" if anchor else ")") for n in SETTINGS) + vs, flush=True)
+        out[key]["step"] = step(s, B, args.rounds, args.steps, args.warmup, anchor)
+        print_step(key, out[key]["step"], SETTINGS)
         if args.json:
             atomic_write_json(Path(args.json), out)
     return 0

@@ -13,8 +13,12 @@ Each of ours is checked before it is timed: against lt_dgelu's output (no NaN le
 every element within 2e-3 + 2^-7 |ref|) and its own bytes on a repeat. An arm that fails is reported and
 not timed. Timing: ``engine_gpu.sustained_ms`` after ``--sustain-ms`` of back-to-back calls (the power
 limit a step runs at), ``--rounds`` rounds in alternating order, the median. Printed per arm: us a call,
-TFLOP/s, the ratio to lt_dgelu and what it would save a step over the variant's L layers. ``--json`` is
-written after every shape.
+TFLOP/s, the ratio to lt_dgelu and what it would save a step over the variant's L layers.
+
+With ``--step`` the whole bf16 training step follows (``attention_det.step_ab``): the engine as committed
+(cuBLASLt's DGELU) and, for each arm that passed its check, the engine with ``engine.OWN_DGELU`` on in that
+variant, ``--rounds`` alternating rounds, and the ``--anchor`` once: ms, MFU and the ratio to the anchor,
+the figures issue 19 holds. ``--json`` is written after every measurement.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
+from attention_det import print_step, step_ab  # noqa: E402
 from fp8_ab import round_order  # noqa: E402  (A B, B A, ...)
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
@@ -143,6 +148,18 @@ def report(key: str, res: dict) -> str:
     return "\n".join(lines)
 
 
+def step(s: dict, B: int, configs: dict[str, tuple[str, ...]], passed, rounds: int, steps: int, warmup: int,
+         anchor: str | None) -> dict:
+    """The training step with cuBLASLt's DGELU (``lt_dgelu``) and with each config in ``passed`` (names that
+    passed their check alone) through engine.OWN_DGELU, alternating; the anchor once."""
+    import andrea.cuda.engine as ce
+
+    settings = {"lt_dgelu": lambda: eg.patched(ce, OWN_DGELU=False)}
+    for n in passed:
+        settings[n] = (lambda d=configs[n]: eg.patched(ce, OWN_DGELU=True, OWN_DGELU_DEFINES=d))
+    return step_ab(s, B, rounds, steps, warmup, anchor, settings)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", nargs="+", default=["andrea-480m:8,16", "andrea-120m:32"])
@@ -152,6 +169,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sustain-ms", type=float, default=200.0)
     ap.add_argument("--reps", type=int, default=20, help="timed calls (at least)")
+    ap.add_argument("--step", action="store_true", help="then the training step with each arm that passed")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
@@ -159,11 +180,19 @@ def main(argv=None) -> int:
     except AndreaError as e:
         print(f"dgelu_gemm: {e}", file=sys.stderr)
         return 2
+    anchor = None if args.anchor == "none" else args.anchor
     out = {}
     for v, B in eg.parse_variants(args.variants, args.batch):
-        key = f"{v}:B{B}"
-        out[key] = shape(eg.variant_shapes(v), B, configs, args.rounds, args.sustain_ms, args.reps)
-        print(report(key, out[key]), flush=True)
+        key, s = f"{v}:B{B}", eg.variant_shapes(v)
+        out[key] = {"alone": shape(s, B, configs, args.rounds, args.sustain_ms, args.reps)}
+        print(report(key, out[key]["alone"]), flush=True)
+        if args.json:
+            atomic_write_json(Path(args.json), out)
+        if not args.step:
+            continue
+        passed = [n for n in configs if out[key]["alone"].get(n, {}).get("ok")]
+        out[key]["step"] = step(s, B, configs, passed, args.rounds, args.steps, args.warmup, anchor)
+        print_step(key, out[key]["step"], ["lt_dgelu", *passed])
         if args.json:
             atomic_write_json(Path(args.json), out)
     return 0

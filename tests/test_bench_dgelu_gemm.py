@@ -83,7 +83,34 @@ def test_json_keeps_the_first_shape_when_the_second_dies(dg, monkeypatch, tmp_pa
     with pytest.raises(RuntimeError, match="time limit"):
         dg.main(["--variants", "andrea-480m:8,16", "--json", str(out)])
     got = json.loads(out.read_text())
-    assert list(got) == ["andrea-480m:B8"] and got["andrea-480m:B8"]["M"] == 8 * 1024
+    assert list(got) == ["andrea-480m:B8"] and got["andrea-480m:B8"]["alone"]["M"] == 8 * 1024
+
+
+def test_the_step_runs_the_committed_engine_and_each_arm_that_passed_under_its_defines(dg, monkeypatch, capsys):
+    import andrea.cuda.engine as ce
+
+    seen = []
+
+    def ours(s, B, steps, warmup, prec):
+        seen.append((ce.OWN_DGELU, ce.OWN_DGELU_DEFINES))
+        return {"ms": 40.0 if ce.OWN_DGELU else 41.0, "n_params": 1_000_000}
+
+    alone = {"M": 2048, "N": 256, "K": 64, "layers": 2,
+             "lt_dgelu": {"us": 2.0, "tflops": 1.0, "vs_lt_dgelu": 1.0, "saves_ms_a_step": 0.0},
+             "ours:default": {"ok": True, "nan": 0, "bad": 0, "same_bytes": True, "max_abs_diff": 0.0,
+                              "registers": 157, "us": 1.0, "tflops": 2.0, "vs_lt_dgelu": 2.0, "saves_ms_a_step": 0.0},
+             "ours:MM_CLUSTER=2": {"ok": False, "nan": 3, "bad": 0, "same_bytes": True, "max_abs_diff": 0.0,
+                                   "registers": 157}}
+    monkeypatch.setattr(dg, "shape", lambda *a: alone)
+    monkeypatch.setattr(dg.eg, "bench_ours", ours)
+    monkeypatch.setattr(dg.eg, "bench_torch", lambda s, B, steps, warmup, a: {"ms": 44.0})
+    assert dg.main(["--variants", "andrea-12m:8", "--configs", "default", "MM_CLUSTER=2", "--step",
+                    "--rounds", "2"]) == 0
+    # the failed arm never runs in the step; the rounds alternate; the switch is put back after each run
+    assert seen == [(False, ()), (True, ()), (True, ()), (False, ())]
+    assert ce.OWN_DGELU is False and ce.OWN_DGELU_DEFINES == ()
+    out = capsys.readouterr().out
+    assert "lt_dgelu 41.00 ms" in out and "ours:default 40.00 ms" in out and "1.100x" in out
 
 
 @pytest.mark.gpu

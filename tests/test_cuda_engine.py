@@ -180,6 +180,41 @@ def test_two_runs_are_byte_identical_and_resume_is_bit_exact(prec, attn, monkeyp
         assert x.tobytes() == y.tobytes()
 
 
+def test_own_dgelu_gemm_keeps_every_gradient_and_the_bytes(monkeypatch):
+    """OWN_DGELU: the proj dgrad's DGELU through mm_dgelu.cu (kernels.MmDgelu) in every layer; the loss and
+    every gradient against NumPy as the cuBLASLt path is held, two runs and a resume byte-identical, the
+    graph the eager launches' bytes."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda import kernels as K
+    from andrea.cuda.backend import make_backend
+
+    if not K.hopper():
+        pytest.skip("k_mm_dgelu needs a compute capability 9.0 device")
+    monkeypatch.setattr(ce, "OWN_DGELU", True)
+    seen = []
+    real = K.MmDgelu.__call__
+    monkeypatch.setattr(K.MmDgelu, "__call__", lambda self, d, *a, **k: seen.append(d.shape) or real(self, d, *a, **k))
+    ref = numpy_engine()
+    gpu = make_backend().make_engine(MC, B, precision="bf16")
+    assert gpu.ops.dgelu is not None and gpu.a["dgelu_maps"].shape == (MC.n_layer, 512)
+    gpu.init_weights(0)
+    x, y = batch(2)
+    ref.zero_grads()
+    l_ref = ref.forward(x, y)
+    ref.backward(1.0 / ref.N)
+    l_gpu = gpu.compute_grads(x, y)
+    assert seen and set(seen) == {(B * MC.context, 4 * MC.d_model)} and len(seen) >= MC.n_layer
+    assert abs(l_gpu - l_ref) <= 2e-2 * max(1.0, abs(l_ref))
+    grads_close(gpu.grads_host(), ref.g, ref.layout, 6e-2)
+    a = _run("bf16", 6)
+    b = _run("bf16", 6)
+    resumed = _run("bf16", 3, start=_run("bf16", 3))
+    eager = _run("bf16", 6, graph=False)
+    for other in (b, resumed, eager):
+        for u, v in zip(a[1:], other[1:]):
+            assert u.tobytes() == v.tobytes()
+
+
 @pytest.mark.parametrize("prec", ["bf16", "fp8"])
 def test_first_microbatch_writing_the_weight_gradients_keeps_the_bytes(prec, monkeypatch):
     """engine.WGRAD_WRITES (the default): a step's first microbatch writes the block weights' gradients (beta

@@ -184,3 +184,52 @@ def test_a_problem_the_variant_does_not_cover_is_refused_before_launch():
         mm(cp.zeros((128, 256), cp.uint16), a, b, x)
     with pytest.raises(AndreaError, match="argument D has shape"):
         mm(cp.zeros((128, 255), cp.uint16), a, b, x)
+
+
+# ----------------------------------------------------------------------------------------- the engine's switch
+def test_own_dgelu_plans_its_maps_in_the_arena_for_bf16_only(monkeypatch):
+    import andrea.cuda.engine as ce
+    from andrea.engine.model import ModelConfig
+    from andrea.memory import plan_items
+
+    mc = ModelConfig(vocab_size=300, d_model=128, n_head=2, n_layer=3, context=256)
+    off = ce.arena_layout(mc, 2, "bf16")
+    monkeypatch.setattr(ce, "OWN_DGELU", True)
+    on = ce.arena_layout(mc, 2, "bf16")
+    assert ("dgelu_maps", (3, 512), np.uint8) in on.spec and all(e[0] != "dgelu_maps" for e in off.spec)
+    assert 0 < on.nbytes - off.nbytes <= 3 * 512 + 512
+    for prec in ("fp32", "fp16", "fp8"):
+        assert all(e[0] != "dgelu_maps" for e in ce.arena_layout(mc, 2, prec).spec)
+    assert sum(plan_items(mc, 2, "bf16", grad_accum=None).values()) == ce.arena_layout(mc, 2, "bf16").nbytes
+
+
+def test_the_engine_sends_a_dgelu_gemm_to_the_kernel_only_where_it_takes_the_call():
+    import andrea.cuda.engine as ce
+    from andrea.cuda.cublaslt import EPILOGUE_DGELU, EPILOGUE_DEFAULT
+
+    calls = []
+
+    class Own:
+        def __init__(self, ok):
+            self.ok = ok
+
+        def takes(self, C, A, B, X, ta, tb, beta):
+            calls.append(("takes", ta, tb, beta))
+            return self.ok
+
+        def __call__(self, C, A, B, X):
+            calls.append(("own", X))
+
+    class Next:                                   # the path a call falls through to (here fp8's)
+        def mm(self, C, A, B, **k):
+            calls.append(("next", k["epilogue"], k["aux"]))
+
+    ops = ce.FastOps("bf16", None, {})
+    ops.f8 = Next()
+    ops.dgelu = Own(True)
+    ops._mm("dh", "dout", "w_proj", tb=True, epilogue=EPILOGUE_DGELU, aux="h_pre")
+    ops._mm("h", "x", "w_fc", epilogue=EPILOGUE_DEFAULT)              # not a DGELU call: never asked
+    ops.dgelu = Own(False)
+    ops._mm("dh", "dout", "w_proj", tb=True, epilogue=EPILOGUE_DGELU, aux="h_pre")
+    assert calls == [("takes", False, True, 0.0), ("own", "h_pre"), ("next", EPILOGUE_DEFAULT, None),
+                     ("takes", False, True, 0.0), ("next", EPILOGUE_DGELU, "h_pre")]

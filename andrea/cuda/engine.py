@@ -53,7 +53,8 @@ from andrea.cuda.kernels import (ADAMW_CHUNK, LN_ROWS_PER_CHUNK, LOWTYPE, NORM_B
                                  k_cast, k_embed_bwd, k_embed_fwd, k_gate_finite,
                                  k_gelu_bwd, k_gelu_fwd, k_grad_norm, k_grad_norm_final, k_grad_norm_partial,
                                  k_layernorm_bwd, k_layernorm_fwd, k_layernorm_fwd_e4m3, k_loss_bwd, k_loss_fwd,
-                                 k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_bwd_vr, ln_e4m3_fits)
+                                 k_loss_mean, k_residual_add, k_residual_layernorm_fwd, ln_bwd_vr, ln_e4m3_fits,
+                                 MmDgelu)
 from andrea.cuda.cublaslt import EPILOGUE_DEFAULT, EPILOGUE_DGELU, EPILOGUE_GELU_AUX, Lt
 from andrea.cuda.cudnn_attention import CudnnAttention
 from andrea.cuda.cudnn_attention import resolve as resolve_attention
@@ -94,6 +95,13 @@ FUSE_GELU = True
 # fp8.DGELU_CAST). With fp8.SAVE_TRANSPOSES h_act is one buffer for all layers whatever this says
 # (gpu_policy's ``shared``): the backward reads its kept E4M3 transpose.
 FUSE_GELU_FP8 = frozenset({"fwd"})
+# bf16 on a compute capability 9.0 device: the proj dgrad with gelu' through our own Hopper GEMM
+# (mm_dgelu.cu, kernels.MmDgelu, variant OWN_DGELU_DEFINES) in place of cuBLASLt's DGELU epilogue, which only
+# its xmma kernels carry (75-81 us a layer slower than its plain GEMM on the H200, docs/bench/s28_h200.md).
+# False until a variant beats that call at the step's shapes (bench/dgelu_gemm.py); True adds one (L, 512)
+# byte arena entry for its TMA maps, and a problem the variant does not fit stays with cuBLASLt.
+OWN_DGELU = False
+OWN_DGELU_DEFINES: tuple[str, ...] = ()
 # A step's first microbatch: the four block weight-gradient GEMMs write their gradients (beta 0: no read of
 # C, no zeroed rows to add onto) and zero_grads clears only the rest of g (wte, wpe, the LayerNorms), as
 # torch's zero_grad(set_to_none=True) leaves the first backward to write. The later microbatches add (beta
@@ -195,6 +203,7 @@ class FastOps:
             p: max((a["logits"], run), key=lambda x: x.nbytes) for p, run in self._runs.items()}
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
+        self.dgelu = None                                       # OWN_DGELU: a kernels.MmDgelu (GpuEngine sets it)
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
         self.fused, self.fused_bwd = fused_gelu("fp8" if f8 is not None else prec if lt is not None else "fp32")
         if f8 is not None:                                      # fp8.HPRE_E4M3: only without the DGELU epilogue
@@ -209,7 +218,9 @@ class FastOps:
     def _mm(self, C, A, B, ta=False, tb=False, beta=0.0, tag="gemm", epilogue=EPILOGUE_DEFAULT, aux=None):
         """One GEMM (Blas.mm's contract); ``tag`` names it for bench/engine_gpu.py --breakdown (a
         fused epilogue's GEMM says so: "fc fwd+gelu"). ``epilogue``/``aux``: cuBLASLt and fp8 only."""
-        if self.f8 is not None:
+        if epilogue == EPILOGUE_DGELU and self.dgelu is not None and self.dgelu.takes(C, A, B, aux, ta, tb, beta):
+            self.dgelu(C, A, B, aux)                            # OWN_DGELU: the same contract, our Hopper GEMM
+        elif self.f8 is not None:
             self.f8.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype, epilogue=epilogue, aux=aux)
         elif self.lt is not None:
             self.lt.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype, stream=cp().cuda.get_current_stream().ptr,
@@ -509,6 +520,8 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
         spec.append(("wlow", (n,), low))
     if precision in LT_PRECISIONS:
         spec.append(("lt_ws", (LT_WORKSPACE,), np.uint8))     # cuBLASLt's workspace (fp8's is in fp8_buffers)
+    if OWN_DGELU and precision == "bf16":
+        spec.append(("dgelu_maps", (mc.n_layer, 512), np.uint8))   # MmDgelu's TMA maps, one set a layer
     if precision in PAD_PRECISIONS:
         vp = -(-mc.vocab_size // LOGITS_PAD) * LOGITS_PAD
         spec.append(("wte_pad", (vp, mc.d_model), low))       # the head's wte, zero rows to Vp (FastOps._padded_head)
@@ -633,6 +646,8 @@ class GpuEngine:
         self.lt = Lt(a["lt_ws"]) if precision in LT_PRECISIONS else None
         self.attention, self.dnn = self._attention(attention)
         self.ops = FastOps(self.kp, self.blas, a, f8, self.lt, self.dnn)
+        if "dgelu_maps" in a and hopper():
+            self.ops.dgelu = MmDgelu(OWN_DGELU_DEFINES, store=a["dgelu_maps"])
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"

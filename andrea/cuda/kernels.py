@@ -750,9 +750,10 @@ def tensor_map(lib, addr: int, rows: int, cols: int, box_rows: int) -> bytes:
 
 class MmDgelu:
     """k_mm_dgelu of one variant, compiled for this device, with the TMA maps of every operand set it was
-    called with (kept on the device, 512 bytes a set, so a call inside a CUDA graph reads fixed maps)."""
+    called with, on the device (512 bytes a set) so that a call inside a CUDA graph reads fixed maps: in
+    ``store`` (uint8 (S, 512), e.g. the engine's arena: S sets at most) or else in CuPy allocations."""
 
-    def __init__(self, defines: tuple[str, ...] = ()):
+    def __init__(self, defines: tuple[str, ...] = (), store=None):
         import cupy  # noqa: PLC0415
 
         from andrea.cuda import loader  # noqa: PLC0415
@@ -767,7 +768,20 @@ class MmDgelu:
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._lib = _libcuda()
+        self._store = store
         self._maps: dict[tuple, object] = {}
+
+    def takes(self, d, a, b, x, ta: bool = False, tb: bool = True, beta: float = 0.0) -> bool:
+        """Whether a GEMM call with cuBLASLt's DGELU contract (``Lt.mm(d, a, b, ta, tb, beta, aux=x)``) is
+        this kernel's: D = A B^T with beta 0, all bf16 payloads, C-contiguous, 16-byte aligned (TMA), the
+        problem whole tiles of the variant."""
+        arrays = (d, a, b, x)
+        if ta or not tb or beta != 0.0 or any(v.ndim != 2 or v.dtype != np.uint16 or not v.flags.c_contiguous
+                                              for v in arrays):
+            return False
+        (M, K), N = a.shape, b.shape[0]
+        return b.shape == (N, K) and x.shape == d.shape == (M, N) and mm_dgelu_fits(M, N, K, self.cfg) \
+            and all(_aligned(v, 16) for v in arrays)
 
     def maps(self, d, a, b, x, M: int, N: int, K: int):
         """The device copy of the four maps (A, B, X, D) of these operands, encoded on first use."""
@@ -776,11 +790,19 @@ class MmDgelu:
         key = (d.data.ptr, a.data.ptr, b.data.ptr, x.data.ptr, M, N, K)
         buf = self._maps.get(key)
         if buf is None:
-            enc = (tensor_map(self._lib, a.data.ptr, M, K, MM_BM),
-                   tensor_map(self._lib, b.data.ptr, N, K, self.cfg["MM_BN"] // self.cfg["MM_CLUSTER"]),
-                   tensor_map(self._lib, x.data.ptr, M, N, MM_BM),
-                   tensor_map(self._lib, d.data.ptr, M, N, MM_BM))
-            buf = cupy.asarray(np.frombuffer(b"".join(enc), dtype=np.uint8))   # 512-byte aligned allocation
+            enc = np.frombuffer(b"".join((
+                tensor_map(self._lib, a.data.ptr, M, K, MM_BM),
+                tensor_map(self._lib, b.data.ptr, N, K, self.cfg["MM_BN"] // self.cfg["MM_CLUSTER"]),
+                tensor_map(self._lib, x.data.ptr, M, N, MM_BM),
+                tensor_map(self._lib, d.data.ptr, M, N, MM_BM))), dtype=np.uint8)
+            if self._store is None:
+                buf = cupy.asarray(enc)                               # a 512-byte aligned allocation
+            elif len(self._maps) < self._store.shape[0]:
+                buf = self._store[len(self._maps)]
+                buf.set(enc)                                          # on the current stream, before the launch
+            else:
+                raise AndreaError(f"mm_dgelu: its map store holds {self._store.shape[0]} operand sets, all taken; "
+                                  f"a {M} x {N} x {K} call with new pointers needs one more")
             self._maps[key] = buf
         return buf
 
