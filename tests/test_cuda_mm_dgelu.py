@@ -21,7 +21,8 @@ from andrea.engine.fp8_numpy import bf16_to_f32
 from andrea.errors import AndreaError
 
 CU = Path(K.__file__).with_name("mm_dgelu.cu")
-VARIANTS = [(), ("MM_CLUSTER=2",), ("MM_BN=192", "MM_STAGES=4"), ("MM_BN=192", "MM_STAGES=4", "MM_CLUSTER=2")]
+VARIANTS = [(), ("MM_CLUSTER=2",), ("MM_BN=192", "MM_STAGES=4"), ("MM_BN=192", "MM_STAGES=4", "MM_CLUSTER=2"),
+            ("MM_LDSM=1",), ("MM_LDSM=1", "MM_CLUSTER=2", "MM_BN=192", "MM_STAGES=4")]
 EPS, TOL = 2.0 ** -7, 1e-3        # one bf16 unit of the value, and the fp32 sums' error near zero
 
 
@@ -43,6 +44,7 @@ def test_the_launcher_holds_the_files_defaults_and_sizes():
     (("MM_STAGES=three",), "must be an integer"),
     (("MM_BN=128",), "wgmma for (256, 192) only"),
     (("MM_CLUSTER=4",), "MM_CLUSTER is 1 or 2"),
+    (("MM_LDSM=2",), "MM_LDSM 0 or 1"),
     (("MM_STAGES=4",), "take fewer MM_STAGES or MM_BN=192"),     # 4 x 48 KB + 64 KB > 227 KB
 ])
 def test_a_variant_the_kernel_cannot_build_is_refused_by_name(defines, what):

@@ -30,7 +30,8 @@
 //
 // The defines are the variants bench/dgelu_gemm.py --configs compares (kernels.MM_DGELU holds the
 // launcher's copy of the defaults; a test compares them): MM_BN 256 | 192 (both N of the step, 6144 and
-// 3072, are multiples of each), MM_STAGES, MM_CLUSTER 1 | 2, MM_GROUP (tile rows a group, for L2 reuse).
+// 3072, are multiples of each), MM_STAGES, MM_CLUSTER 1 | 2, MM_GROUP (tile rows a group, for L2 reuse),
+// MM_LDSM 1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2).
 
 #ifndef MM_BN
 #define MM_BN 256
@@ -43,6 +44,9 @@
 #endif
 #ifndef MM_GROUP
 #define MM_GROUP 8
+#endif
+#ifndef MM_LDSM
+#define MM_LDSM 0
 #endif
 #define MM_BM 128
 #define MM_BK 64
@@ -172,6 +176,14 @@ __device__ __forceinline__ unsigned gelu_grad_pair(unsigned w) {
     return (unsigned)from_f<f16_t>(lo).x | ((unsigned)from_f<f16_t>(hi).x << 16);
 }
 
+// bf16(a0 * g0), bf16(a1 * g1) as one word, from two fp16 g in one word (the epilogue's product, rounded once)
+__device__ __forceinline__ unsigned mul_pair(float a0, float a1, unsigned gw) {
+    f16_t lo, hi;
+    lo.x = (unsigned short)(gw & 0xFFFFu);
+    hi.x = (unsigned short)(gw >> 16);
+    return (unsigned)from_f<bf16_t>(__fmul_rn(a0, to_f(lo))).x | ((unsigned)from_f<bf16_t>(__fmul_rn(a1, to_f(hi))).x << 16);
+}
+
 // maps: A (box 64 x MM_BM), B (box 64 x MM_BN / MM_CLUSTER), X and D (box 64 x MM_BM): the launcher
 // encodes them in global memory (kernels.MmDgelu.maps). M % (MM_BM MM_CLUSTER) == N % MM_BN == K % 64 == 0;
 // gridDim.x a multiple of MM_CLUSTER; dynamic shared memory kernels.mm_dgelu_smem bytes.
@@ -274,7 +286,6 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
     } else {
         // ------------------------------------------------------------------ consumers: wgmma, epilogue
         const int wg = (warp - 4) >> 2, t = threadIdx.x - 128 * (1 + wg);
-        const int r0 = 64 * wg + 16 * ((warp - 4) & 3) + (lane >> 2), c0 = 2 * (lane & 3);
         float acc[MM_BN / 2];
 #pragma unroll
         for (int i = 0; i < MM_BN / 2; ++i) acc[i] = 0.0f;
@@ -307,26 +318,47 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
             // epilogue: the accumulator layout of m64nNk16 is, for thread (warp w, lane l) of the warpgroup,
             // rows 16 w + l / 4 (+ 8) and columns 8 n + 2 (l % 4) (+ 1): acc[4 n + 2 h + e]
             // xbuf holds MM_BN / 64 boxes of [MM_BM rows][64 columns]; TMA's 128-byte swizzle puts the 16-byte
-            // chunk k of row r at chunk k ^ (r % 8), and r % 8 = l / 4 for both rows of a thread. The
-            // addresses are formed here, at use, from two values: hoisted, they cost 40 spilled registers.
+            // chunk k of row r at chunk k ^ (r % 8).
             mbar_wait(GREADY, j & 1);
-            const unsigned sw = (unsigned)(lane >> 2) << 4;
-            unsigned char* const row0 = xbuf + r0 * 128 + 2 * c0;
+#if MM_LDSM
+            // ldmatrix / stmatrix .x4: an 8x8 16-bit matrix is the m16n8 accumulator layout (thread l: row l / 4,
+            // columns 2 (l % 4), + 1), so one instruction moves 8 values a thread. Lane i gives the address of
+            // row i % 8 of matrix i / 8: rows + 8 for the odd matrices, chunk n + 1 for the upper two.
+            {
+                const int rr = lane & 7, mi = lane >> 3;
+                unsigned char* const rowp = xbuf + (64 * wg + 16 * ((warp - 4) & 3) + rr + 8 * (mi & 1)) * 128;
 #pragma unroll
-            for (int n = 0; n < MM_BN / 8; ++n) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    unsigned* const p = reinterpret_cast<unsigned*>(row0 + h * (8 * 128) + (n >> 3) * (MM_BM * 128) +
-                                                                   ((((unsigned)n & 7u) << 4) ^ sw));
-                    const unsigned gw = *p;
-                    f16_t glo, ghi;
-                    glo.x = (unsigned short)(gw & 0xFFFFu);
-                    ghi.x = (unsigned short)(gw >> 16);
-                    const float lo = __fmul_rn(acc[4 * n + 2 * h], to_f(glo));
-                    const float hi = __fmul_rn(acc[4 * n + 2 * h + 1], to_f(ghi));
-                    *p = (unsigned)from_f<bf16_t>(lo).x | ((unsigned)from_f<bf16_t>(hi).x << 16);
+                for (int n = 0; n < MM_BN / 8; n += 2) {
+                    const int ch = n + (mi >> 1);
+                    const unsigned at = smem_u32(rowp + (ch >> 3) * (MM_BM * 128) + ((((unsigned)ch & 7u) ^ (unsigned)rr) << 4));
+                    unsigned g0, g1, g2, g3;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(g0), "=r"(g1), "=r"(g2), "=r"(g3) : "r"(at) : "memory");
+                    const unsigned o0 = mul_pair(acc[4 * n], acc[4 * n + 1], g0);
+                    const unsigned o1 = mul_pair(acc[4 * n + 2], acc[4 * n + 3], g1);
+                    const unsigned o2 = mul_pair(acc[4 * n + 4], acc[4 * n + 5], g2);
+                    const unsigned o3 = mul_pair(acc[4 * n + 6], acc[4 * n + 7], g3);
+                    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                                 ::"r"(at), "r"(o0), "r"(o1), "r"(o2), "r"(o3) : "memory");
                 }
             }
+#else
+            // one 32-bit pair at a time; r % 8 = l / 4 for both rows of a thread. The addresses are formed here, at
+            // use, from two values: hoisted, they cost 40 spilled registers.
+            {
+                const unsigned sw = (unsigned)(lane >> 2) << 4;
+                unsigned char* const row0 = xbuf + (64 * wg + 16 * ((warp - 4) & 3) + (lane >> 2)) * 128 + 4 * (lane & 3);
+#pragma unroll
+                for (int n = 0; n < MM_BN / 8; ++n) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        unsigned* const p = reinterpret_cast<unsigned*>(row0 + h * (8 * 128) + (n >> 3) * (MM_BM * 128) +
+                                                                       ((((unsigned)n & 7u) << 4) ^ sw));
+                        *p = mul_pair(acc[4 * n + 2 * h], acc[4 * n + 2 * h + 1], *p);
+                    }
+                }
+            }
+#endif
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the TMA store reads these writes
             mbar_arrive(DREADY);
         }
