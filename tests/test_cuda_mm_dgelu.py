@@ -235,3 +235,20 @@ def test_the_engine_sends_a_dgelu_gemm_to_the_kernel_only_where_it_takes_the_cal
     ops._mm("dh", "dout", "w_proj", tb=True, epilogue=EPILOGUE_DGELU, aux="h_pre")
     assert calls == [("takes", False, True, 0.0), ("own", "h_pre"), ("next", EPILOGUE_DEFAULT, None),
                      ("takes", False, True, 0.0), ("next", EPILOGUE_DGELU, "h_pre")]
+
+
+@pytest.mark.gpu
+def test_a_wait_that_does_not_end_fails_the_launch_instead_of_hanging():
+    # MM_WATCHDOG=1: the first wait that needs a second poll traps; in a child, since a trap ends the context
+    import subprocess
+    import sys
+
+    _hopper_or_skip()
+    code = ("import cupy as cp\n"
+            "from andrea.cuda.kernels import MmDgelu\n"
+            "a, b, x = cp.zeros((512, 1536), cp.uint16), cp.zeros((768, 1536), cp.uint16), cp.zeros((512, 768), cp.uint16)\n"
+            "MmDgelu(('MM_WATCHDOG=1',))(cp.zeros((512, 768), cp.uint16), a, b, x)\n"
+            "cp.cuda.Device().synchronize()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode != 0 and "Error" in r.stderr, r.stderr[-2000:]

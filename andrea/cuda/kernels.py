@@ -641,7 +641,7 @@ def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate, part=Non
 #
 #     mm = MmDgelu(("MM_CLUSTER=2",)); mm(d, a, b, x)        # d, a, b, x cupy uint16
 
-MM_DGELU = {"MM_BN": 256, "MM_STAGES": 3, "MM_CLUSTER": 1, "MM_GROUP": 8, "MM_LDSM": 0}   # mm_dgelu.cu's #ifndef values
+MM_DGELU = {"MM_BN": 256, "MM_STAGES": 3, "MM_CLUSTER": 1, "MM_GROUP": 8, "MM_LDSM": 0, "MM_WATCHDOG": 1 << 28}   # mm_dgelu.cu's #ifndef values
 MM_BN_BUILT = (256, 192)              # the wgmma shapes the file spells out (WG_SS_N256, WG_SS_N192)
 MM_BM, MM_BK, MM_THREADS = 128, 64, 384
 SMEM_LIMIT = 232448                # sm_90's opt-in dynamic shared memory a block (227 KB)
@@ -665,9 +665,10 @@ def mm_dgelu_config(defines: tuple[str, ...] = ()) -> dict[str, int]:
             raise AndreaError(f"mm_dgelu variant {d!r}: {name} must be an integer") from None
     if cfg["MM_BN"] not in MM_BN_BUILT:
         raise AndreaError(f"mm_dgelu variant: MM_BN={cfg['MM_BN']}, the kernel has wgmma for {MM_BN_BUILT} only")
-    if cfg["MM_CLUSTER"] not in (1, 2) or cfg["MM_STAGES"] < 2 or cfg["MM_GROUP"] < 1 or cfg["MM_LDSM"] not in (0, 1):
+    if cfg["MM_CLUSTER"] not in (1, 2) or cfg["MM_STAGES"] < 2 or cfg["MM_GROUP"] < 1 or cfg["MM_LDSM"] not in (0, 1) \
+            or cfg["MM_WATCHDOG"] < 1:
         raise AndreaError(f"mm_dgelu variant {cfg}: MM_CLUSTER is 1 or 2, MM_STAGES at least 2, MM_GROUP at least 1, "
-                          f"MM_LDSM 0 or 1")
+                          f"MM_LDSM 0 or 1, MM_WATCHDOG at least 1")
     if mm_dgelu_smem(cfg) > SMEM_LIMIT:
         raise AndreaError(f"mm_dgelu variant {cfg}: needs {mm_dgelu_smem(cfg)} bytes of shared memory, more than "
                           f"the {SMEM_LIMIT} a block can have; take fewer MM_STAGES or MM_BN=192")

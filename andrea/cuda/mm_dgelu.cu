@@ -31,7 +31,8 @@
 // The defines are the variants bench/dgelu_gemm.py --configs compares (kernels.MM_DGELU holds the
 // launcher's copy of the defaults; a test compares them): MM_BN 256 | 192 (both N of the step, 6144 and
 // 3072, are multiples of each), MM_STAGES, MM_CLUSTER 1 | 2, MM_GROUP (tile rows a group, for L2 reuse),
-// MM_LDSM 1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2).
+// MM_LDSM 1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2);
+// MM_WATCHDOG: the polls after which a barrier wait traps (2^28; a test sets 1 to see the trap).
 
 #ifndef MM_BN
 #define MM_BN 256
@@ -47,6 +48,9 @@
 #endif
 #ifndef MM_LDSM
 #define MM_LDSM 0
+#endif
+#ifndef MM_WATCHDOG
+#define MM_WATCHDOG 268435456
 #endif
 #define MM_BM 128
 #define MM_BK 64
@@ -78,12 +82,16 @@ __device__ __forceinline__ void mbar_arrive_cta(unsigned bar, unsigned cta) {
     asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
                  "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(cta) : "memory");
 }
-// until the phase of parity `parity` has completed
+// until the phase of parity `parity` has completed. A wait that never ends (a barrier count or phase gone
+// wrong) traps after MM_WATCHDOG polls, seconds at the least, so the launch fails with an error where it
+// would hang the process; no wait of a working launch comes near it.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     unsigned done;
+    unsigned long long polls = 0;
     do {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if (++polls > MM_WATCHDOG) __trap();
     } while (!done);
 }
 
