@@ -22,7 +22,8 @@ from andrea.errors import AndreaError
 
 CU = Path(K.__file__).with_name("mm_dgelu.cu")
 VARIANTS = [(), ("MM_CLUSTER=2",), ("MM_BN=192", "MM_STAGES=4"), ("MM_BN=192", "MM_STAGES=4", "MM_CLUSTER=2"),
-            ("MM_LDSM=1",), ("MM_LDSM=1", "MM_CLUSTER=2", "MM_BN=192", "MM_STAGES=4")]
+            ("MM_LDSM=1",), ("MM_LDSM=1", "MM_CLUSTER=2", "MM_BN=192", "MM_STAGES=4"),
+            ("MM_CLUSTER=2", "MM_CLUSTER_N=2"), ("MM_CLUSTER_N=2", "MM_BN=192", "MM_STAGES=4")]
 EPS, TOL = 2.0 ** -7, 1e-3        # one bf16 unit of the value, and the fp32 sums' error near zero
 
 
@@ -43,7 +44,7 @@ def test_the_launcher_holds_the_files_defaults_and_sizes():
     (("MM_BN",), "expected NAME=VALUE"),
     (("MM_STAGES=three",), "must be an integer"),
     (("MM_BN=128",), "wgmma for (256, 192) only"),
-    (("MM_CLUSTER=4",), "MM_CLUSTER is 1 or 2"),
+    (("MM_CLUSTER=4",), "MM_CLUSTER and MM_CLUSTER_N are 1 or 2"),
     (("MM_LDSM=2",), "MM_LDSM 0 or 1"),
     (("MM_STAGES=4",), "take fewer MM_STAGES or MM_BN=192"),     # 4 x 48 KB + 64 KB > 227 KB
 ])
@@ -66,6 +67,9 @@ def test_problems_fit_whole_cluster_tiles_and_the_grid_takes_whole_clusters():
     assert K.mm_dgelu_grid(16384, 6144, two, 132) == 132 and K.mm_dgelu_grid(16384, 6144, two, 133) == 132
     assert K.mm_dgelu_grid(256, 512, two, 132) == 4            # 2 units of 2 tiles: no idle cluster
     assert K.mm_dgelu_grid(512, 768, two, 2) == 2
+    quad = K.mm_dgelu_config(("MM_CLUSTER=2", "MM_CLUSTER_N=2"))
+    assert K.mm_dgelu_fits(16384, 6144, 1536, quad) and not K.mm_dgelu_fits(256, 256 * 3, 64, quad)
+    assert K.mm_dgelu_grid(16384, 6144, quad, 132) == 132 and K.mm_dgelu_grid(512, 1024, quad, 132) == 16   # 2 x 2 units of 2 x 2 tiles
 
 
 def test_the_twins_gelu_grad_is_the_derivative_of_the_engines_gelu():
@@ -150,11 +154,11 @@ def _assert_close(got, ref):
 @pytest.mark.parametrize("defines", VARIANTS, ids=lambda d: ",".join(d) or "default")
 def test_each_variant_matches_the_twin_over_several_tiles_a_cta_and_repeats_its_bytes(defines):
     cp = _hopper_or_skip()
-    M, N, K = 512, 768, 320                  # N a multiple of 256 and 192; 5 k steps wrap every ring
+    M, N, K = 512, 1536, 320                 # N a multiple of 2 x 256 and 2 x 192; 5 k steps wrap every ring
     host, (a, b, x) = _operands(cp, M, N, K)
     mm = K.MmDgelu(defines)
     d = cp.full((M, N), 0x7FC0, cp.uint16)   # bf16 NaN: an element never written shows
-    mm(d, a, b, x, ctas=2)                   # 2 CTAs (one cluster of two): every CTA runs several tiles
+    mm(d, a, b, x, ctas=4)                   # at most one cluster: every CTA runs several tiles
     first = cp.asnumpy(d)
     _assert_close(first, K.mm_dgelu_reference(*host))
     d.fill(0x7FC0)

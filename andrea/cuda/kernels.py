@@ -641,7 +641,8 @@ def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate, part=Non
 #
 #     mm = MmDgelu(("MM_CLUSTER=2",)); mm(d, a, b, x)        # d, a, b, x cupy uint16
 
-MM_DGELU = {"MM_BN": 256, "MM_STAGES": 3, "MM_CLUSTER": 1, "MM_GROUP": 8, "MM_LDSM": 0, "MM_WATCHDOG": 1 << 28}   # mm_dgelu.cu's #ifndef values
+MM_DGELU = {"MM_BN": 256, "MM_STAGES": 3, "MM_CLUSTER": 1, "MM_CLUSTER_N": 1, "MM_GROUP": 8, "MM_LDSM": 0,
+            "MM_WATCHDOG": 1 << 28}                        # mm_dgelu.cu's #ifndef values
 MM_BN_BUILT = (256, 192)              # the wgmma shapes the file spells out (WG_SS_N256, WG_SS_N192)
 MM_BM, MM_BK, MM_THREADS = 128, 64, 384
 SMEM_LIMIT = 232448                # sm_90's opt-in dynamic shared memory a block (227 KB)
@@ -665,9 +666,9 @@ def mm_dgelu_config(defines: tuple[str, ...] = ()) -> dict[str, int]:
             raise AndreaError(f"mm_dgelu variant {d!r}: {name} must be an integer") from None
     if cfg["MM_BN"] not in MM_BN_BUILT:
         raise AndreaError(f"mm_dgelu variant: MM_BN={cfg['MM_BN']}, the kernel has wgmma for {MM_BN_BUILT} only")
-    if cfg["MM_CLUSTER"] not in (1, 2) or cfg["MM_STAGES"] < 2 or cfg["MM_GROUP"] < 1 or cfg["MM_LDSM"] not in (0, 1) \
+    if cfg["MM_CLUSTER"] not in (1, 2) or cfg["MM_CLUSTER_N"] not in (1, 2) or cfg["MM_STAGES"] < 2 or cfg["MM_GROUP"] < 1 or cfg["MM_LDSM"] not in (0, 1) \
             or cfg["MM_WATCHDOG"] < 1:
-        raise AndreaError(f"mm_dgelu variant {cfg}: MM_CLUSTER is 1 or 2, MM_STAGES at least 2, MM_GROUP at least 1, "
+        raise AndreaError(f"mm_dgelu variant {cfg}: MM_CLUSTER and MM_CLUSTER_N are 1 or 2, MM_STAGES at least 2, MM_GROUP at least 1, "
                           f"MM_LDSM 0 or 1, MM_WATCHDOG at least 1")
     if mm_dgelu_smem(cfg) > SMEM_LIMIT:
         raise AndreaError(f"mm_dgelu variant {cfg}: needs {mm_dgelu_smem(cfg)} bytes of shared memory, more than "
@@ -689,15 +690,15 @@ def mm_dgelu_smem(cfg: dict[str, int]) -> int:
 
 def mm_dgelu_fits(M: int, N: int, K: int, cfg: dict[str, int]) -> bool:
     """Whether k_mm_dgelu covers an (M, N, K) problem exactly: whole cluster tiles, whole k steps."""
-    return M > 0 and K > 0 and M % (MM_BM * cfg["MM_CLUSTER"]) == 0 and N % cfg["MM_BN"] == 0 and N > 0 \
-        and K % MM_BK == 0
+    return M > 0 and K > 0 and N > 0 and M % (MM_BM * cfg["MM_CLUSTER"]) == 0 \
+        and N % (cfg["MM_BN"] * cfg["MM_CLUSTER_N"]) == 0 and K % MM_BK == 0
 
 
 def mm_dgelu_grid(M: int, N: int, cfg: dict[str, int], sms: int) -> int:
     """CTAs of the persistent launch: one an SM, whole clusters, no more than there are tiles."""
-    cl = cfg["MM_CLUSTER"]
-    units = (M // (MM_BM * cl)) * (N // cfg["MM_BN"])
-    return max(1, min(units, sms // cl)) * cl
+    cl, cn = cfg["MM_CLUSTER"], cfg["MM_CLUSTER_N"]
+    units = (M // (MM_BM * cl)) * (N // (cfg["MM_BN"] * cn))
+    return max(1, min(units, sms // (cl * cn))) * cl * cn
 
 
 def gelu_grad(x: np.ndarray) -> np.ndarray:
@@ -793,7 +794,7 @@ class MmDgelu:
         buf = self._maps.get(key)
         if buf is None:
             enc = np.frombuffer(b"".join((
-                tensor_map(self._lib, a.data.ptr, M, K, MM_BM),
+                tensor_map(self._lib, a.data.ptr, M, K, MM_BM // self.cfg["MM_CLUSTER_N"]),
                 tensor_map(self._lib, b.data.ptr, N, K, self.cfg["MM_BN"] // self.cfg["MM_CLUSTER"]),
                 tensor_map(self._lib, x.data.ptr, M, N, MM_BM),
                 tensor_map(self._lib, d.data.ptr, M, N, MM_BM))), dtype=np.uint8)
@@ -820,7 +821,8 @@ class MmDgelu:
         need("mm_dgelu", "D", d, np.uint16, (M, N))
         if not mm_dgelu_fits(M, N, K, self.cfg):
             raise AndreaError(f"mm_dgelu: a {M} x {N} x {K} problem does not fit the variant {self.cfg}: M must be a "
-                              f"multiple of {MM_BM * self.cfg['MM_CLUSTER']}, N of {self.cfg['MM_BN']}, K of {MM_BK}")
+                              f"multiple of {MM_BM * self.cfg['MM_CLUSTER']}, "
+                              f"N of {self.cfg['MM_BN'] * self.cfg['MM_CLUSTER_N']}, K of {MM_BK}")
         n = mm_dgelu_grid(M, N, self.cfg, self.sms if ctas is None else int(ctas))
         self.fn((n,), (MM_THREADS,), (self.maps(d, a, b, x, M, N, K), np.int32(M), np.int32(N), np.int32(K)),
                 shared_mem=self.smem)

@@ -30,7 +30,9 @@
 //
 // The defines are the variants bench/dgelu_gemm.py --configs compares (kernels.MM_DGELU holds the
 // launcher's copy of the defaults; a test compares them): MM_BN 256 | 192 (both N of the step, 6144 and
-// 3072, are multiples of each), MM_STAGES, MM_CLUSTER 1 | 2, MM_GROUP (tile rows a group, for L2 reuse),
+// 3072, are multiples of each), MM_STAGES, MM_CLUSTER 1 | 2 (CTAs a cluster along M, sharing B),
+// MM_CLUSTER_N 1 | 2 (along N, sharing A: 2 x 2 clusters read a quarter less again), MM_GROUP (unit rows a
+// group, for L2 reuse),
 // MM_LDSM 1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2);
 // MM_WATCHDOG: the polls after which a barrier wait traps (2^28; a test sets 1 to see the trap).
 
@@ -43,6 +45,9 @@
 #ifndef MM_CLUSTER
 #define MM_CLUSTER 1
 #endif
+#ifndef MM_CLUSTER_N
+#define MM_CLUSTER_N 1
+#endif
 #ifndef MM_GROUP
 #define MM_GROUP 8
 #endif
@@ -54,6 +59,8 @@
 #endif
 #define MM_BM 128
 #define MM_BK 64
+#define MM_CS (MM_CLUSTER * MM_CLUSTER_N)               // CTAs a cluster
+#define MM_PEERS (MM_CLUSTER + MM_CLUSTER_N - 1)         // CTAs whose loads land in a CTA's ring, itself included
 #define MM_THREADS 384
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -169,10 +176,10 @@ __device__ __forceinline__ void mm_wait(float* d) {
     }
 }
 
-// Unit u of the persistent schedule (MM_CLUSTER tiles stacked in M, one per CTA of a cluster), in groups
+// Unit u of the persistent schedule (MM_CLUSTER x MM_CLUSTER_N tiles, one per CTA of a cluster), in groups
 // of MM_GROUP unit rows that walk N column by column, so the CTAs running at once share A and B in L2.
-__device__ __forceinline__ void unit_at(int u, int units_m, int tiles_n, int& um, int& un) {
-    const int per = MM_GROUP * tiles_n, first = (u / per) * MM_GROUP, rows = min(MM_GROUP, units_m - first);
+__device__ __forceinline__ void unit_at(int u, int units_m, int units_n, int& um, int& un) {
+    const int per = MM_GROUP * units_n, first = (u / per) * MM_GROUP, rows = min(MM_GROUP, units_m - first);
     const int r = u % per;
     um = first + r % rows;
     un = r / rows;
@@ -192,12 +199,28 @@ __device__ __forceinline__ unsigned mul_pair(float a0, float a1, unsigned gw) {
     return (unsigned)from_f<bf16_t>(__fmul_rn(a0, to_f(lo))).x | ((unsigned)from_f<bf16_t>(__fmul_rn(a1, to_f(hi))).x << 16);
 }
 
-// maps: A (box 64 x MM_BM), B (box 64 x MM_BN / MM_CLUSTER), X and D (box 64 x MM_BM): the launcher
-// encodes them in global memory (kernels.MmDgelu.maps). M % (MM_BM MM_CLUSTER) == N % MM_BN == K % 64 == 0;
-// gridDim.x a multiple of MM_CLUSTER; dynamic shared memory kernels.mm_dgelu_smem bytes.
+// Thread t < MM_PEERS of a consumer warpgroup frees a stage in peer t: t < MM_CLUSTER the CTAs of its column
+// (B's sources, itself at t = ry), then the others of its row (A's sources).
+__device__ __forceinline__ void release(unsigned bar, int t, int ry, int rx) {
+#if MM_CS > 1
+    const int peer = t < MM_CLUSTER ? t + MM_CLUSTER * rx
+                                    : ry + MM_CLUSTER * ((t - MM_CLUSTER) + ((t - MM_CLUSTER) >= rx ? 1 : 0));
+    mbar_arrive_cta(bar, (unsigned)peer);
+#else
+    mbar_arrive(bar);
+#endif
+}
+
+// Cluster rank r sits at (ry, rx) = (r % MM_CLUSTER, r / MM_CLUSTER) of its unit: tile rows m0 = (MM_CLUSTER um
+// + ry) MM_BM, columns n0 = (MM_CLUSTER_N un + rx) MM_BN. The MM_CLUSTER CTAs of one rx share a B tile and
+// each loads its part ry, multicast to them; the MM_CLUSTER_N CTAs of one ry share an A tile, part rx. So a
+// stage of a CTA's ring is written by its MM_PEERS peers (its column and its row) and freed by theirs.
+// maps: A (box 64 x MM_BM / MM_CLUSTER_N), B (box 64 x MM_BN / MM_CLUSTER), X and D (box 64 x MM_BM): the
+// launcher encodes them in global memory (kernels.MmDgelu.maps). M % (MM_BM MM_CLUSTER) == N % (MM_BN
+// MM_CLUSTER_N) == K % 64 == 0; gridDim.x a multiple of MM_CS; dynamic shared memory kernels.mm_dgelu_smem.
 extern "C" __global__ void __launch_bounds__(MM_THREADS, 1)
-#if MM_CLUSTER > 1
-__cluster_dims__(MM_CLUSTER, 1, 1)
+#if MM_CS > 1
+__cluster_dims__(MM_CS, 1, 1)
 #endif
 k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -211,21 +234,22 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
 #define DREADY (XFULL + 16u)
     unsigned char* const xbuf = smem + (sX - raw);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned rank = MM_CLUSTER > 1 ? cluster_rank() : 0u;
-    const int units_m = M / (MM_BM * MM_CLUSTER), tiles_n = N / MM_BN, units = units_m * tiles_n;
-    const int first = blockIdx.x / MM_CLUSTER, step = gridDim.x / MM_CLUSTER, kbs = K / MM_BK;
+    const unsigned rank = MM_CS > 1 ? cluster_rank() : 0u;
+    const int ry = (int)rank % MM_CLUSTER, rx = (int)rank / MM_CLUSTER;
+    const int units_m = M / (MM_BM * MM_CLUSTER), units_n = N / (MM_BN * MM_CLUSTER_N), units = units_m * units_n;
+    const int first = blockIdx.x / MM_CS, step = gridDim.x / MM_CS, kbs = K / MM_BK;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < MM_STAGES; ++s) {
             mbar_init(FULL(s), 1);
-            mbar_init(EMPTY(s), 2 * MM_CLUSTER);  // one arrival per consumer warpgroup of each CTA it feeds
+            mbar_init(EMPTY(s), 2 * MM_PEERS);  // one arrival per consumer warpgroup of each CTA it feeds
         }
         mbar_init(XFULL, 1);
         mbar_init(GREADY, MM_GELU_THREADS);
         mbar_init(DREADY, 256);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-#if MM_CLUSTER > 1
+#if MM_CS > 1
     cluster_sync();  // the peer's barriers exist before any multicast or remote arrival reaches them
 #else
     __syncthreads();
@@ -234,19 +258,27 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
     if (warp == 0) {
         // ------------------------------------------------------------------ producer: the A/B ring
         if (lane == 0) {
+            unsigned short row_mask = 0, col_mask = 0;
+            for (int i = 0; i < MM_CLUSTER_N; ++i) row_mask |= (unsigned short)(1u << (ry + MM_CLUSTER * i));
+            for (int i = 0; i < MM_CLUSTER; ++i) col_mask |= (unsigned short)(1u << (i + MM_CLUSTER * rx));
             int it = 0;
             for (int u = first; u < units; u += step) {
                 int um, un;
-                unit_at(u, units_m, tiles_n, um, un);
-                const int m0 = (um * MM_CLUSTER + (int)rank) * MM_BM, n0 = un * MM_BN;
+                unit_at(u, units_m, units_n, um, un);
+                const int m0 = (um * MM_CLUSTER + ry) * MM_BM, n0 = (un * MM_CLUSTER_N + rx) * MM_BN;
                 for (int kb = 0; kb < kbs; ++kb, ++it) {
                     const int s = it % MM_STAGES;
                     mbar_wait(EMPTY(s), ((it / MM_STAGES) & 1) ^ 1);  // the first pass finds every stage free
                     mbar_expect_tx(FULL(s), MM_A_BYTES + MM_B_BYTES);
+#if MM_CLUSTER_N > 1  // part rx of A to the CTAs of row ry
+                    tma_load_mc(sA + s * MM_A_BYTES + rx * (MM_A_BYTES / MM_CLUSTER_N), maps + 0, FULL(s), kb * MM_BK,
+                                m0 + rx * (MM_BM / MM_CLUSTER_N), row_mask);
+#else
                     tma_load(sA + s * MM_A_BYTES, maps + 0, FULL(s), kb * MM_BK, m0);
-#if MM_CLUSTER > 1
-                    tma_load_mc(sB + s * MM_B_BYTES + rank * (MM_B_BYTES / MM_CLUSTER), maps + 1, FULL(s), kb * MM_BK,
-                                n0 + (int)rank * (MM_BN / MM_CLUSTER), (unsigned short)((1u << MM_CLUSTER) - 1));
+#endif
+#if MM_CLUSTER > 1    // part ry of B to the CTAs of column rx
+                    tma_load_mc(sB + s * MM_B_BYTES + ry * (MM_B_BYTES / MM_CLUSTER), maps + 1, FULL(s), kb * MM_BK,
+                                n0 + ry * (MM_BN / MM_CLUSTER), col_mask);
 #else
                     tma_load(sB + s * MM_B_BYTES, maps + 1, FULL(s), kb * MM_BK, n0);
 #endif
@@ -259,8 +291,8 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
         int j = 0, pm0 = 0, pn0 = 0;
         for (int u = first; u < units; u += step, ++j) {
             int um, un;
-            unit_at(u, units_m, tiles_n, um, un);
-            const int m0 = (um * MM_CLUSTER + (int)rank) * MM_BM, n0 = un * MM_BN;
+            unit_at(u, units_m, units_n, um, un);
+            const int m0 = (um * MM_CLUSTER + ry) * MM_BM, n0 = (un * MM_CLUSTER_N + rx) * MM_BN;
             if (gt == 0) {
                 if (j > 0) {  // the previous tile's D out first: xbuf is free once the store has read it
                     mbar_wait(DREADY, (j - 1) & 1);
@@ -309,20 +341,14 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
                 for (int kk = 0; kk < MM_BK / 16; ++kk)
                     wgmma_ss(acc, sw128_desc(a0 + 32 * kk), sw128_desc(b0 + 32 * kk), (kb | kk) != 0);
                 mm_commit();
-                if (prev >= 0) {  // the previous stage's MMAs are done: release it to every CTA it feeds
+                if (prev >= 0) {  // the previous stage's MMAs are done: release it to every CTA that fills it
                     mm_wait<1>(acc);
-                    if (t < MM_CLUSTER) {
-                        if (MM_CLUSTER > 1) mbar_arrive_cta(EMPTY(prev), (unsigned)t);
-                        else mbar_arrive(EMPTY(prev));
-                    }
+                    if (t < MM_PEERS) release(EMPTY(prev), t, ry, rx);
                 }
                 prev = s;
             }
             mm_wait<0>(acc);
-            if (t < MM_CLUSTER) {
-                if (MM_CLUSTER > 1) mbar_arrive_cta(EMPTY(prev), (unsigned)t);
-                else mbar_arrive(EMPTY(prev));
-            }
+            if (t < MM_PEERS) release(EMPTY(prev), t, ry, rx);
             // epilogue: the accumulator layout of m64nNk16 is, for thread (warp w, lane l) of the warpgroup,
             // rows 16 w + l / 4 (+ 8) and columns 8 n + 2 (l % 4) (+ 1): acc[4 n + 2 h + e]
             // xbuf holds MM_BN / 64 boxes of [MM_BM rows][64 columns]; TMA's 128-byte swizzle puts the 16-byte
@@ -371,7 +397,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
             mbar_arrive(DREADY);
         }
     }
-#if MM_CLUSTER > 1
+#if MM_CS > 1
     cluster_sync();  // no CTA leaves while its peer may still multicast into it or arrive on its barriers
 #endif
 #undef FULL
