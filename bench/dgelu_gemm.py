@@ -77,7 +77,7 @@ def shape(s: dict, B: int, configs: dict[str, tuple[str, ...]], rounds: int, sus
 
     from andrea.cuda.cublaslt import EPILOGUE_DGELU, Lt
     from andrea.cuda.fp8 import LT_WORKSPACE
-    from andrea.cuda.kernels import MmDgelu, mm_dgelu_config, mm_dgelu_fits
+    from andrea.cuda.kernels import MmDgelu, mm_dgelu_config, mm_dgelu_fits, mm_dgelu_grid
     from attention_gpu import random_bf16
 
     M, N, K = B * s["T"], 4 * s["C"], s["C"]
@@ -108,6 +108,7 @@ def shape(s: dict, B: int, configs: dict[str, tuple[str, ...]], rounds: int, sus
         mm(d, a, b, x)
         res[name] = check(got, ref, cp.asnumpy(d))
         res[name]["registers"] = int(mm.fn.attributes["num_regs"])
+        res[name]["ctas"] = mm_dgelu_grid(M, N, mm.cfg, mm.slots)   # the persistent grid, all resident
         if res[name]["ok"]:
             calls[name] = (lambda m: lambda: m(d, a, b, x))(mm)
     for fn in calls.values():                 # warm every arm once more before the rounds
@@ -139,7 +140,7 @@ def report(key: str, res: dict) -> str:
         chk = ""
         if "ok" in r:
             chk = (" checked" if r["ok"] else f" FAILED CHECK (nan {r['nan']}, out of tolerance {r['bad']}, "
-                   f"same bytes {r['same_bytes']})") + f", max |diff| {r['max_abs_diff']:.3g}, {r['registers']} regs"
+                   f"same bytes {r['same_bytes']})") + f", max |diff| {r['max_abs_diff']:.3g}, {r['registers']} regs, {r['ctas']} CTAs"
         if "us" in r:
             lines.append(f"  {n}: {r['us']:.1f} us ({r['tflops']:.0f} TFLOP/s), {r['vs_lt_dgelu']:.3f}x lt_dgelu, "
                          f"{r['saves_ms_a_step']:+.2f} ms a step{chk}")

@@ -57,13 +57,14 @@ def test_the_report_says_which_arm_failed_and_was_not_timed(dg):
            "lt_dgelu": {"us": 270.0, "tflops": 572.0, "vs_lt_dgelu": 1.0, "saves_ms_a_step": 0.0},
            "lt_plain": {"us": 235.0, "tflops": 658.0, "vs_lt_dgelu": 270 / 235, "saves_ms_a_step": 0.56},
            "ours:default": {"ok": True, "nan": 0, "bad": 0, "same_bytes": True, "max_abs_diff": 0.0156,
-                            "registers": 157, "us": 250.0, "tflops": 618.0, "vs_lt_dgelu": 1.08,
+                            "registers": 157, "ctas": 132, "us": 250.0, "tflops": 618.0, "vs_lt_dgelu": 1.08,
                             "saves_ms_a_step": 0.32},
            "ours:MM_CLUSTER=2": {"ok": False, "nan": 12, "bad": 0, "same_bytes": True, "max_abs_diff": 0.0,
-                                 "registers": 157},
+                                 "registers": 157, "ctas": 132},
            "ours:MM_BN=192": {"skipped": "does not fit"}}
     text = dg.report("andrea-480m:B8", res)
     assert "ours:default: 250.0 us (618 TFLOP/s), 1.080x lt_dgelu, +0.32 ms a step checked" in text
+    assert "157 regs, 132 CTAs" in text
     assert "ours:MM_CLUSTER=2: FAILED CHECK (nan 12" in text and "not timed" in text
     assert "ours:MM_BN=192: skipped (does not fit)" in text
 
@@ -98,9 +99,9 @@ def test_the_step_runs_the_committed_engine_and_each_arm_that_passed_under_its_d
     alone = {"M": 2048, "N": 256, "K": 64, "layers": 2,
              "lt_dgelu": {"us": 2.0, "tflops": 1.0, "vs_lt_dgelu": 1.0, "saves_ms_a_step": 0.0},
              "ours:default": {"ok": True, "nan": 0, "bad": 0, "same_bytes": True, "max_abs_diff": 0.0,
-                              "registers": 157, "us": 1.0, "tflops": 2.0, "vs_lt_dgelu": 2.0, "saves_ms_a_step": 0.0},
+                              "registers": 157, "ctas": 16, "us": 1.0, "tflops": 2.0, "vs_lt_dgelu": 2.0, "saves_ms_a_step": 0.0},
              "ours:MM_CLUSTER=2": {"ok": False, "nan": 3, "bad": 0, "same_bytes": True, "max_abs_diff": 0.0,
-                                   "registers": 157}}
+                                   "registers": 157, "ctas": 132}}
     monkeypatch.setattr(dg, "shape", lambda *a: alone)
     monkeypatch.setattr(dg.eg, "bench_ours", ours)
     monkeypatch.setattr(dg.eg, "bench_torch", lambda s, B, steps, warmup, a: {"ms": 44.0})

@@ -157,6 +157,8 @@ def test_each_variant_matches_the_twin_over_several_tiles_a_cta_and_repeats_its_
     M, N, K = 512, 1536, 320                 # N a multiple of 2 x 256 and 2 x 192; 5 k steps wrap every ring
     host, (a, b, x) = _operands(cp, M, N, K)
     mm = K.MmDgelu(defines)
+    cs = mm.cfg["MM_CLUSTER"] * mm.cfg["MM_CLUSTER_N"]
+    assert mm.slots >= cs and mm.slots % cs == 0          # whole clusters, as the driver can place them
     d = cp.full((M, N), 0x7FC0, cp.uint16)   # bf16 NaN: an element never written shows
     mm(d, a, b, x, ctas=4)                   # at most one cluster: every CTA runs several tiles
     first = cp.asnumpy(d)

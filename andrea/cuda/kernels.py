@@ -769,10 +769,36 @@ class MmDgelu:
         self.fn = mod.get_function("k_mm_dgelu")
         self.smem = mm_dgelu_smem(self.cfg)
         self.fn.max_dynamic_shared_size_bytes = self.smem
-        self.sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self._lib = _libcuda()
+        self.slots = self._cta_slots(cupy.cuda.Device().attributes["MultiProcessorCount"])
         self._store = store
         self._maps: dict[tuple, object] = {}
+
+    def _cta_slots(self, sms: int) -> int:
+        """CTAs that run at once: one an SM, or with clusters whole clusters as the driver can place them
+        (cuOccupancyMaxActiveClusters: a GPC holds whole clusters only, so 2 x 2 may leave SMs idle). The
+        persistent schedule needs every CTA of its grid resident: one that waits for another to finish
+        would double the time."""
+        cs = self.cfg["MM_CLUSTER"] * self.cfg["MM_CLUSTER_N"]
+        if cs == 1:
+            return sms
+
+        class LaunchConfig(ctypes.Structure):   # CUlaunchConfig (cuda.h), no attributes: __cluster_dims__ rules
+            _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                        ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]
+
+        try:
+            func = ctypes.c_void_p(int(self.fn.kernel.ptr))
+        except Exception as e:  # noqa: BLE001 - CuPy's handle of the compiled function
+            raise AndreaError(f"mm_dgelu: no CUfunction handle from CuPy's kernel ({e}) to place clusters with") from None
+        cfg = LaunchConfig((ctypes.c_uint * 3)(cs * sms, 1, 1), (ctypes.c_uint * 3)(MM_THREADS, 1, 1), self.smem,
+                           None, None, 0)
+        n = ctypes.c_int(0)
+        rc = self._lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(cfg))
+        if rc != 0 or n.value < 1:
+            raise AndreaError(f"mm_dgelu: cuOccupancyMaxActiveClusters failed (CUresult {rc}, {n.value} clusters) "
+                              f"for clusters of {cs} with {self.smem} bytes of shared memory")
+        return min(n.value, sms // cs) * cs
 
     def takes(self, d, a, b, x, ta: bool = False, tb: bool = True, beta: float = 0.0) -> bool:
         """Whether a GEMM call with cuBLASLt's DGELU contract (``Lt.mm(d, a, b, ta, tb, beta, aux=x)``) is
@@ -823,6 +849,6 @@ class MmDgelu:
             raise AndreaError(f"mm_dgelu: a {M} x {N} x {K} problem does not fit the variant {self.cfg}: M must be a "
                               f"multiple of {MM_BM * self.cfg['MM_CLUSTER']}, "
                               f"N of {self.cfg['MM_BN'] * self.cfg['MM_CLUSTER_N']}, K of {MM_BK}")
-        n = mm_dgelu_grid(M, N, self.cfg, self.sms if ctas is None else int(ctas))
+        n = mm_dgelu_grid(M, N, self.cfg, self.slots if ctas is None else int(ctas))
         self.fn((n,), (MM_THREADS,), (self.maps(d, a, b, x, M, N, K), np.int32(M), np.int32(N), np.int32(K)),
                 shared_mem=self.smem)
