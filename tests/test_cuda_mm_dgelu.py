@@ -258,3 +258,4 @@ def test_a_wait_that_does_not_end_fails_the_launch_instead_of_hanging():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode != 0 and "Error" in r.stderr, r.stderr[-2000:]
+
