@@ -1,0 +1,92 @@
+"""Benchmark: the bf16 training step with engine switches flipped, against the engine as committed, in
+alternating rounds of one process, and the torch anchor once: what a switch of andrea/cuda/engine.py
+(NORM_IN_BACKWARD, OWN_DGELU, ...) does to the figures issue 19 holds.
+
+    PYTHONPATH=. python3 bench/engine_ab.py --variants andrea-480m:8,16 andrea-120m:32 \
+        --flip NORM_IN_BACKWARD=True "OWN_DGELU=True,OWN_DGELU_DEFINES=('MM_CLUSTER=2',)" --json ab.json
+
+Each --flip is one arm: comma-separated NAME=VALUE, NAME an upper-case setting of andrea.cuda.engine and
+VALUE a Python literal; both are checked before any GPU work. Per variant and batch: ``engine_gpu.bench_ours``
+(one microbatch a step, CUDA graph) under each arm, ``--rounds`` rounds with the order reversed every
+other round, the median; then the ``--anchor`` (``none``: no anchor). Printed: each arm's ms, MFU and ratio
+of tokens/s to the anchor. ``--json`` is written after every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import engine_gpu as eg  # noqa: E402
+from attention_det import print_step, step_ab  # noqa: E402
+
+from andrea.errors import AndreaError  # noqa: E402
+from andrea.fsutil import atomic_write_json  # noqa: E402
+
+COMMITTED = "committed"
+
+
+def parse_flip(item: str) -> dict:
+    """{NAME: value} of one --flip item; AndreaError names a setting engine.py does not have or a value
+    that is not a literal."""
+    import andrea.cuda.engine as ce
+
+    out = {}
+    for part in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", item):
+        name, eq, text = part.partition("=")
+        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or not hasattr(ce, name):
+            raise AndreaError(f"--flip {item!r}: {name!r} is not an upper-case setting of andrea/cuda/engine.py")
+        try:
+            out[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise AndreaError(f"--flip {item!r}: {text!r} is not a Python literal (True, 3, ('A=1',), ...)") from None
+    return out
+
+
+def settings_of(flips: dict[str, dict]) -> dict:
+    """step_ab's settings: the committed engine, then each flip patched into andrea.cuda.engine."""
+    import andrea.cuda.engine as ce
+
+    out = {COMMITTED: contextlib.nullcontext}
+    for name, values in flips.items():
+        out[name] = (lambda v=values: eg.patched(ce, **v))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="+", default=["andrea-480m:8"])
+    ap.add_argument("--batch", type=int, default=8, help="batch of a variant named without ':B'")
+    ap.add_argument("--flip", nargs="+", required=True, help="NAME=VALUE[,NAME=VALUE...]: one arm each")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        flips = {item: parse_flip(item) for item in args.flip}
+    except AndreaError as e:
+        print(f"engine_ab: {e}", file=sys.stderr)
+        return 2
+    anchor = None if args.anchor == "none" else args.anchor
+    settings, out = settings_of(flips), {}
+    for v, B in eg.parse_variants(args.variants, args.batch):
+        key = f"{v}:B{B}"
+        out[key] = step_ab(eg.variant_shapes(v), B, args.rounds, args.steps, args.warmup, anchor, settings)
+        print_step(key, out[key], list(settings))
+        if args.json:
+            atomic_write_json(Path(args.json), out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

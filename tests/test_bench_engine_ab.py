@@ -1,0 +1,57 @@
+"""bench/engine_ab.py on the CPU: --flip parsing and its one-line refusals, each arm run under its
+settings and put back after, the rounds alternating, and --json (the step replaced by a stand-in; nothing
+here measures speed).
+
+    PYTHONPATH=. python3 -m pytest tests/test_bench_engine_ab.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from andrea.errors import AndreaError
+from script_helpers import load_script
+
+
+@pytest.fixture()
+def ab():
+    return load_script("bench/engine_ab.py")
+
+
+def test_a_flip_names_engine_settings_with_literal_values(ab):
+    assert ab.parse_flip("NORM_IN_BACKWARD=True") == {"NORM_IN_BACKWARD": True}
+    assert ab.parse_flip("OWN_DGELU=True,OWN_DGELU_DEFINES=('MM_CLUSTER=2','MM_BN=192')") == {
+        "OWN_DGELU": True, "OWN_DGELU_DEFINES": ("MM_CLUSTER=2", "MM_BN=192")}
+    with pytest.raises(AndreaError, match="'NO_SUCH' is not an upper-case setting"):
+        ab.parse_flip("NO_SUCH=1")
+    with pytest.raises(AndreaError, match="'yes' is not a Python literal"):
+        ab.parse_flip("OWN_DGELU=yes")
+
+
+def test_a_bad_flip_stops_before_any_gpu_work(ab, capsys):
+    assert ab.main(["--flip", "FUSE_GELU=maybe"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FUSE_GELU" in err[0]
+
+
+def test_each_arm_runs_under_its_flip_alternating_and_the_json_holds_them(ab, monkeypatch, tmp_path, capsys):
+    import andrea.cuda.engine as ce
+
+    seen = []
+
+    def ours(s, B, steps, warmup, prec):
+        seen.append((ce.NORM_IN_BACKWARD, ce.OWN_DGELU))
+        return {"ms": 40.0 if ce.NORM_IN_BACKWARD else 41.0, "n_params": 1_000_000}
+
+    monkeypatch.setattr(ab.eg, "bench_ours", ours)
+    monkeypatch.setattr(ab.eg, "bench_torch", lambda s, B, steps, warmup, a: {"ms": 44.0})
+    out = tmp_path / "ab.json"
+    assert ab.main(["--variants", "andrea-12m:8", "--flip", "NORM_IN_BACKWARD=True", "--rounds", "2",
+                    "--json", str(out)]) == 0
+    assert seen == [(False, False), (True, False), (True, False), (False, False)]
+    assert ce.NORM_IN_BACKWARD is False
+    got = json.loads(out.read_text())["andrea-12m:B8"]
+    assert got["committed"]["ms"] == 41.0 and got["NORM_IN_BACKWARD=True"]["ratio_vs_anchor"] == pytest.approx(1.1)
+    assert "NORM_IN_BACKWARD=True 40.00 ms" in capsys.readouterr().out
