@@ -211,9 +211,9 @@ class FastOps:
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
         self.dgelu = None                                       # OWN_DGELU: a kernels.MmDgelu (GpuEngine sets it)
-        # NORM_IN_BACKWARD (GpuEngine sets them): a block's dW_qkv pointer -> (its block's rows of g, their count,
-        # its NORM_BLOCKS partials), and the side stream the partial sums run on
-        self.norm_hooks, self.side, self._side_open = None, None, False
+        # NORM_IN_BACKWARD (GpuEngine sets them, ``use_side``): a block's dW_qkv pointer -> (its block's rows of
+        # g, their count, its NORM_BLOCKS partials), the side stream the partial sums run on and its fork/join events
+        self.norm_hooks, self.side, self._events, self._side_open = None, None, None, False
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
         self.fused, self.fused_bwd = fused_gelu("fp8" if f8 is not None else prec if lt is not None else "fp32")
         if f8 is not None:                                      # fp8.HPRE_E4M3: only without the DGELU epilogue
@@ -301,13 +301,19 @@ class FastOps:
             self._side_norm(*hook)
         self._mm(dx, dqkv, w_qkv, tb=True, tag="qkv dgrad")
 
-    def _side_norm(self, g_rows, n: int, part) -> None:
-        """NORM_IN_BACKWARD: the partial sums of squares of g_rows on the side stream, after everything the
-        current stream has queued (a fork that a CUDA graph captures as an edge); ``join_side`` ends it."""
+    def use_side(self, hooks: dict) -> None:
+        """NORM_IN_BACKWARD: run ``hooks`` (see __init__) on a side stream of their own, with events made now,
+        outside any capture, and recorded again at every fork and join."""
         xp = cp()
-        ev = xp.cuda.Event(disable_timing=True)
-        ev.record(xp.cuda.get_current_stream())
-        self.side.wait_event(ev)
+        self.norm_hooks, self.side = hooks, xp.cuda.Stream(non_blocking=True)
+        self._events = (xp.cuda.Event(disable_timing=True), xp.cuda.Event(disable_timing=True))
+
+    def _side_norm(self, g_rows, n: int, part) -> None:
+        """The partial sums of squares of g_rows on the side stream, after everything the current stream has
+        queued (a fork that a CUDA graph captures as an edge); ``join_side`` ends it."""
+        fork = self._events[0]
+        fork.record(cp().cuda.get_current_stream())
+        self.side.wait_event(fork)
         with self.side:
             k_grad_norm_partial(g_rows, n, part)
         self._side_open = True
@@ -315,10 +321,9 @@ class FastOps:
     def join_side(self) -> None:
         """The current stream waits for the side stream's partial sums (a capture must join its forks)."""
         if self._side_open:
-            xp = cp()
-            ev = xp.cuda.Event(disable_timing=True)
-            ev.record(self.side)
-            xp.cuda.get_current_stream().wait_event(ev)
+            join = self._events[1]
+            join.record(self.side)
+            cp().cuda.get_current_stream().wait_event(join)
             self._side_open = False
 
     def attn_forward(self, out, att, qkv, mask, n_head, work):
@@ -687,9 +692,8 @@ class GpuEngine:
         if "norm_layers" in a and grad_accum == 1 and world == 1 and f8 is None:
             self._norm_layers, G = a["norm_layers"], NORM_BLOCKS
             spans = [contiguous_span(self.layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS]) for l in range(mc.n_layer)]
-            self.ops.norm_hooks = {s.d_attn_w_qkv.data.ptr: (self.g[lo:hi], hi - lo, self._norm_layers[l * G:(l + 1) * G])
-                                   for l, (s, (lo, hi)) in enumerate(zip(self.z.layers, spans))}
-            self.ops.side = xp.cuda.Stream(non_blocking=True)
+            self.ops.use_side({s.d_attn_w_qkv.data.ptr: (self.g[lo:hi], hi - lo, self._norm_layers[l * G:(l + 1) * G])
+                               for l, (s, (lo, hi)) in enumerate(zip(self.z.layers, spans))})
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
         self.graph = None                  # (forward + backward up to the embedding's, the embedding backward)
