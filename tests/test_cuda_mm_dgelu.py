@@ -245,7 +245,7 @@ def test_the_engine_sends_a_dgelu_gemm_to_the_kernel_only_where_it_takes_the_cal
 
 @pytest.mark.gpu
 def test_a_wait_that_does_not_end_fails_the_launch_instead_of_hanging():
-    # MM_WATCHDOG=1: the first wait that needs a second poll traps; in a child, since a trap ends the context
+    # MM_WATCHDOG=1 (ns): the first wait that lasts 2048 polls traps; in a child, since a trap ends the context
     import subprocess
     import sys
 

@@ -642,7 +642,7 @@ def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate, part=Non
 #     mm = MmDgelu(("MM_CLUSTER=2",)); mm(d, a, b, x)        # d, a, b, x cupy uint16
 
 MM_DGELU = {"MM_BN": 256, "MM_STAGES": 3, "MM_CLUSTER": 1, "MM_CLUSTER_N": 1, "MM_GROUP": 8, "MM_LDSM": 0,
-            "MM_WATCHDOG": 1 << 28}                        # mm_dgelu.cu's #ifndef values
+            "MM_WATCHDOG": 4_000_000_000}                        # mm_dgelu.cu's #ifndef values
 MM_BN_BUILT = (256, 192)              # the wgmma shapes the file spells out (WG_SS_N256, WG_SS_N192)
 MM_BM, MM_BK, MM_THREADS = 128, 64, 384
 SMEM_LIMIT = 232448                # sm_90's opt-in dynamic shared memory a block (227 KB)

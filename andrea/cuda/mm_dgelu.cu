@@ -34,7 +34,7 @@
 // MM_CLUSTER_N 1 | 2 (along N, sharing A: 2 x 2 clusters read a quarter less again), MM_GROUP (unit rows a
 // group, for L2 reuse),
 // MM_LDSM 1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2);
-// MM_WATCHDOG: the polls after which a barrier wait traps (2^28; a test sets 1 to see the trap).
+// MM_WATCHDOG: the ns after which a barrier wait traps (4 s; a test sets 1 to see the trap).
 
 #ifndef MM_BN
 #define MM_BN 256
@@ -55,7 +55,7 @@
 #define MM_LDSM 0
 #endif
 #ifndef MM_WATCHDOG
-#define MM_WATCHDOG 268435456
+#define MM_WATCHDOG 4000000000
 #endif
 #define MM_BM 128
 #define MM_BK 64
@@ -90,15 +90,21 @@ __device__ __forceinline__ void mbar_arrive_cta(unsigned bar, unsigned cta) {
                  "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(cta) : "memory");
 }
 // until the phase of parity `parity` has completed. A wait that never ends (a barrier count or phase gone
-// wrong) traps after MM_WATCHDOG polls, seconds at the least, so the launch fails with an error where it
-// would hang the process; no wait of a working launch comes near it.
+// wrong) traps once it has lasted MM_WATCHDOG ns by the global timer (read every 1024 polls: a try_wait may
+// itself suspend for a while), so the launch fails with an error where it would hang the process; no wait
+// of a working launch comes near it.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    unsigned long long polls = 0;
+    unsigned done, polls = 0;
+    unsigned long long t0 = 0;
     do {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-        if (++polls > MM_WATCHDOG) __trap();
+        if (!done && (++polls & 1023u) == 0) {
+            unsigned long long now;
+            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+            if (t0 == 0) t0 = now;
+            else if (now - t0 > (unsigned long long)MM_WATCHDOG) __trap();
+        }
     } while (!done);
 }
 
