@@ -29,12 +29,14 @@
 // Deterministic: every output element is one fixed-order accumulation (no split K, no atomics).
 //
 // The defines are the variants bench/dgelu_gemm.py --configs compares (kernels.MM_DGELU holds the
-// launcher's copy of the defaults; a test compares them): MM_BN 256 | 192 (both N of the step, 6144 and
-// 3072, are multiples of each), MM_STAGES, MM_CLUSTER 1 | 2 (CTAs a cluster along M, sharing B),
-// MM_CLUSTER_N 1 | 2 (along N, sharing A: 2 x 2 clusters read a quarter less again), MM_GROUP (unit rows a
-// group, for L2 reuse),
-// MM_LDSM 1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2);
-// MM_WATCHDOG: the ns after which a barrier wait traps (4 s; a test sets 1 to see the trap).
+// launcher's copy of the defaults; a test compares them):
+//   MM_BN        256 | 192, the tile's columns (the step's N, 6144 and 3072, are multiples of 2 x either);
+//   MM_STAGES    the ring's depth (3 at MM_BN 256, 4 at 192 fill the shared memory);
+//   MM_CLUSTER   1 | 2, CTAs a cluster along M, sharing B;
+//   MM_CLUSTER_N 1 | 2, along N, sharing A (2 x 2 clusters read a quarter less again);
+//   MM_GROUP     unit rows a group of the schedule, for L2 reuse;
+//   MM_LDSM      1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2);
+//   MM_WATCHDOG  the ns after which a barrier wait traps (4 s; a test sets 1 to see the trap).
 
 #ifndef MM_BN
 #define MM_BN 256
