@@ -197,6 +197,7 @@ def test_own_dgelu_gemm_keeps_every_gradient_and_the_bytes(monkeypatch):
     ref = numpy_engine()
     gpu = make_backend().make_engine(MC, B, precision="bf16")
     assert gpu.ops.dgelu is not None and gpu.a["dgelu_maps"].shape == (MC.n_layer, 512)
+    assert "mm_dgelu.cu" in gpu.describe()
     gpu.init_weights(0)
     x, y = batch(2)
     ref.zero_grads()
@@ -228,7 +229,7 @@ def test_grad_norm_in_the_backward_keeps_the_norm_and_repeats_its_bytes(prec, mo
     def run(flag, graph=True, accum=1):
         monkeypatch.setattr(ce, "NORM_IN_BACKWARD", flag)
         eng = make_backend().make_engine(mc, B, precision=prec, cuda_graph=graph, grad_accum=accum)
-        assert (eng._norm_layers is not None) == (flag and accum == 1)
+        assert (eng._norm_layers is not None) == (flag and accum == 1) == ("NORM_IN_BACKWARD" in eng.describe())
         eng.init_weights(0)
         res = [eng.train_step([batch(700 + t, mc)], 3e-3, t, HP) for t in range(1, 5)]
         return [(r.ok, r.grad_norm) for r in res], [x.tobytes() for x in eng.state_host()]

@@ -742,6 +742,9 @@ class GpuEngine:
                 f"L={mc.n_layer} T={mc.context}); batch {self.B}x{self.T}; backend cupy {self.prec}"
                 f"{' + CUDA graph' if self.use_graph else ''}\n"
                 + (f"{self.dnn.describe()}\n" if self.dnn is not None else "")
+                + (f"proj dgrad + gelu': mm_dgelu.cu {self.ops.dgelu.cfg} (OWN_DGELU)\n" if self.ops.dgelu else "")
+                + ("grad norm: each block's partial sums beside the backward (NORM_IN_BACKWARD)\n"
+                   if self._norm_layers is not None else "")
                 + f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
                 f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes"
                 + ("" if self.comm is None or self.comm.size == 1 else
