@@ -241,6 +241,32 @@ def test_grad_norm_in_the_backward_keeps_the_norm_and_repeats_its_bytes(prec, mo
     run(True, accum=None)
 
 
+@pytest.mark.parametrize("prec,graph", [("bf16", True), ("bf16", False), ("fp32", True), ("fp16", False)])
+def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, monkeypatch):
+    """OVERLAP_UPDATE: AdamW on its own stream in pieces, the next forward waiting for each piece before it
+    reads it. Against the single launch: the same StepResults over six steps, the same loss of an evaluation
+    forward queued right after a step, the same w, m, v bytes read right after it; and a run resumed from a
+    state read right after its third step ends on the six-step run's bytes."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    def run(flag):
+        monkeypatch.setattr(ce, "OVERLAP_UPDATE", flag)
+        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph)
+        assert (eng._upd is not None) == flag == ("OVERLAP_UPDATE" in eng.describe())
+        eng.init_weights(0)
+        res = [eng.train_step([batch(300 + t)], 3e-3, t, HP) for t in range(1, 7)]
+        loss = eng.forward(*batch(999))
+        return repr([(r.loss, r.grad_norm, r.ok) for r in res]), loss, [x.tobytes() for x in eng.state_host()]
+
+    assert run(True) == run(False)
+    monkeypatch.setattr(ce, "OVERLAP_UPDATE", True)
+    resumed = _run(prec, 3, start=_run(prec, 3, graph=graph), graph=graph)
+    monkeypatch.setattr(ce, "OVERLAP_UPDATE", False)
+    whole = _run(prec, 6, graph=graph)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(whole[1:], resumed[1:]))
+
+
 @pytest.mark.parametrize("prec", ["bf16", "fp8"])
 def test_first_microbatch_writing_the_weight_gradients_keeps_the_bytes(prec, monkeypatch):
     """engine.WGRAD_WRITES (the default): a step's first microbatch writes the block weights' gradients (beta

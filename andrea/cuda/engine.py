@@ -109,6 +109,15 @@ OWN_DGELU_DEFINES: tuple[str, ...] = ()
 # a fixed order: deterministic, but another partition of the sum than the single pass, so not its bytes.
 # Adds an (L + 2) NORM_BLOCKS fp32 entry, norm_layers. False until the step measures it (bench/engine_ab.py).
 NORM_IN_BACKWARD = False
+# One GPU, not fp8: the optimizer step runs on a stream of its own, in the order the next forward reads the
+# parameters (wte and wpe, then each block's matmul weights and LayerNorms, then lnf), with an event after
+# each piece; the next forward waits for each piece just before its first read of it (FastOps._await_update,
+# an external event wait node inside the CUDA graph), so the memory-bound AdamW (480M: 3.8 ms of a 47.8 ms
+# step) runs beside the compute-bound forward instead of before it. Every element gets the same arithmetic
+# as the single launch: the same bytes. Anything else that touches the parameters or g first waits for the
+# whole step (zero_grads on the device, state_host / load_state / grads_host on the host). False until the
+# step measures it (bench/engine_ab.py).
+OVERLAP_UPDATE = False
 # A step's first microbatch: the four block weight-gradient GEMMs write their gradients (beta 0: no read of
 # C, no zeroed rows to add onto) and zero_grads clears only the rest of g (wte, wpe, the LayerNorms), as
 # torch's zero_grad(set_to_none=True) leaves the first backward to write. The later microbatches add (beta
@@ -214,6 +223,8 @@ class FastOps:
         # NORM_IN_BACKWARD (GpuEngine sets them, ``use_side``): a block's dW_qkv pointer -> (its block's rows of
         # g, their count, its NORM_BLOCKS partials), the side stream the partial sums run on and its fork/join events
         self.norm_hooks, self.side, self._events, self._side_open = None, None, None, False
+        # OVERLAP_UPDATE (GpuEngine sets it): a parameter's pointer -> the event its optimizer step records
+        self.update_waits = None
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
         self.fused, self.fused_bwd = fused_gelu("fp8" if f8 is not None else prec if lt is not None else "fp32")
         if f8 is not None:                                      # fp8.HPRE_E4M3: only without the DGELU epilogue
@@ -238,7 +249,17 @@ class FastOps:
         else:
             self.blas.mm(C, A, B, ta=ta, tb=tb, beta=beta, lowtype=self.lowtype)
 
+    def _await_update(self, param) -> None:
+        """OVERLAP_UPDATE: the current stream waits for the optimizer step of the piece ``param`` opens (in a
+        capture, as an external event wait node: the event is recorded outside the graph, every step)."""
+        ev = self.update_waits.get(param.data.ptr) if self.update_waits else None
+        if ev is not None:
+            rt = cp().cuda.runtime
+            s = cp().cuda.get_current_stream().ptr
+            rt.streamWaitEvent(s, ev.ptr, 1 if rt.streamIsCapturing(s) else 0)   # 1: cudaEventWaitExternal
+
     def embed_forward(self, out, idx, wte, wpe):
+        self._await_update(wte)
         B, T = idx.shape
         V, C = wte.shape
         k_embed_fwd(out, idx, wte, wpe, B * T, T, C, V)
@@ -262,6 +283,7 @@ class FastOps:
         return self.f8 is not None and self.f8.ln_e4m3(out) and ln_e4m3_fits(N, C, *arrays)
 
     def layernorm_forward(self, out, mean, rstd, x, g, b):
+        self._await_update(g)
         N, C = x.shape
         if self._e4m3(out, N, C, x, g, b):
             self.f8.produce(out, lambda y8, sc, rec: k_layernorm_fwd_e4m3(y8, mean, rstd, x, g, b, N, C, sc, rec))
@@ -284,6 +306,7 @@ class FastOps:
         k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C, dlow=low)
 
     def residual_layernorm_forward(self, xo, out, mean, rstd, a, b, g, beta):
+        self._await_update(g)
         N, C = xo.shape
         if self._e4m3(out, N, C, a, b, xo, g, beta):
             self.f8.produce(out, lambda y8, sc, rec: k_layernorm_fwd_e4m3(y8, mean, rstd, xo, g, beta, N, C, sc, rec,
@@ -586,6 +609,23 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
     return Arena(policy, plan, spec, offs, -(-off // 512) * 512, tuple(aliases), tuple(moved))
 
 
+def update_pieces(layout, n_layer: int) -> list:
+    """OVERLAP_UPDATE's pieces of the flat parameters in the order the forward reads them, each (its flat
+    [lo, hi) ranges, the parameter whose first read in the forward waits for it): wte and wpe (the
+    embedding), then each block's matmul weights and LayerNorms (its ln1), then lnf (the head). They cover
+    every parameter once; AndreaError if the layout says otherwise."""
+    pieces = [([(0, layout.by_name["h.0.attn.w_qkv"].offset)], "wte")]
+    for l in range(n_layer):
+        mats = contiguous_span(layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS])
+        lns = contiguous_span(layout, [f"h.{l}.ln1.g", f"h.{l}.ln1.b", f"h.{l}.ln2.g", f"h.{l}.ln2.b"])
+        pieces.append(([mats, lns], f"h.{l}.ln1.g"))
+    pieces.append(([contiguous_span(layout, ["lnf.g", "lnf.b"])], "lnf.g"))
+    covered = sorted(r for rs, _ in pieces for r in rs)
+    if covered[0][0] != 0 or covered[-1][1] != layout.n_params or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+        raise AndreaError("cupy engine: OVERLAP_UPDATE's pieces do not cover the flat parameters once")
+    return pieces
+
+
 class GpuEngine:
     """The training step on the GPU in fp32 | bf16 | fp16 with fp32 master weights, m and v.
     Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
@@ -694,6 +734,9 @@ class GpuEngine:
             spans = [contiguous_span(self.layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS]) for l in range(mc.n_layer)]
             self.ops.use_side({s.d_attn_w_qkv.data.ptr: (self.g[lo:hi], hi - lo, self._norm_layers[l * G:(l + 1) * G])
                                for l, (s, (lo, hi)) in enumerate(zip(self.z.layers, spans))})
+        self._upd = None                     # OVERLAP_UPDATE: (stream, [(ranges, event)], the norm's event)
+        if OVERLAP_UPDATE and f8 is None and world == 1:
+            self._upd = self._update_plan(xp)
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
         self.graph = None                  # (forward + backward up to the embedding's, the embedding backward)
@@ -745,6 +788,8 @@ class GpuEngine:
                 + (f"proj dgrad + gelu': mm_dgelu.cu {self.ops.dgelu.cfg} (OWN_DGELU)\n" if self.ops.dgelu else "")
                 + ("grad norm: each block's partial sums beside the backward (NORM_IN_BACKWARD)\n"
                    if self._norm_layers is not None else "")
+                + ("optimizer: AdamW piece by piece beside the next forward (OVERLAP_UPDATE)\n"
+                   if self._upd is not None else "")
                 + f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
                 f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes"
                 + ("" if self.comm is None or self.comm.size == 1 else
@@ -785,6 +830,7 @@ class GpuEngine:
 
     def load_state(self, w: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
         """The whole flat w, m, v (host); with a comm this rank keeps its shard of m and v."""
+        self._settle()
         if self.comm is not None and self.comm.size > 1:
             m, v = self._my_shard(m), self._my_shard(v)
         for dst, src in ((self.w, w), (self.m, m), (self.v, v)):
@@ -922,6 +968,8 @@ class GpuEngine:
         (WGRAD_WRITES, ``_wgrad_span``); nothing to queue where the last update cleared them
         (CLEAR_AFTER_UPDATE)."""
         with self.stream:
+            if self._wgrad_span is None or not self._rest_clear:
+                self._await_step()                           # OVERLAP_UPDATE: its AdamW reads g
             if self._wgrad_span is None:
                 self.g.fill(0)
             elif not self._rest_clear:
@@ -1046,6 +1094,9 @@ class GpuEngine:
                 if gate:
                     k_gate_finite(a["loss_out"], a["gstate"])
                 wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
+                if self._upd is not None:                    # OVERLAP_UPDATE: beside the next forward
+                    self._queue_update_overlapped()
+                    return stepped
                 if stepped is None:
                     part = self._amax_part()
                     k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"],
@@ -1061,6 +1112,52 @@ class GpuEngine:
             if self.f8 is not None:
                 self.f8.after_step(self.stream)
         return stepped
+
+    def _update_plan(self, xp):
+        """OVERLAP_UPDATE: the update's stream, its pieces (``update_pieces``, each with the event recorded
+        after it) and the event the update waits for; the forward's ops learn which parameter opens which
+        piece (FastOps.update_waits)."""
+        pieces = [(ranges, xp.cuda.Event(disable_timing=True), opens)
+                  for ranges, opens in update_pieces(self.layout, self.mc.n_layer)]
+        self.ops.update_waits = {self.W[opens].data.ptr: e for _, e, opens in pieces}
+        return xp.cuda.Stream(non_blocking=True), [(rs, e) for rs, e, _ in pieces], xp.cuda.Event(disable_timing=True)
+
+    def _queue_update_overlapped(self) -> None:
+        """OVERLAP_UPDATE's AdamW: on the update stream after the norm (and the gate) the current stream has
+        queued, piece by piece, each followed by its event; wte's padded copy after the first piece, the
+        gradients outside the block rows cleared (CLEAR_AFTER_UPDATE) before the last event."""
+        stream, pieces, after_norm = self._upd
+        after_norm.record(self.cp.cuda.get_current_stream())
+        stream.wait_event(after_norm)
+        with stream:
+            for i, (ranges, ev) in enumerate(pieces):
+                for lo, hi in ranges:
+                    self._adamw_range(lo, hi)
+                if i == 0:
+                    self._weights_changed()
+                if i == len(pieces) - 1 and CLEAR_AFTER_UPDATE and self._rest:
+                    self._clear_rest()
+                    self._rest_clear = True
+                ev.record(stream)
+
+    def _await_step(self) -> None:
+        """OVERLAP_UPDATE: the engine's stream waits for the whole queued optimizer step (no host wait)."""
+        if self._upd is not None:
+            self.stream.wait_event(self._upd[1][-1][1])
+
+    def _settle(self) -> None:
+        """OVERLAP_UPDATE: the host waits for the queued optimizer step (before it reads or writes w, m, v, g)."""
+        if self._upd is not None:
+            self._upd[0].synchronize()
+
+    def _adamw_range(self, lo: int, hi: int) -> None:
+        """k_adamw over the flat parameters [lo, hi) with their share of the decayed prefix [0, n_decay)."""
+        if hi <= lo:
+            return
+        a, nd = self.a, self.layout.n_decay
+        wlow = a["wlow"][lo:hi] if self.prec != "fp32" else np.uint64(0)
+        k_adamw(self.kp, a["w"][lo:hi], a["g"][lo:hi], a["m"][lo:hi], a["v"][lo:hi], wlow, hi - lo,
+                a["hp"], a["gstate"], min(max(nd - lo, 0), hi - lo), 1)
 
     def _norm_rest(self, clip: float, inv: float) -> None:
         """NORM_IN_BACKWARD: the partial sums of g outside the blocks' matmul weights (before and after their
@@ -1081,11 +1178,8 @@ class GpuEngine:
     def _adamw_around(self, span) -> None:
         """k_adamw over the flat parameters outside ``span`` (wte and wpe before it, the LayerNorms after),
         each piece with its share of the decayed prefix [0, n_decay)."""
-        a, n, nd = self.a, self.n_params, self.layout.n_decay
-        for lo, hi in ((0, span[0]), (span[1], n)):
-            if hi > lo:
-                k_adamw(self.kp, a["w"][lo:hi], a["g"][lo:hi], a["m"][lo:hi], a["v"][lo:hi], a["wlow"][lo:hi], hi - lo,
-                        a["hp"], a["gstate"], min(max(nd - lo, 0), hi - lo), 1)
+        for lo, hi in ((0, span[0]), (span[1], self.n_params)):
+            self._adamw_range(lo, hi)
 
     def _amax_part(self):
         """fp8 (one weight table, buffers aligned for k_adamw4_*): where AdamW leaves the max |wlow| of
@@ -1154,11 +1248,13 @@ class GpuEngine:
         return bits.view(np.float16).astype(np.float32)
 
     def grads_host(self) -> np.ndarray:
+        self._settle()
         return self.cp.asnumpy(self.g)
 
     def state_host(self):
         """The whole fp32 w, m, v on the host. With a comm of more than one rank this is a collective
         (every rank calls it): the m and v shards are gathered through g, which is free between steps."""
+        self._settle()
         if self.comm is None or self.comm.size == 1:
             return tuple(self.cp.asnumpy(x) for x in (self.w, self.m, self.v))
         out = [self.cp.asnumpy(self.w)]
