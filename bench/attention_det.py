@@ -94,6 +94,18 @@ def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: i
     return res
 
 
+def add_step_args(ap) -> None:
+    """The step's options (--steps, --warmup, --anchor) of each bench that runs ``step_ab``; ``anchor_of``
+    turns --anchor into step_ab's argument."""
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
+
+
+def anchor_of(args) -> str | None:
+    return None if args.anchor == "none" else args.anchor
+
+
 def step_ab(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None, settings: dict,
             **ours) -> dict:
     """The engine's bf16 step (``engine_gpu.bench_ours``, keywords ``ours``) under each of ``settings``
@@ -146,12 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed calls alone (at least)")
     ap.add_argument("--repeats", type=int, default=5, help="backward calls compared for their bytes")
     ap.add_argument("--no-step", action="store_true", help="only the backward alone")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
+    add_step_args(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    anchor = None if args.anchor == "none" else args.anchor
+    anchor = anchor_of(args)
     out = {}
     for v, B in eg.parse_variants(args.variants, args.batch):
         s, key = eg.variant_shapes(v), f"{v}:B{B}"

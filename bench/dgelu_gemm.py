@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from attention_det import print_step, step_ab  # noqa: E402
+from attention_det import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
 from fp8_ab import round_order  # noqa: E402  (A B, B A, ...)
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
@@ -171,9 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sustain-ms", type=float, default=200.0)
     ap.add_argument("--reps", type=int, default=20, help="timed calls (at least)")
     ap.add_argument("--step", action="store_true", help="then the training step with each arm that passed")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
+    add_step_args(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
@@ -181,7 +179,7 @@ def main(argv=None) -> int:
     except AndreaError as e:
         print(f"dgelu_gemm: {e}", file=sys.stderr)
         return 2
-    anchor = None if args.anchor == "none" else args.anchor
+    anchor = anchor_of(args)
     out = {}
     for v, B in eg.parse_variants(args.variants, args.batch):
         key, s = f"{v}:B{B}", eg.variant_shapes(v)

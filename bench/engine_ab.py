@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from attention_det import print_step, step_ab  # noqa: E402
+from attention_det import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
 
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
@@ -67,9 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="batch of a variant named without ':B'")
     ap.add_argument("--flip", nargs="+", required=True, help="NAME=VALUE[,NAME=VALUE...]: one arm each")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
+    add_step_args(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
@@ -77,7 +75,7 @@ def main(argv=None) -> int:
     except AndreaError as e:
         print(f"engine_ab: {e}", file=sys.stderr)
         return 2
-    anchor = None if args.anchor == "none" else args.anchor
+    anchor = anchor_of(args)
     settings, out = settings_of(flips), {}
     for v, B in eg.parse_variants(args.variants, args.batch):
         key = f"{v}:B{B}"
