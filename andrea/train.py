@@ -719,6 +719,7 @@ def coherence_hook(trainer: Trainer) -> Hook:
     model = InferenceModel(trainer.mc, trainer.engine.w, trainer.engine.be, slots=len(PROMPTS))   # one batch
 
     def fn(tr: Trainer, step: int):
+        tr.engine.settle()                      # the model reads the training weights themselves
         out = mon.sample_check(step, model, tr.tok, tr.seed)
         tr.hist.samples.extend(out["samples"])
         tr.hist.events.append({"step": step, "kind": "coherence",

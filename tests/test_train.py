@@ -259,3 +259,36 @@ def test_resume_with_another_thread_count_says_the_bits_will_differ(data, tmp_pa
         tr.run()
         assert ("not bit-identical" in text.getvalue()) == noted, text.getvalue()
         assert any(e["kind"] == "threads" for e in tr.hist.events) == noted
+
+
+def test_the_coherence_check_waits_for_the_engines_queued_update_before_it_samples(monkeypatch):
+    """The check samples from the training weights themselves (engine.w); GpuEngine's update may still run
+    beside the next step (OVERLAP_UPDATE), so the hook settles the engine first."""
+    from types import SimpleNamespace
+
+    import andrea.coherence as co
+    import andrea.generate as gen
+    from andrea.train import coherence_hook
+
+    order = []
+
+    class Monitor:
+        every = 5
+
+        def __init__(self, settings):
+            pass
+
+        def sample_check(self, step, model, tok, seed):
+            order.append(("sample", step, model))
+            return {"samples": [], "degenerate": False, "streak": 0, "halt": None}
+
+        state_dict = load_state_dict = observe_loss = None
+
+    monkeypatch.setattr(co, "CoherenceMonitor", Monitor)
+    monkeypatch.setattr(gen, "InferenceModel", lambda mc, w, be, slots: "model over engine.w")
+    engine = SimpleNamespace(w="w", be="be", settle=lambda: order.append("settle"))
+    trainer = SimpleNamespace(settings=SimpleNamespace(coherence=None), mc=None, engine=engine, tok=None, seed=0,
+                              hist=SimpleNamespace(samples=[], events=[]))
+    hook = coherence_hook(trainer)
+    assert hook.fn(trainer, 5) is None
+    assert order == ["settle", ("sample", 5, "model over engine.w")]

@@ -830,7 +830,7 @@ class GpuEngine:
 
     def load_state(self, w: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
         """The whole flat w, m, v (host); with a comm this rank keeps its shard of m and v."""
-        self._settle()
+        self.settle()
         if self.comm is not None and self.comm.size > 1:
             m, v = self._my_shard(m), self._my_shard(v)
         for dst, src in ((self.w, w), (self.m, m), (self.v, v)):
@@ -1145,8 +1145,9 @@ class GpuEngine:
         if self._upd is not None:
             self.stream.wait_event(self._upd[1][-1][1])
 
-    def _settle(self) -> None:
-        """OVERLAP_UPDATE: the host waits for the queued optimizer step (before it reads or writes w, m, v, g)."""
+    def settle(self) -> None:
+        """Engine.settle: with OVERLAP_UPDATE the host waits for the queued optimizer step (before anything
+        reads or writes w, m, v or g from outside the engine's stream)."""
         if self._upd is not None:
             self._upd[0].synchronize()
 
@@ -1248,13 +1249,13 @@ class GpuEngine:
         return bits.view(np.float16).astype(np.float32)
 
     def grads_host(self) -> np.ndarray:
-        self._settle()
+        self.settle()
         return self.cp.asnumpy(self.g)
 
     def state_host(self):
         """The whole fp32 w, m, v on the host. With a comm of more than one rank this is a collective
         (every rank calls it): the m and v shards are gathered through g, which is free between steps."""
-        self._settle()
+        self.settle()
         if self.comm is None or self.comm.size == 1:
             return tuple(self.cp.asnumpy(x) for x in (self.w, self.m, self.v))
         out = [self.cp.asnumpy(self.w)]

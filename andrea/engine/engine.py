@@ -222,6 +222,11 @@ class Engine:
         for dst, src in ((self.w, w), (self.m, m), (self.v, v)):
             self.be.copy_from_host(dst, src)
 
+    def settle(self) -> None:
+        """Return once every queued optimizer step has reached w, m and v, for a reader of them outside the
+        engine's own methods (the coherence check samples from ``w``). Here every step is done when it
+        returns; GpuEngine's may run on beside the next step (OVERLAP_UPDATE)."""
+
     def state_host(self):
         """The whole fp32 w, m, v on the host (what a checkpoint saves; GpuEngine's has the same name)."""
         return tuple(self.be.to_host(x) for x in (self.w, self.m, self.v))
