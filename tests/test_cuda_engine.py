@@ -241,29 +241,42 @@ def test_grad_norm_in_the_backward_keeps_the_norm_and_repeats_its_bytes(prec, mo
     run(True, accum=None)
 
 
-@pytest.mark.parametrize("prec,graph", [("bf16", True), ("bf16", False), ("fp32", True), ("fp16", False)])
-def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, monkeypatch):
+@pytest.mark.parametrize("prec,graph,accum", [("bf16", True, 1), ("bf16", True, None), ("bf16", False, None),
+                                              ("fp32", True, None), ("fp16", False, None)])
+def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, accum, monkeypatch):
     """OVERLAP_UPDATE: AdamW on its own stream in pieces, the next forward waiting for each piece before it
     reads it. Against the single launch: the same StepResults over six steps, the same loss of an evaluation
     forward queued right after a step, the same w, m, v bytes read right after it; and a run resumed from a
-    state read right after its third step ends on the six-step run's bytes."""
+    state read right after its third step ends on the six-step run's bytes. accum=1 (the benches' engine):
+    the next forward also writes block l+1's activations into block l's gradient rows (ACTS_IN_GRADS)."""
     import andrea.cuda.engine as ce
     from andrea.cuda.backend import make_backend
 
     def run(flag):
         monkeypatch.setattr(ce, "OVERLAP_UPDATE", flag)
-        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph)
+        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph, grad_accum=accum)
         assert (eng._upd is not None) == flag == ("OVERLAP_UPDATE" in eng.describe())
+        assert bool(eng.acts_in_grads) == (accum == 1 and prec == "bf16")
         eng.init_weights(0)
         res = [eng.train_step([batch(300 + t)], 3e-3, t, HP) for t in range(1, 7)]
         loss = eng.forward(*batch(999))
         return repr([(r.loss, r.grad_norm, r.ok) for r in res]), loss, [x.tobytes() for x in eng.state_host()]
 
+    def steps(flag, n, start=None):
+        monkeypatch.setattr(ce, "OVERLAP_UPDATE", flag)
+        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph, grad_accum=accum)
+        t0 = 0
+        if start is None:
+            eng.init_weights(0)
+        else:
+            t0, w, m, v = start
+            eng.load_state(w, m, v)
+        for t in range(t0 + 1, t0 + n + 1):
+            eng.train_step([batch(300 + 7 * t)], 3e-3, t, HP)
+        return (t0 + n, *eng.state_host())
+
     assert run(True) == run(False)
-    monkeypatch.setattr(ce, "OVERLAP_UPDATE", True)
-    resumed = _run(prec, 3, start=_run(prec, 3, graph=graph), graph=graph)
-    monkeypatch.setattr(ce, "OVERLAP_UPDATE", False)
-    whole = _run(prec, 6, graph=graph)
+    resumed, whole = steps(True, 3, start=steps(True, 3)), steps(False, 6)
     assert all(x.tobytes() == y.tobytes() for x, y in zip(whole[1:], resumed[1:]))
 
 
