@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -734,7 +735,7 @@ class GpuEngine:
             spans = [contiguous_span(self.layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS]) for l in range(mc.n_layer)]
             self.ops.use_side({s.d_attn_w_qkv.data.ptr: (self.g[lo:hi], hi - lo, self._norm_layers[l * G:(l + 1) * G])
                                for l, (s, (lo, hi)) in enumerate(zip(self.z.layers, spans))})
-        self._upd = None                     # OVERLAP_UPDATE: (stream, [(ranges, event)], the norm's event)
+        self._upd = None                     # OVERLAP_UPDATE: its stream, pieces and events (_update_plan)
         if OVERLAP_UPDATE and f8 is None and world == 1:
             self._upd = self._update_plan(xp)
         self.stream = xp.cuda.Stream(non_blocking=True)
@@ -1093,10 +1094,10 @@ class GpuEngine:
                     self._norm_rest(hp.grad_clip, inv)
                 if gate:
                     k_gate_finite(a["loss_out"], a["gstate"])
-                wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
                 if self._upd is not None:                    # OVERLAP_UPDATE: beside the next forward
                     self._queue_update_overlapped()
                     return stepped
+                wlow = a["wlow"] if self.prec != "fp32" else np.uint64(0)
                 if stepped is None:
                     part = self._amax_part()
                     k_adamw(self.kp, a["w"], a["g"], a["m"], a["v"], wlow, n, a["hp"], a["gstate"],
@@ -1113,22 +1114,25 @@ class GpuEngine:
                 self.f8.after_step(self.stream)
         return stepped
 
-    def _update_plan(self, xp):
-        """OVERLAP_UPDATE: the update's stream, its pieces (``update_pieces``, each with the event recorded
-        after it) and the event the update waits for; the forward's ops learn which parameter opens which
-        piece (FastOps.update_waits)."""
+    def _update_plan(self, xp) -> SimpleNamespace:
+        """OVERLAP_UPDATE: the update's ``stream``, its ``pieces`` (``update_pieces``, each with the event
+        recorded after it), ``after_norm`` (the event the update waits for) and ``done`` (the last piece's
+        event: the whole update); the forward's ops learn which parameter opens which piece
+        (FastOps.update_waits)."""
         pieces = [(ranges, xp.cuda.Event(disable_timing=True), opens)
                   for ranges, opens in update_pieces(self.layout, self.mc.n_layer)]
         self.ops.update_waits = {self.W[opens].data.ptr: e for _, e, opens in pieces}
-        return xp.cuda.Stream(non_blocking=True), [(rs, e) for rs, e, _ in pieces], xp.cuda.Event(disable_timing=True)
+        return SimpleNamespace(stream=xp.cuda.Stream(non_blocking=True), pieces=[(rs, e) for rs, e, _ in pieces],
+                               after_norm=xp.cuda.Event(disable_timing=True), done=pieces[-1][1])
 
     def _queue_update_overlapped(self) -> None:
         """OVERLAP_UPDATE's AdamW: on the update stream after the norm (and the gate) the current stream has
         queued, piece by piece, each followed by its event; wte's padded copy after the first piece, the
         gradients outside the block rows cleared (CLEAR_AFTER_UPDATE) before the last event."""
-        stream, pieces, after_norm = self._upd
-        after_norm.record(self.cp.cuda.get_current_stream())
-        stream.wait_event(after_norm)
+        upd = self._upd
+        stream, pieces = upd.stream, upd.pieces
+        upd.after_norm.record(self.cp.cuda.get_current_stream())
+        stream.wait_event(upd.after_norm)
         with stream:
             for i, (ranges, ev) in enumerate(pieces):
                 for lo, hi in ranges:
@@ -1143,13 +1147,13 @@ class GpuEngine:
     def _await_step(self) -> None:
         """OVERLAP_UPDATE: the engine's stream waits for the whole queued optimizer step (no host wait)."""
         if self._upd is not None:
-            self.stream.wait_event(self._upd[1][-1][1])
+            self.stream.wait_event(self._upd.done)
 
     def settle(self) -> None:
         """Engine.settle: with OVERLAP_UPDATE the host waits for the queued optimizer step (before anything
         reads or writes w, m, v or g from outside the engine's stream)."""
         if self._upd is not None:
-            self._upd[0].synchronize()
+            self._upd.stream.synchronize()
 
     def _adamw_range(self, lo: int, hi: int) -> None:
         """k_adamw over the flat parameters [lo, hi) with their share of the decayed prefix [0, n_decay)."""
