@@ -148,10 +148,11 @@ def test_ten_steps_track_numpy(prec, tol):
     assert b.loss < 4.6 - 0.05 or b.loss < a.loss + tol      # it learns (ln 97 = 4.57 at init)
 
 
-def _run(prec, steps, start=None, graph=True, accum=1):
+def _run(prec, steps, start=None, graph=True, accum=1, grad_accum=None):
+    """``accum`` microbatches a step; ``grad_accum`` what the engine is planned for (GpuEngine's)."""
     from andrea.cuda.backend import make_backend
 
-    eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph)
+    eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph, grad_accum=grad_accum)
     t0 = 0
     if start is None:
         eng.init_weights(0)
@@ -264,16 +265,7 @@ def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, accum,
 
     def steps(flag, n, start=None):
         monkeypatch.setattr(ce, "OVERLAP_UPDATE", flag)
-        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph, grad_accum=accum)
-        t0 = 0
-        if start is None:
-            eng.init_weights(0)
-        else:
-            t0, w, m, v = start
-            eng.load_state(w, m, v)
-        for t in range(t0 + 1, t0 + n + 1):
-            eng.train_step([batch(300 + 7 * t)], 3e-3, t, HP)
-        return (t0 + n, *eng.state_host())
+        return _run(prec, n, start=start, graph=graph, grad_accum=accum)
 
     assert run(True) == run(False)
     resumed, whole = steps(True, 3, start=steps(True, 3)), steps(False, 6)
