@@ -666,10 +666,10 @@ def mm_dgelu_config(defines: tuple[str, ...] = ()) -> dict[str, int]:
             raise AndreaError(f"mm_dgelu variant {d!r}: {name} must be an integer") from None
     if cfg["MM_BN"] not in MM_BN_BUILT:
         raise AndreaError(f"mm_dgelu variant: MM_BN={cfg['MM_BN']}, the kernel has wgmma for {MM_BN_BUILT} only")
-    if cfg["MM_CLUSTER"] not in (1, 2) or cfg["MM_CLUSTER_N"] not in (1, 2) or cfg["MM_STAGES"] < 2 or cfg["MM_GROUP"] < 1 or cfg["MM_LDSM"] not in (0, 1) \
-            or cfg["MM_WATCHDOG"] < 1:
-        raise AndreaError(f"mm_dgelu variant {cfg}: MM_CLUSTER and MM_CLUSTER_N are 1 or 2, MM_STAGES at least 2, MM_GROUP at least 1, "
-                          f"MM_LDSM 0 or 1, MM_WATCHDOG at least 1")
+    flags_ok = cfg["MM_CLUSTER"] in (1, 2) and cfg["MM_CLUSTER_N"] in (1, 2) and cfg["MM_LDSM"] in (0, 1)
+    if not flags_ok or min(cfg["MM_STAGES"] - 2, cfg["MM_GROUP"] - 1, cfg["MM_WATCHDOG"] - 1) < 0:
+        raise AndreaError(f"mm_dgelu variant {cfg}: MM_CLUSTER and MM_CLUSTER_N are 1 or 2, MM_STAGES at least 2, "
+                          f"MM_GROUP at least 1, MM_LDSM 0 or 1, MM_WATCHDOG at least 1")
     if mm_dgelu_smem(cfg) > SMEM_LIMIT:
         raise AndreaError(f"mm_dgelu variant {cfg}: needs {mm_dgelu_smem(cfg)} bytes of shared memory, more than "
                           f"the {SMEM_LIMIT} a block can have; take fewer MM_STAGES or MM_BN=192")
@@ -828,7 +828,7 @@ class MmDgelu:
                 buf = cupy.asarray(enc)                               # a 512-byte aligned allocation
             elif len(self._maps) < self._store.shape[0]:
                 buf = self._store[len(self._maps)]
-                buf.set(enc)                                          # on the current stream, before the launch
+                buf.set(enc)                                          # a synchronous copy, before any launch
             else:
                 raise AndreaError(f"mm_dgelu: its map store holds {self._store.shape[0]} operand sets, all taken; "
                                   f"a {M} x {N} x {K} call with new pointers needs one more")
