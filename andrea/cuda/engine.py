@@ -535,6 +535,11 @@ def fp8_plan(mc: ModelConfig) -> tuple[dict, int]:
     return weight_plan(param_layout(mc), recipe.MATMUL_WEIGHTS)
 
 
+def block_weight_spans(layout, n_layers: int) -> list[tuple[int, int]]:
+    """The flat [lo, hi) of each of the first ``n_layers`` blocks' matmul weights (recipe.MATMUL_WEIGHTS)."""
+    return [contiguous_span(layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS]) for l in range(n_layers)]
+
+
 def grads_room(mc: ModelConfig, spec: list, precision: str, world: int, grad_accum: int | None) -> tuple[list, list]:
     """ACTS_IN_GRADS: (the aliases (``name.l``, shape, dtype, "g", byte offset) of layers 1..L-1, the names
     moved): a name is moved where its layer fits every layer's room after the names before it, each
@@ -543,7 +548,7 @@ def grads_room(mc: ModelConfig, spec: list, precision: str, world: int, grad_acc
     if grad_accum != 1 or world != 1 or precision not in LT_PRECISIONS or not WGRAD_WRITES or L < 2:
         return [], []
     layout, entries = param_layout(mc), {e[0]: e for e in spec}
-    spans = [contiguous_span(layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS]) for l in range(L - 1)]
+    spans = block_weight_spans(layout, L - 1)
     at, ends = [4 * lo for lo, _ in spans], [4 * hi for _, hi in spans]     # bytes into g of layer l-1's rows
     aliases, moved = [], []
     for name in ACTS_IN_GRADS:
@@ -616,8 +621,7 @@ def update_pieces(layout, n_layer: int) -> list:
     embedding), then each block's matmul weights and LayerNorms (its ln1), then lnf (the head). They cover
     every parameter once; AndreaError if the layout says otherwise."""
     pieces = [([(0, layout.by_name["h.0.attn.w_qkv"].offset)], "wte")]
-    for l in range(n_layer):
-        mats = contiguous_span(layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS])
+    for l, mats in enumerate(block_weight_spans(layout, n_layer)):
         lns = contiguous_span(layout, [f"h.{l}.ln1.g", f"h.{l}.ln1.b", f"h.{l}.ln2.g", f"h.{l}.ln2.b"])
         pieces.append(([mats, lns], f"h.{l}.ln1.g"))
     pieces.append(([contiguous_span(layout, ["lnf.g", "lnf.b"])], "lnf.g"))
@@ -732,7 +736,7 @@ class GpuEngine:
         self._norm_layers = None             # NORM_IN_BACKWARD: the per-block partials, then the rest's two
         if "norm_layers" in a and grad_accum == 1 and world == 1 and f8 is None:
             self._norm_layers, G = a["norm_layers"], NORM_BLOCKS
-            spans = [contiguous_span(self.layout, [f"h.{l}.{k}" for k in recipe.MATMUL_WEIGHTS]) for l in range(mc.n_layer)]
+            spans = block_weight_spans(self.layout, mc.n_layer)
             self.ops.use_side({s.d_attn_w_qkv.data.ptr: (self.g[lo:hi], hi - lo, self._norm_layers[l * G:(l + 1) * G])
                                for l, (s, (lo, hi)) in enumerate(zip(self.z.layers, spans))})
         self._upd = None                     # OVERLAP_UPDATE: its stream, pieces and events (_update_plan)
