@@ -32,22 +32,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from fp8_ab import round_order  # noqa: E402  (A B, B A, ...)
+from step_rounds import add_step_args, alternate, anchor_of, print_step, step_ab  # noqa: E402
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 SETTINGS = {"deterministic": True, "default": False}        # name -> cudnn_attention.DETERMINISTIC
-
-
-def alternate(rounds: int, names: list[str], measure) -> dict[str, list[float]]:
-    """``measure(name)`` for every name, ``rounds`` times, the order reversed every other round (so
-    neither setting always runs on the cooler card) -> {name: [one value a round]}."""
-    out: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in round_order(names, r):
-            out[n].append(measure(n))
-    return out
 
 
 def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: int) -> dict:
@@ -92,52 +82,6 @@ def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: i
     res["det_minus_default_us"] = res["deterministic"]["us"] - res["default"]["us"]
     res["det_minus_default_ms_a_step"] = res["det_minus_default_us"] * s["L"] / 1e3
     return res
-
-
-def add_step_args(ap) -> None:
-    """The step's options (--steps, --warmup, --anchor) of each bench that runs ``step_ab``; ``anchor_of``
-    turns --anchor into step_ab's argument."""
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--anchor", default="compile-reduce-overhead", help="a torch anchor of engine_gpu, or none")
-
-
-def anchor_of(args) -> str | None:
-    return None if args.anchor == "none" else args.anchor
-
-
-def step_ab(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None, settings: dict,
-            **ours) -> dict:
-    """The engine's bf16 step (``engine_gpu.bench_ours``, keywords ``ours``) under each of ``settings``
-    ({name: a no-argument callable giving the context the run goes in}), ``rounds`` alternating rounds;
-    the anchor once; each setting's median ms, MFU and ratio of tokens/s against the anchor."""
-    n_params = []
-
-    def measure(name: str) -> float:
-        with settings[name]():
-            r = eg.bench_ours(s, B, steps, warmup, "bf16", **ours)
-        n_params.append(r["n_params"])
-        return r["ms"]
-
-    res = {n: {"ms": statistics.median(v), "ms_rounds": v} for n, v in alternate(rounds, list(settings), measure).items()}
-    fpt = eg.flops_per_token(s, n_params[0])
-    for x in res.values():
-        x["mfu"] = fpt * B * s["T"] / (x["ms"] / 1e3) / eg.PEAK_BF16
-    if anchor:
-        a = eg.bench_torch(s, B, steps, warmup, anchor)
-        res["anchor"] = {"name": anchor, "ms": a["ms"]}
-        for n in settings:
-            res[n]["ratio_vs_anchor"] = a["ms"] / res[n]["ms"]
-    return res
-
-
-def print_step(key: str, r: dict, names) -> None:
-    """One line: each setting's ms, MFU and ratio, then the anchor's ms (step_ab's result)."""
-    anchor = "anchor" in r
-    vs = f"; {r['anchor']['name']} {r['anchor']['ms']:.2f} ms" if anchor else ""
-    print(f"{key} step: " + ", ".join(
-        f"{n} {r[n]['ms']:.2f} ms (MFU {r[n]['mfu']:.1%}"
-        + (f", {r[n]['ratio_vs_anchor']:.3f}x)" if anchor else ")") for n in names) + vs, flush=True)
 
 
 def step(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None) -> dict:

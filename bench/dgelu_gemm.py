@@ -15,7 +15,7 @@ not timed. Timing: ``engine_gpu.sustained_ms`` after ``--sustain-ms`` of back-to
 limit a step runs at), ``--rounds`` rounds in alternating order, the median. Printed per arm: us a call,
 TFLOP/s, the ratio to lt_dgelu and what it would save a step over the variant's L layers.
 
-With ``--step`` the whole bf16 training step follows (``attention_det.step_ab``): the engine as committed
+With ``--step`` the whole bf16 training step follows (``step_rounds.step_ab``): the engine as committed
 (cuBLASLt's DGELU) and, for each arm that passed its check, the engine with ``engine.OWN_DGELU`` on in that
 variant, ``--rounds`` alternating rounds, and the ``--anchor`` once: ms, MFU and the ratio to the anchor,
 the figures issue 19 holds. ``--json`` is written after every measurement.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from attention_det import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
+from step_rounds import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
 from fp8_ab import round_order  # noqa: E402  (A B, B A, ...)
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from attention_det import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
+from step_rounds import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
 
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
