@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from andrea.cuda import kernels as K
+from andrea.engine.fp8_numpy import f32_to_bf16
 from andrea.errors import AndreaError
 from script_helpers import load_script
 
@@ -34,7 +35,7 @@ def test_configs_name_their_defines_and_a_bad_one_stops_before_any_gpu_work(dg, 
 
 
 def test_the_check_wants_every_element_written_within_a_bf16_unit_and_repeated():
-    ref = K.bf16_bits(np.linspace(-4.0, 4.0, 64, dtype=np.float32)).reshape(8, 8)
+    ref = f32_to_bf16(np.linspace(-4.0, 4.0, 64, dtype=np.float32)).reshape(8, 8)
     dg = load_script("bench/dgelu_gemm.py")
     assert dg.check(ref, ref, ref)["ok"]
     one_up = ref.copy()

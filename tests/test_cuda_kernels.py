@@ -21,6 +21,7 @@ from andrea.cuda.loader import cupy_or_none
 from andrea.cuda.mirror import MirrorOps
 from andrea.errors import AndreaError
 from andrea.engine import ops_numpy as ops
+from andrea.engine.fp8_numpy import bf16_to_f32, f32_to_bf16
 
 cp = cupy_or_none()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="CuPy cannot be imported or finds no CUDA device")]
@@ -45,9 +46,8 @@ def to_dev(x, prec):
     if prec == "fp32":
         return cp.asarray(x), x.astype(np.float64)
     if prec == "bf16":
-        u = x.view(np.uint32).astype(np.uint64)
-        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-        back = (bits.astype(np.uint32) << 16).view(np.float32)
+        bits = f32_to_bf16(x)
+        back = bf16_to_f32(bits)
         return cp.asarray(bits), back.astype(np.float64)
     h = x.astype(np.float16)
     return cp.asarray(h.view(np.uint16)), h.astype(np.float64)

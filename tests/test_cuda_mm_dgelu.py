@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from andrea.cuda import kernels as K
-from andrea.engine.fp8_numpy import bf16_to_f32
+from andrea.engine.fp8_numpy import bf16_to_f32, f32_to_bf16
 from andrea.errors import AndreaError
 
 CU = Path(K.__file__).with_name("mm_dgelu.cu")
@@ -86,17 +86,17 @@ def test_the_twins_gelu_grad_is_the_derivative_of_the_engines_gelu():
 
 def test_the_twin_is_the_product_where_gelu_prime_is_one_and_zero_where_it_vanishes():
     rng = np.random.default_rng(0)
-    a, b = (K.bf16_bits(rng.standard_normal(s).astype(np.float32)) for s in ((6, 64), (4, 64)))
-    x = np.full((6, 4), K.bf16_bits(np.float32(30.0)), np.uint16)          # gelu'(30) rounds to 1
+    a, b = (f32_to_bf16(rng.standard_normal(s).astype(np.float32)) for s in ((6, 64), (4, 64)))
+    x = np.full((6, 4), f32_to_bf16(np.float32(30.0)), np.uint16)          # gelu'(30) rounds to 1
     prod = bf16_to_f32(a).astype(np.float64) @ bf16_to_f32(b).astype(np.float64).T
-    assert (K.mm_dgelu_reference(a, b, x) == K.bf16_bits(prod.astype(np.float32))).all()
-    x[:] = K.bf16_bits(np.float32(-30.0))                                   # gelu'(-30) = 0 in fp16
+    assert (K.mm_dgelu_reference(a, b, x) == f32_to_bf16(prod.astype(np.float32))).all()
+    x[:] = f32_to_bf16(np.float32(-30.0))                                   # gelu'(-30) = 0 in fp16
     assert (bf16_to_f32(K.mm_dgelu_reference(a, b, x)) == 0.0).all()
 
 
-def test_bf16_bits_round_to_nearest_even():
+def test_f32_to_bf16_rounds_to_nearest_even():
     v = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -2.5], np.float32)    # ties to even: down, then up
-    assert bf16_to_f32(K.bf16_bits(v)).tolist() == [1.0, 1.0, 1.0 + 2 ** -6, -2.5]
+    assert bf16_to_f32(f32_to_bf16(v)).tolist() == [1.0, 1.0, 1.0 + 2 ** -6, -2.5]
 
 
 def _resources_or_skip():
@@ -137,9 +137,9 @@ def _hopper_or_skip():
 
 def _operands(cp, M, N, K, seed=0):
     rng = np.random.default_rng(seed)
-    a = K.bf16_bits(rng.standard_normal((M, K)).astype(np.float32))
-    b = K.bf16_bits((rng.standard_normal((N, K)) / math.sqrt(K)).astype(np.float32))
-    x = K.bf16_bits((2.0 * rng.standard_normal((M, N))).astype(np.float32))
+    a = f32_to_bf16(rng.standard_normal((M, K)).astype(np.float32))
+    b = f32_to_bf16((rng.standard_normal((N, K)) / math.sqrt(K)).astype(np.float32))
+    x = f32_to_bf16((2.0 * rng.standard_normal((M, N))).astype(np.float32))
     return (a, b, x), tuple(cp.asarray(v) for v in (a, b, x))
 
 

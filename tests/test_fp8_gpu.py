@@ -54,9 +54,7 @@ HP = Hyper(grad_clip=1.0)
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 payloads, round to nearest even (NaN kept NaN)."""
-    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), r)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), f8.f32_to_bf16(x))
 
 
 def special_tensor(n: int, seed: int, scale: float) -> np.ndarray:

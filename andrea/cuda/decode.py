@@ -33,6 +33,7 @@ import numpy as np
 
 from andrea.cuda.kernels import SUFFIX, cp, k_cast
 from andrea.cuda.loader import kernel
+from andrea.engine.fp8_numpy import bf16_to_f32, f32_to_bf16
 from andrea.engine.model import ModelConfig, param_layout
 from andrea.errors import AndreaError
 
@@ -56,9 +57,7 @@ def round_to(prec: str, a) -> np.ndarray:
         return a.astype(np.float64)
     if prec == "fp16":
         return a.astype(np.float16).astype(np.float64)
-    u = a.view(np.uint32).astype(np.uint64)
-    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
-    return (bits << 16).view(np.float32).astype(np.float64)
+    return bf16_to_f32(f32_to_bf16(a)).astype(np.float64)
 
 
 def _gelu(u: np.ndarray) -> np.ndarray:

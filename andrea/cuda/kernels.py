@@ -711,21 +711,15 @@ def gelu_grad(x: np.ndarray) -> np.ndarray:
     return s + x * s * (1.0 - s) * 2.0 * k * (1.0 + 3.0 * a * x * x)
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 values -> bf16 payloads, rounded to nearest even (finite inputs)."""
-    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def mm_dgelu_reference(a: np.ndarray, b: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The twin of k_mm_dgelu on bf16 payloads a (M, K), b (N, K), x (M, N): the product in float64, g =
     gelu'(x) rounded to fp16 as the gelu' warps store it, bf16(float32(product * g)) -> (M, N) uint16.
     The kernel sums in fp32 in its own order, so it may differ by one bf16 unit."""
-    from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: PLC0415
+    from andrea.engine.fp8_numpy import bf16_to_f32, f32_to_bf16  # noqa: PLC0415
 
     A, B, X = (bf16_to_f32(v).astype(np.float64) for v in (a, b, x))
     g = gelu_grad(X).astype(np.float16).astype(np.float64)
-    return bf16_bits(((A @ B.T) * g).astype(np.float32))
+    return f32_to_bf16(((A @ B.T) * g).astype(np.float32))
 
 
 def _libcuda():

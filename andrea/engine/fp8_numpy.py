@@ -35,6 +35,12 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values -> uint16 bf16 payloads, rounded to nearest even (finite inputs)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def amax(x: np.ndarray) -> np.float32:
     """max |x| over the finite entries (0 for none), float32."""
     a = np.abs(np.asarray(x, dtype=np.float32))
