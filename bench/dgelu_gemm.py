@@ -35,8 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from step_rounds import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
-from fp8_ab import round_order  # noqa: E402  (A B, B A, ...)
+from step_rounds import add_step_args, alternate, anchor_of, print_step, step_ab  # noqa: E402
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
 from andrea.errors import AndreaError  # noqa: E402
@@ -113,10 +112,7 @@ def shape(s: dict, B: int, configs: dict[str, tuple[str, ...]], rounds: int, sus
             calls[name] = (lambda m: lambda: m(d, a, b, x))(mm)
     for fn in calls.values():                 # warm every arm once more before the rounds
         fn()
-    times: dict[str, list[float]] = {n: [] for n in calls}
-    for r in range(rounds):
-        for n in round_order(list(calls), r):
-            times[n].append(1e3 * eg.sustained_ms(calls[n], reps, sustain_ms))
+    times = alternate(rounds, list(calls), lambda n: 1e3 * eg.sustained_ms(calls[n], reps, sustain_ms))
     flops = 2.0 * M * N * K
     for n, us in times.items():
         med = statistics.median(us)
