@@ -22,6 +22,8 @@ import math
 import numpy as np
 
 from andrea.cuda.loader import kernel
+from andrea.engine.fp8_numpy import bf16_to_f32, f32_to_bf16
+from andrea.engine.ops_numpy import GELU_A, GELU_K
 from andrea.errors import AndreaError
 
 # cudaDataType / cublas enums (cublas_api.h, library_types.h)
@@ -705,18 +707,15 @@ def gelu_grad(x: np.ndarray) -> np.ndarray:
     """d gelu_tanh / dx in float64: s + x s (1 - s) 2k (1 + 3a x^2), s = sigmoid(2k (x + a x^3)) (common.cuh's
     gelu_grad_f, exactly)."""
     x = np.asarray(x, dtype=np.float64)
-    k, a = math.sqrt(2.0 / math.pi), 0.044715
     with np.errstate(over="ignore"):
-        s = 1.0 / (1.0 + np.exp(-2.0 * k * (x + a * x ** 3)))
-    return s + x * s * (1.0 - s) * 2.0 * k * (1.0 + 3.0 * a * x * x)
+        s = 1.0 / (1.0 + np.exp(-2.0 * GELU_K * (x + GELU_A * x ** 3)))
+    return s + x * s * (1.0 - s) * 2.0 * GELU_K * (1.0 + 3.0 * GELU_A * x * x)
 
 
 def mm_dgelu_reference(a: np.ndarray, b: np.ndarray, x: np.ndarray) -> np.ndarray:
     """The twin of k_mm_dgelu on bf16 payloads a (M, K), b (N, K), x (M, N): the product in float64, g =
     gelu'(x) rounded to fp16 as the gelu' warps store it, bf16(float32(product * g)) -> (M, N) uint16.
     The kernel sums in fp32 in its own order, so it may differ by one bf16 unit."""
-    from andrea.engine.fp8_numpy import bf16_to_f32, f32_to_bf16  # noqa: PLC0415
-
     A, B, X = (bf16_to_f32(v).astype(np.float64) for v in (a, b, x))
     g = gelu_grad(X).astype(np.float16).astype(np.float64)
     return f32_to_bf16(((A @ B.T) * g).astype(np.float32))
