@@ -32,11 +32,16 @@ SHAPES = [("andrea-12m", 8, 384, 12), ("andrea-120m", 32, 768, 12), ("andrea-480
 T = 1024
 
 
-def random_bf16(shape):
-    """Standard normal values as bf16 bits (uint16, truncated), from CuPy's global generator."""
+def random_bf16(shape, fan_in: int | None = None):
+    """Standard normal values as bf16 bits (uint16, truncated), from CuPy's global generator; with ``fan_in``
+    divided by sqrt(fan_in) first (a weight's scale)."""
     import cupy as cp
+    import numpy as np
 
-    return (cp.random.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    x = cp.random.standard_normal(shape, dtype=cp.float32)
+    if fan_in is not None:
+        x /= np.float32(np.sqrt(fan_in))
+    return (x.view(cp.uint32) >> 16).astype(cp.uint16)
 
 
 def ours(B: int, C: int, H: int, reps: int) -> dict:
