@@ -45,7 +45,8 @@ def test_the_launcher_holds_the_files_defaults_and_sizes():
     (("MM_STAGES=three",), "must be an integer"),
     (("MM_BN=128",), "wgmma for (256, 192) only"),
     (("MM_CLUSTER=4",), "MM_CLUSTER and MM_CLUSTER_N are 1 or 2"),
-    (("MM_LDSM=2",), "MM_LDSM 0 or 1"),
+    (("MM_LDSM=2",), "MM_LDSM and MM_HANG 0 or 1"),
+    (("MM_HANG=2",), "MM_LDSM and MM_HANG 0 or 1"),
     (("MM_STAGES=4",), "take fewer MM_STAGES or MM_BN=192"),     # 4 x 48 KB + 64 KB > 227 KB
 ])
 def test_a_variant_the_kernel_cannot_build_is_refused_by_name(defines, what):
@@ -135,10 +136,10 @@ def _hopper_or_skip():
     return cp
 
 
-def _operands(cp, M, N, K, seed=0):
+def _operands(cp, M, N, k, seed=0):
     rng = np.random.default_rng(seed)
-    a = f32_to_bf16(rng.standard_normal((M, K)).astype(np.float32))
-    b = f32_to_bf16((rng.standard_normal((N, K)) / math.sqrt(K)).astype(np.float32))
+    a = f32_to_bf16(rng.standard_normal((M, k)).astype(np.float32))
+    b = f32_to_bf16((rng.standard_normal((N, k)) / math.sqrt(k)).astype(np.float32))
     x = f32_to_bf16((2.0 * rng.standard_normal((M, N))).astype(np.float32))
     return (a, b, x), tuple(cp.asarray(v) for v in (a, b, x))
 
@@ -154,8 +155,8 @@ def _assert_close(got, ref):
 @pytest.mark.parametrize("defines", VARIANTS, ids=lambda d: ",".join(d) or "default")
 def test_each_variant_matches_the_twin_over_several_tiles_a_cta_and_repeats_its_bytes(defines):
     cp = _hopper_or_skip()
-    M, N, K = 512, 1536, 320                 # N a multiple of 2 x 256 and 2 x 192; 5 k steps wrap every ring
-    host, (a, b, x) = _operands(cp, M, N, K)
+    M, N, k = 512, 1536, 320                 # N a multiple of 2 x 256 and 2 x 192; 5 k steps wrap every ring
+    host, (a, b, x) = _operands(cp, M, N, k)
     mm = K.MmDgelu(defines)
     cs = mm.cfg["MM_CLUSTER"] * mm.cfg["MM_CLUSTER_N"]
     assert mm.slots >= cs and mm.slots % cs == 0          # whole clusters, as the driver can place them
@@ -173,8 +174,8 @@ def test_the_kernel_agrees_with_cublaslts_dgelu_gemm_at_a_step_width():
     cp = _hopper_or_skip()
     from andrea.cuda.cublaslt import EPILOGUE_DGELU, Lt
 
-    M, N, K = 2048, 3072, 768                # 120M's proj dgrad widths, 2 sequences
-    _, (a, b, x) = _operands(cp, M, N, K, seed=1)
+    M, N, k = 2048, 3072, 768                # 120M's proj dgrad widths, 2 sequences
+    _, (a, b, x) = _operands(cp, M, N, k, seed=1)
     ours, lt_out = cp.full((M, N), 0x7FC0, cp.uint16), cp.full((M, N), 0x7FC0, cp.uint16)
     K.MmDgelu()(ours, a, b, x)
     Lt(cp.empty(32 << 20, cp.uint8)).mm(lt_out, a, b, tb=True, epilogue=EPILOGUE_DGELU, aux=x)
@@ -245,7 +246,9 @@ def test_the_engine_sends_a_dgelu_gemm_to_the_kernel_only_where_it_takes_the_cal
 
 @pytest.mark.gpu
 def test_a_wait_that_does_not_end_fails_the_launch_instead_of_hanging():
-    # MM_WATCHDOG=1 (ns): the first wait that lasts 2048 polls traps; in a child, since a trap ends the context
+    # MM_HANG=1: no load is ever issued, so the consumers' first wait never ends; MM_WATCHDOG=1000000 (1 ms)
+    # traps it. In a child, since a trap ends the context. (A working launch's waits are too short to trip
+    # even a 1 ns watchdog reliably: it reads the timer every 1024 polls, and session 33's H200 never did.)
     import subprocess
     import sys
 
@@ -253,7 +256,7 @@ def test_a_wait_that_does_not_end_fails_the_launch_instead_of_hanging():
     code = ("import cupy as cp\n"
             "from andrea.cuda.kernels import MmDgelu\n"
             "a, b, x = cp.zeros((512, 1536), cp.uint16), cp.zeros((768, 1536), cp.uint16), cp.zeros((512, 768), cp.uint16)\n"
-            "MmDgelu(('MM_WATCHDOG=1',))(cp.zeros((512, 768), cp.uint16), a, b, x)\n"
+            "MmDgelu(('MM_HANG=1', 'MM_WATCHDOG=1000000'))(cp.zeros((512, 768), cp.uint16), a, b, x)\n"
             "cp.cuda.Device().synchronize()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parents[1])

@@ -36,7 +36,9 @@
 //   MM_CLUSTER_N 1 | 2, along N, sharing A (2 x 2 clusters read a quarter less again);
 //   MM_GROUP     unit rows a group of the schedule, for L2 reuse;
 //   MM_LDSM      1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2);
-//   MM_WATCHDOG  the ns after which a barrier wait traps (4 s; a test sets 1 to see the trap).
+//   MM_WATCHDOG  the ns after which a barrier wait traps (4 s);
+//   MM_HANG      1: the producer issues no load, so the consumers' first wait never ends, as a broken
+//                barrier's would (tests only: with a small MM_WATCHDOG the launch must fail, not hang).
 
 #ifndef MM_BN
 #define MM_BN 256
@@ -58,6 +60,9 @@
 #endif
 #ifndef MM_WATCHDOG
 #define MM_WATCHDOG 4000000000
+#endif
+#ifndef MM_HANG
+#define MM_HANG 0
 #endif
 #define MM_BM 128
 #define MM_BK 64
@@ -265,7 +270,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
 
     if (warp == 0) {
         // ------------------------------------------------------------------ producer: the A/B ring
-        if (lane == 0) {
+        if (lane == 0 && !MM_HANG) {
             unsigned short row_mask = 0, col_mask = 0;
             for (int i = 0; i < MM_CLUSTER_N; ++i) row_mask |= (unsigned short)(1u << (ry + MM_CLUSTER * i));
             for (int i = 0; i < MM_CLUSTER; ++i) col_mask |= (unsigned short)(1u << (i + MM_CLUSTER * rx));
