@@ -108,7 +108,8 @@ OWN_DGELU_DEFINES: tuple[str, ...] = ()
 # rest of the backward, instead of in one pass over all of g after it (480M: 1.9 GB read, about 0.45 ms of a
 # step on the H200). The update then adds the rest of g (wte, wpe, the LayerNorms) and sums every partial in
 # a fixed order: deterministic, but another partition of the sum than the single pass, so not its bytes.
-# Adds an (L + 2) NORM_BLOCKS fp32 entry, norm_layers. False until the step measures it (bench/engine_ab.py).
+# Adds an (L + 2) NORM_BLOCKS fp32 entry, norm_layers. False: on the H200 the step was slower with it at
+# 480M B=8 and B=16 and 120M B=32 (+0.06 to +0.20 ms, bench/engine_ab.py, docs/bench/s33_h200.md).
 NORM_IN_BACKWARD = False
 # One GPU, not fp8: the optimizer step runs on a stream of its own, in the order the next forward reads the
 # parameters (wte and wpe, then each block's matmul weights and LayerNorms, then lnf), with an event after
@@ -116,9 +117,10 @@ NORM_IN_BACKWARD = False
 # an external event wait node inside the CUDA graph), so the memory-bound AdamW (480M: 3.8 ms of a 47.8 ms
 # step) runs beside the compute-bound forward instead of before it. Every element gets the same arithmetic
 # as the single launch: the same bytes. Anything else that touches the parameters or g first waits for the
-# whole step (zero_grads on the device, state_host / load_state / grads_host on the host). False until the
-# step measures it (bench/engine_ab.py).
-OVERLAP_UPDATE = False
+# whole step (zero_grads on the device, state_host / load_state / grads_host on the host). On the H200 it took
+# 0.30 ms off 480M B=8 (47.55 -> 47.25), 0.10 ms off 480M B=16 and 0.40 ms off 120M B=32 (bench/engine_ab.py,
+# docs/bench/s33_h200.md).
+OVERLAP_UPDATE = True
 # A step's first microbatch: the four block weight-gradient GEMMs write their gradients (beta 0: no read of
 # C, no zeroed rows to add onto) and zero_grads clears only the rest of g (wte, wpe, the LayerNorms), as
 # torch's zero_grad(set_to_none=True) leaves the first backward to write. The later microbatches add (beta
