@@ -4,7 +4,7 @@ anchor once: the A/B that bench/attention_det.py, bench/dgelu_gemm.py and bench/
 
     from step_rounds import add_step_args, anchor_of, print_step, step_ab
     res = step_ab(eg.variant_shapes("andrea-480m"), 8, rounds, steps, warmup, "compile-reduce-overhead",
-                  {"committed": contextlib.nullcontext, "flip": lambda: eg.patched(ce, OVERLAP_UPDATE=True)})
+                  {"committed": contextlib.nullcontext, "flip": lambda: eg.patched(ce, OVERLAP_UPDATE=False)})
 """
 
 from __future__ import annotations
