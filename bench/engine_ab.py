@@ -1,9 +1,9 @@
 """Benchmark: the bf16 training step with engine switches flipped, against the engine as committed, in
 alternating rounds of one process, and the torch anchor once: what a switch of andrea/cuda/engine.py
-(NORM_IN_BACKWARD, OWN_DGELU, ...) does to the figures issue 19 holds.
+(OVERLAP_UPDATE, OWN_DGELU, ...) does to the figures issue 19 holds.
 
     PYTHONPATH=. python3 bench/engine_ab.py --variants andrea-480m:8,16 andrea-120m:32 \
-        --flip NORM_IN_BACKWARD=True "OWN_DGELU=True,OWN_DGELU_DEFINES=('MM_CLUSTER=2',)" --json ab.json
+        --flip OVERLAP_UPDATE=False "OWN_DGELU=True,OWN_DGELU_DEFINES=('MM_CLUSTER=2',)" --json ab.json
 
 Each --flip is one arm: comma-separated NAME=VALUE, NAME an upper-case setting of andrea.cuda.engine and
 VALUE a Python literal; both are checked before any GPU work. Per variant and batch: ``engine_gpu.bench_ours``

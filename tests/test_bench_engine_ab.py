@@ -21,7 +21,7 @@ def ab():
 
 
 def test_a_flip_names_engine_settings_with_literal_values(ab):
-    assert ab.parse_flip("NORM_IN_BACKWARD=True") == {"NORM_IN_BACKWARD": True}
+    assert ab.parse_flip("OVERLAP_UPDATE=False") == {"OVERLAP_UPDATE": False}
     assert ab.parse_flip("OWN_DGELU=True,OWN_DGELU_DEFINES=('MM_CLUSTER=2','MM_BN=192')") == {
         "OWN_DGELU": True, "OWN_DGELU_DEFINES": ("MM_CLUSTER=2", "MM_BN=192")}
     with pytest.raises(AndreaError, match="'NO_SUCH' is not an upper-case setting"):
@@ -42,16 +42,16 @@ def test_each_arm_runs_under_its_flip_alternating_and_the_json_holds_them(ab, mo
     seen = []
 
     def ours(s, B, steps, warmup, prec):
-        seen.append((ce.NORM_IN_BACKWARD, ce.OWN_DGELU))
-        return {"ms": 40.0 if ce.NORM_IN_BACKWARD else 41.0, "n_params": 1_000_000}
+        seen.append((ce.OVERLAP_UPDATE, ce.OWN_DGELU))
+        return {"ms": 41.0 if ce.OVERLAP_UPDATE else 40.0, "n_params": 1_000_000}
 
     monkeypatch.setattr(ab.eg, "bench_ours", ours)
     monkeypatch.setattr(ab.eg, "bench_torch", lambda s, B, steps, warmup, a: {"ms": 44.0})
     out = tmp_path / "ab.json"
-    assert ab.main(["--variants", "andrea-12m:8", "--flip", "NORM_IN_BACKWARD=True", "--rounds", "2",
+    assert ab.main(["--variants", "andrea-12m:8", "--flip", "OVERLAP_UPDATE=False", "--rounds", "2",
                     "--json", str(out)]) == 0
-    assert seen == [(False, False), (True, False), (True, False), (False, False)]
-    assert ce.NORM_IN_BACKWARD is False
+    assert seen == [(True, False), (False, False), (False, False), (True, False)]
+    assert ce.OVERLAP_UPDATE is True
     got = json.loads(out.read_text())["andrea-12m:B8"]
-    assert got["committed"]["ms"] == 41.0 and got["NORM_IN_BACKWARD=True"]["ratio_vs_anchor"] == pytest.approx(1.1)
-    assert "NORM_IN_BACKWARD=True 40.00 ms" in capsys.readouterr().out
+    assert got["committed"]["ms"] == 41.0 and got["OVERLAP_UPDATE=False"]["ratio_vs_anchor"] == pytest.approx(1.1)
+    assert "OVERLAP_UPDATE=False 40.00 ms" in capsys.readouterr().out

@@ -103,14 +103,6 @@ FUSE_GELU_FP8 = frozenset({"fwd"})
 # byte arena entry for its TMA maps, and a problem the variant does not fit stays with cuBLASLt.
 OWN_DGELU = False
 OWN_DGELU_DEFINES: tuple[str, ...] = ()
-# One GPU, one microbatch a step (grad_accum=1), not fp8: the gradient norm's partial sums over each block's
-# matmul-weight rows run on a side stream as soon as its last weight-gradient GEMM (qkv) is done, beside the
-# rest of the backward, instead of in one pass over all of g after it (480M: 1.9 GB read, about 0.45 ms of a
-# step on the H200). The update then adds the rest of g (wte, wpe, the LayerNorms) and sums every partial in
-# a fixed order: deterministic, but another partition of the sum than the single pass, so not its bytes.
-# Adds an (L + 2) NORM_BLOCKS fp32 entry, norm_layers. False: on the H200 the step was slower with it at
-# 480M B=8 and B=16 and 120M B=32 (+0.06 to +0.20 ms, bench/engine_ab.py, docs/bench/s33_h200.md).
-NORM_IN_BACKWARD = False
 # One GPU, not fp8: the optimizer step runs on a stream of its own, in the order the next forward reads the
 # parameters (wte and wpe, then each block's matmul weights and LayerNorms, then lnf), with an event after
 # each piece; the next forward waits for each piece just before its first read of it (FastOps._await_update,
@@ -223,9 +215,6 @@ class FastOps:
         self.f8 = f8                                            # fp8: the E4M3 GEMM path (andrea/cuda/fp8.py)
         self.lt = lt                                            # bf16/fp16: cuBLASLt (andrea/cuda/cublaslt.py)
         self.dgelu = None                                       # OWN_DGELU: a kernels.MmDgelu (GpuEngine sets it)
-        # NORM_IN_BACKWARD (GpuEngine sets them, ``use_side``): a block's dW_qkv pointer -> (its block's rows of
-        # g, their count, its NORM_BLOCKS partials), the side stream the partial sums run on and its fork/join events
-        self.norm_hooks, self.side, self._events, self._side_open = None, None, None, False
         # OVERLAP_UPDATE (GpuEngine sets it): a parameter's pointer -> the event its optimizer step records
         self.update_waits = None
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
@@ -322,35 +311,7 @@ class FastOps:
 
     def attn_qkv_backward(self, dx, dw_qkv, dqkv, x, w_qkv, work):
         self._mm(dw_qkv, x, dqkv, ta=True, beta=self.wgrad_beta, tag="qkv wgrad")
-        hook = self.norm_hooks.get(dw_qkv.data.ptr) if self.norm_hooks else None
-        if hook is not None:                 # the block's last weight gradient is written: its norm, beside the rest
-            self._side_norm(*hook)
         self._mm(dx, dqkv, w_qkv, tb=True, tag="qkv dgrad")
-
-    def use_side(self, hooks: dict) -> None:
-        """NORM_IN_BACKWARD: run ``hooks`` (see __init__) on a side stream of their own, with events made now,
-        outside any capture, and recorded again at every fork and join."""
-        xp = cp()
-        self.norm_hooks, self.side = hooks, xp.cuda.Stream(non_blocking=True)
-        self._events = (xp.cuda.Event(disable_timing=True), xp.cuda.Event(disable_timing=True))
-
-    def _side_norm(self, g_rows, n: int, part) -> None:
-        """The partial sums of squares of g_rows on the side stream, after everything the current stream has
-        queued (a fork that a CUDA graph captures as an edge); ``join_side`` ends it."""
-        fork = self._events[0]
-        fork.record(cp().cuda.get_current_stream())
-        self.side.wait_event(fork)
-        with self.side:
-            k_grad_norm_partial(g_rows, n, part)
-        self._side_open = True
-
-    def join_side(self) -> None:
-        """The current stream waits for the side stream's partial sums (a capture must join its forks)."""
-        if self._side_open:
-            join = self._events[1]
-            join.record(self.side)
-            cp().cuda.get_current_stream().wait_event(join)
-            self._side_open = False
 
     def attn_forward(self, out, att, qkv, mask, n_head, work):
         """fp8 (ATTN_FWD_E4M3, the bf16 "wg" kernel): y also straight into E4M3, both orientations, for the
@@ -505,7 +466,6 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str, recompute: str = "auto")
         Buffer("ln_part", (n_chunks * 2 * C,), "work", "acc"), Buffer("loss_out", (8,), "stat", "acc"),
         Buffer("norm_part", (NORM_BLOCKS,), "stat", "acc"), Buffer("gstate", (4,), "stat", "acc"),
         Buffer("hp", (8,), "stat", "acc"),
-        *((Buffer("norm_layers", ((mc.n_layer + 2) * NORM_BLOCKS,), "stat", "acc"),) if NORM_IN_BACKWARD else ()),
         Buffer("seg_order", (N,), "index", "int32"), Buffer("seg_start", (N + 1,), "index", "int32"),
         Buffer("seg_tok", (N,), "index", "int32"), Buffer("seg_n", (1,), "index", "int32"),
     )
@@ -735,12 +695,6 @@ class GpuEngine:
         if "dgelu_maps" in a and hopper():
             self.ops.dgelu = MmDgelu(OWN_DGELU_DEFINES, store=a["dgelu_maps"])
         self.z = recipe.views(a, self.W, self.WL, self.G, mc, (0, self.B))
-        self._norm_layers = None             # NORM_IN_BACKWARD: the per-block partials, then the rest's two
-        if "norm_layers" in a and grad_accum == 1 and world == 1 and f8 is None:
-            self._norm_layers, G = a["norm_layers"], NORM_BLOCKS
-            spans = block_weight_spans(self.layout, mc.n_layer)
-            self.ops.use_side({s.d_attn_w_qkv.data.ptr: (self.g[lo:hi], hi - lo, self._norm_layers[l * G:(l + 1) * G])
-                               for l, (s, (lo, hi)) in enumerate(zip(self.z.layers, spans))})
         self._upd = None                     # OVERLAP_UPDATE: its stream, pieces and events (_update_plan)
         if OVERLAP_UPDATE and f8 is None and world == 1:
             self._upd = self._update_plan(xp)
@@ -793,8 +747,6 @@ class GpuEngine:
                 f"{' + CUDA graph' if self.use_graph else ''}\n"
                 + (f"{self.dnn.describe()}\n" if self.dnn is not None else "")
                 + (f"proj dgrad + gelu': mm_dgelu.cu {self.ops.dgelu.cfg} (OWN_DGELU)\n" if self.ops.dgelu else "")
-                + ("grad norm: each block's partial sums beside the backward (NORM_IN_BACKWARD)\n"
-                   if self._norm_layers is not None else "")
                 + ("optimizer: AdamW piece by piece beside the next forward (OVERLAP_UPDATE)\n"
                    if self._upd is not None else "")
                 + f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
@@ -928,7 +880,6 @@ class GpuEngine:
 
     def _backward(self, dscale: float) -> None:
         recipe.backward(self.ops, self.z, self.mc.n_head, dscale, self.policy.recompute)
-        self.ops.join_side()
         if self.f8 is not None:
             self.f8.check_pass()
 
@@ -1094,10 +1045,7 @@ class GpuEngine:
             if self.comm is not None:                        # their E4M3 copies
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
             else:
-                if self._norm_layers is None:
-                    k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
-                else:
-                    self._norm_rest(hp.grad_clip, inv)
+                k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
                 if gate:
                     k_gate_finite(a["loss_out"], a["gstate"])
                 if self._upd is not None:                    # OVERLAP_UPDATE: beside the next forward
@@ -1169,14 +1117,6 @@ class GpuEngine:
         wlow = a["wlow"][lo:hi] if self.prec != "fp32" else np.uint64(0)
         k_adamw(self.kp, a["w"][lo:hi], a["g"][lo:hi], a["m"][lo:hi], a["v"][lo:hi], wlow, hi - lo,
                 a["hp"], a["gstate"], min(max(nd - lo, 0), hi - lo), 1)
-
-    def _norm_rest(self, clip: float, inv: float) -> None:
-        """NORM_IN_BACKWARD: the partial sums of g outside the blocks' matmul weights (before and after their
-        rows), then gstate from all (L + 2) NORM_BLOCKS partials in order (the blocks' came from the backward)."""
-        L, G, part, (lo, hi) = self.mc.n_layer, NORM_BLOCKS, self._norm_layers, self._block_span
-        k_grad_norm_partial(self.g[:lo], lo, part[L * G:(L + 1) * G])
-        k_grad_norm_partial(self.g[hi:], self.n_params - hi, part[(L + 1) * G:])
-        k_grad_norm_final(part, (L + 2) * G, clip, inv, self.a["gstate"])
 
     def _result(self, loss: float, out, stepped) -> StepResult:
         """The StepResult of a queued update: ``out`` its gstate as read back, ``stepped`` _queue_update's."""
