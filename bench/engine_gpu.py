@@ -13,8 +13,9 @@ tokens/s, MFU and peak GPU memory of
   AdamW, tied embedding, no biases, GELU tanh) compiled with torch.compile in mode ``default``,
   ``max-autotune`` (Triton GEMM autotuning + CUDA graphs) or ``reduce-overhead`` (CUDA graphs),
   and ``eager`` (no compile). Each anchor's compile (warm-up) seconds are printed; max-autotune
-  benchmarks Triton GEMM configs for minutes per shape (over 110 s at 12M B=8 on the H200), so
-  give it few shapes per call.
+  benchmarks Triton GEMM configs for minutes per shape (142 s at 12M B=8, 166 s at 120M B=32 on the
+  H200), so give it few shapes per call. Its GEMM timings land in one small JSON file under
+  $TORCHINDUCTOR_CACHE_DIR/cache/, which a later fresh machine can reuse (docs/bench/s35_h200.md).
 Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), and
 peak memory of ours over that mode's. MFU = (6 N + 12 L C T) x tokens / time / 989.5e12 (the
 H100/H200 SXM dense bf16 datasheet rate; N = parameters without the position embedding). Peak
