@@ -58,7 +58,9 @@ GELU that the elementwise class then lacks), and
 samples every 100 ms, ``PowerLog``) and the energy a step (power x step time): at 480M B=16 both engines
 hold the H200 at its 700 W limit (at B=8 and 120M B=32 too on some cards), where the ratio of their step
 times is the ratio of these energies, and the one at the lower clock does more work per unit of time
-(docs/bench/s26_h200.md, s27_h200.md).
+(docs/bench/s26_h200.md, s27_h200.md). Beside them the GPU temperature and, for each reason the driver gives
+for holding the clock down (software power cap, hardware slowdown, thermal, power brake), the share of
+the samples it was active in.
 Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
 """
 
@@ -112,33 +114,67 @@ def flops_per_token(s: dict, n_params: int) -> float:
     return 6 * n + 12 * s["L"] * s["C"] * s["T"]
 
 
+# nvmlClocksEventReason bits (nvml.h) that hold the SM clock below its maximum while the card is busy
+SLOWDOWNS = {"sw power cap": 0x4, "hw slowdown": 0x8, "sw thermal": 0x20, "hw thermal": 0x40, "power brake": 0x80}
+SMI_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+# what an nvidia-smi that refuses SMI_FIELDS is asked instead, in turn: the reasons under their name before
+# driver 535, then the clock and the power alone
+SMI_OLDER = (SMI_FIELDS[:3] + ("clocks_throttle_reasons.active",), SMI_FIELDS[:2])
+
+
+def power_query(run=subprocess.run) -> tuple[str, ...]:
+    """The nvidia-smi command PowerLog samples with, every 100 ms: SMI_FIELDS, or the first of SMI_OLDER
+    that this driver's nvidia-smi answers (one trial query each)."""
+    def cmd(fields):
+        return ("nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits", "-lms", "100")
+
+    for fields in (SMI_FIELDS, *SMI_OLDER[:-1]):
+        if run(list(cmd(fields)[:3]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+               timeout=30).returncode == 0:
+            return cmd(fields)
+    return cmd(SMI_OLDER[-1])
+
+
 class PowerLog:
-    """GPU 0's SM clock (MHz) and board power (W), sampled in the background by ``cmd`` (nvidia-smi every
-    100 ms), each line stamped with the host clock (time.time) as it arrives. ``between(t0, t1)``: the
-    medians of the samples in that window, or None where none fell in it."""
+    """GPU 0's SM clock (MHz), board power (W), temperature (C) and clock event reasons, sampled in the
+    background by ``cmd`` (nvidia-smi every 100 ms, ``power_query``), each line stamped with the host clock
+    (time.time) as it arrives. ``between(t0, t1)``: the medians of the samples in that window, and the share
+    of them with each SLOWDOWNS reason active (why the clock sat below its maximum); None where no sample
+    fell in it."""
 
-    CMD = ("nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100")
-
-    def __init__(self, cmd=CMD):
-        self.samples: list[tuple[float, float, float]] = []
-        self.proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    def __init__(self, cmd=None):
+        self.samples: list[tuple[float, float, float, float | None, int | None]] = []
+        self.proc = subprocess.Popen(list(cmd or power_query()), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            parts = [x.strip() for x in line.split(",")]
             try:
-                mhz, watts = (float(x) for x in line.split(",")[:2])
+                mhz, watts = (float(x) for x in parts[:2])
             except ValueError:                   # "[N/A]" or a header: not a sample
                 continue
-            self.samples.append((time.time(), mhz, watts))
+            try:
+                temp = float(parts[2]) if len(parts) > 2 else None
+            except ValueError:
+                temp = None
+            reasons = int(parts[3], 16) if len(parts) > 3 and parts[3].startswith("0x") else None
+            self.samples.append((time.time(), mhz, watts, temp, reasons))
 
     def between(self, t0: float, t1: float) -> dict | None:
         got = [x for x in list(self.samples) if t0 <= x[0] <= t1]
         if not got:
             return None
-        return {"sm_mhz": statistics.median(x[1] for x in got), "power_w": statistics.median(x[2] for x in got),
-                "power_samples": len(got)}
+        out = {"sm_mhz": statistics.median(x[1] for x in got), "power_w": statistics.median(x[2] for x in got),
+               "power_samples": len(got)}
+        if temps := [x[3] for x in got if x[3] is not None]:
+            out["temp_c"] = statistics.median(temps)
+        if reasons := [x[4] for x in got if x[4] is not None]:
+            out["slowdown_share"] = {k: sum(1 for r in reasons if r & bit) / len(reasons)
+                                     for k, bit in SLOWDOWNS.items()}
+        return out
 
     def close(self) -> None:
         self.proc.terminate()
@@ -625,6 +661,15 @@ def parse_variants(items: list[str], batch: int) -> list[tuple[str, int]]:
     return out
 
 
+def power_why(x: dict) -> str:
+    """' (61 C; sw power cap 80%)': the temperature and the share of samples each slowdown reason was
+    active in, where PowerLog had them."""
+    why = [f"{x['temp_c']:.0f} C"] if "temp_c" in x else []
+    shares = [f"{k} {v:.0%}" for k, v in x.get("slowdown_share", {}).items() if v > 0]
+    why += ["; ".join(shares) if shares else "no slowdown reason"] if "slowdown_share" in x else []
+    return f" ({', '.join(why)})" if why else ""
+
+
 def ratio_text(r: dict, anchors: list[str], best: str | None) -> str:
     parts = [f"{a}:{r['ours']['tokens_per_s'] / r[a]['tokens_per_s']:.2f}x" for a in anchors]
     if best:
@@ -700,7 +745,7 @@ def main(argv=None) -> int:
     if args.power:
         try:
             plog = PowerLog()
-        except OSError as e:
+        except (OSError, subprocess.TimeoutExpired) as e:
             print(f"--power: nvidia-smi cannot run ({e}); no clock or power figures", file=sys.stderr)
 
     def save(key=None, partial=None) -> None:
@@ -785,8 +830,8 @@ def main(argv=None) -> int:
                 x.update(pw, joules_per_step=pw["power_w"] * x["ms"] / 1e3)
         if plog:
             print(f"{key}: SM MHz / board W / J a step over the timed steps: " + ", ".join(
-                f"{k} {x['sm_mhz']:.0f} / {x['power_w']:.0f} / {x['joules_per_step']:.2f}" if "sm_mhz" in x
-                else f"{k} no samples" for k, x in r.items()), file=sys.stderr, flush=True)
+                f"{k} {x['sm_mhz']:.0f} / {x['power_w']:.0f} / {x['joules_per_step']:.2f}{power_why(x)}"
+                if "sm_mhz" in x else f"{k} no samples" for k, x in r.items()), file=sys.stderr, flush=True)
         best = max(compiled, key=lambda a: r[a]["tokens_per_s"]) if compiled else None
         allres[key] = {"variant": v, "shapes": s, "batch": B, "best_compile": best, **r}
         if best:

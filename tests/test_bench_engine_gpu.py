@@ -224,3 +224,49 @@ def test_event_timing_counts_its_calls_against_a_fake_device_clock(eg, monkeypat
     assert eg.sustained_ms(call, 4, sustain_ms) == 0.5 and n[0] == calls
     n[0] = 0
     assert eg.event_ms(call, 4) == 0.5 and n[0] == 5
+
+
+def test_power_log_counts_the_clock_slowdown_reasons_of_its_samples(eg):
+    """PowerLog with nvidia-smi's temperature and clock event reasons: the median temperature, and for each
+    SLOWDOWNS reason the share of the window's samples whose bit mask holds it; "[N/A]" reasons count as
+    none known, not as no slowdown."""
+    import sys
+    import time
+
+    rows = ["1700, 690, 60, 0x0000000000000004", "1650, 700, 62, 0x000000000000000C",
+            "1980, 150, 58, 0x0000000000000000", "1600, 699, 64, [N/A]"]
+    script = "import sys\n" + "".join(f"print({r!r}, flush=True)\n" for r in rows)
+    t0 = time.time()
+    log = eg.PowerLog((sys.executable, "-c", script))
+    log.proc.wait()
+    log.thread.join(timeout=10)
+    got = log.between(t0, time.time())
+    assert got["sm_mhz"] == 1675.0 and got["power_w"] == 694.5 and got["power_samples"] == 4
+    assert got["temp_c"] == 61.0
+    assert got["slowdown_share"] == pytest.approx({"sw power cap": 2 / 3, "hw slowdown": 1 / 3, "sw thermal": 0.0,
+                                                   "hw thermal": 0.0, "power brake": 0.0})
+    log.close()
+    assert eg.power_why(got) == " (61 C, sw power cap 67%; hw slowdown 33%)"
+    assert eg.power_why({"temp_c": 50.0, "slowdown_share": dict.fromkeys(eg.SLOWDOWNS, 0.0)}) == \
+        " (50 C, no slowdown reason)"
+    assert eg.power_why({"sm_mhz": 1.0}) == ""
+
+
+@pytest.mark.parametrize("refused,fields", [(0, 0), (1, 1), (2, 2)])
+def test_power_query_drops_the_fields_an_older_nvidia_smi_refuses(eg, refused, fields):
+    """power_query tries SMI_FIELDS, then each of SMI_OLDER but the last, until nvidia-smi answers one (the
+    first ``refused`` trials fail here); the last is the clock and the power alone, never tried. It samples
+    every 100 ms either way."""
+    import types
+
+    tried = []
+
+    def run(argv, **kw):
+        tried.append(argv[1])
+        return types.SimpleNamespace(returncode=6 if len(tried) <= refused else 0)
+
+    cmd = eg.power_query(run)
+    lists = [eg.SMI_FIELDS, *eg.SMI_OLDER]
+    assert tried == ["--query-gpu=" + ",".join(f) for f in lists[:min(refused + 1, 2)]]
+    assert cmd[1] == "--query-gpu=" + ",".join(lists[fields]) and cmd[-2:] == ("-lms", "100")
+    assert lists[-1] == ("clocks.sm", "power.draw")
