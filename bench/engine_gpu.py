@@ -156,11 +156,14 @@ class PowerLog:
                 mhz, watts = (float(x) for x in parts[:2])
             except ValueError:                   # "[N/A]" or a header: not a sample
                 continue
-            try:
+            try:                                 # "[N/A]" here: a sample without them
                 temp = float(parts[2]) if len(parts) > 2 else None
             except ValueError:
                 temp = None
-            reasons = int(parts[3], 16) if len(parts) > 3 and parts[3].startswith("0x") else None
+            try:
+                reasons = int(parts[3], 16) if len(parts) > 3 else None
+            except ValueError:
+                reasons = None
             self.samples.append((time.time(), mhz, watts, temp, reasons))
 
     def between(self, t0: float, t1: float) -> dict | None:
@@ -662,7 +665,7 @@ def parse_variants(items: list[str], batch: int) -> list[tuple[str, int]]:
 
 
 def power_why(x: dict) -> str:
-    """' (61 C; sw power cap 80%)': the temperature and the share of samples each slowdown reason was
+    """' (61 C, sw power cap 80%)': the temperature and the share of samples each slowdown reason was
     active in, where PowerLog had them."""
     why = [f"{x['temp_c']:.0f} C"] if "temp_c" in x else []
     shares = [f"{k} {v:.0%}" for k, v in x.get("slowdown_share", {}).items() if v > 0]
