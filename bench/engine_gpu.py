@@ -135,6 +135,14 @@ def power_query(run=subprocess.run) -> tuple[str, ...]:
     return cmd(SMI_OLDER[-1])
 
 
+def _field(parts: list[str], i: int, conv):
+    """conv(parts[i]), or None where the line has no such field or it reads "[N/A]" (a sample without it)."""
+    try:
+        return conv(parts[i]) if len(parts) > i else None
+    except ValueError:
+        return None
+
+
 class PowerLog:
     """GPU 0's SM clock (MHz), board power (W), temperature (C) and clock event reasons, sampled in the
     background by ``cmd`` (nvidia-smi every 100 ms, ``power_query``), each line stamped with the host clock
@@ -156,14 +164,7 @@ class PowerLog:
                 mhz, watts = (float(x) for x in parts[:2])
             except ValueError:                   # "[N/A]" or a header: not a sample
                 continue
-            try:                                 # "[N/A]" here: a sample without them
-                temp = float(parts[2]) if len(parts) > 2 else None
-            except ValueError:
-                temp = None
-            try:
-                reasons = int(parts[3], 16) if len(parts) > 3 else None
-            except ValueError:
-                reasons = None
+            temp, reasons = _field(parts, 2, float), _field(parts, 3, lambda x: int(x, 16))
             self.samples.append((time.time(), mhz, watts, temp, reasons))
 
     def between(self, t0: float, t1: float) -> dict | None:
