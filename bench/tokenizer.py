@@ -268,7 +268,7 @@ def main() -> int:
             ("encode MB/s, all words unseen", r["ours-unseen"]["mb_per_s"], r["hf-unseen"]["mb_per_s"], "higher")]
     print(f"\nvocab {a.n + 257} (N={a.n}); corpus {meta['bytes'] / 1e6:.1f} MB ({meta['origin']}); "
           f"encode on {r['ours-encode']['bytes'] / 1e6:.1f} MB; python {sys.version.split()[0]}")
-    print(f"| metric | ours (Harris) | HF BPE (anchor) | ours/anchor | better |\n|---|---:|---:|---:|---|")
+    print("| metric | ours (Harris) | HF BPE (anchor) | ours/anchor | better |\n|---|---:|---:|---:|---|")
     for name, ours, hf, better in rows:
         print(f"| {name} | {ours:.2f} | {hf:.2f} | {ours / hf:.2f}x | {better} |")
     print(f"(process baseline RSS before work: ours {r['ours-train']['base_rss_mb']:.0f} MB, "

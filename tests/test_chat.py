@@ -22,7 +22,6 @@ from andrea.chat import COMMANDS, AnswerStream
 from andrea.cli import main as cli_main
 from andrea.generate import SamplingOptions, find_tokenizer, generate
 from andrea.errors import AndreaError
-from andrea.tokenizer import load as load_tokenizer
 from andrea.tokenizer.harris import Tokenizer
 from reports_fixtures import make_run
 

@@ -637,7 +637,6 @@ def test_e4m3_layernorm_forward_is_the_bf16_forward_then_the_delayed_cast(C, res
     amax (atomicMax-ed over blocks, into a nonzero start), mean, rstd and the residual sum bit-exact,
     with a row of a NaN (NaN codes) and a scale small enough that the largest values saturate.
     Tolerance: none."""
-    from andrea.cuda import fp8 as k8
     from andrea.cuda import kernels as kk
 
     rng = np.random.default_rng(C)

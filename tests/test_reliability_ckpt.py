@@ -25,7 +25,7 @@ from andrea.engine import checkpoint as ck
 from andrea.errors import AndreaError
 from andrea.train import Trainer
 from script_helpers import load_script
-from train_helpers import ROOT, andrea_cmd, child_env, make_data, micro_cfg, micro_overrides, run_cli, run_killed
+from train_helpers import andrea_cmd, child_env, make_data, micro_cfg, micro_overrides, run_cli, run_killed
 
 FILES = {"model.bin", "model.state.json", "model.loss.json", "model.samples.json",
          "model.perf.jsonl"}          # the wall-clock sidecar (andrea/runs.py PERF) belongs to the folder
