@@ -1,0 +1,385 @@
+"""Benchmark: what the CUDA graph of one bf16 engine step replays besides kernels, which library call adds
+each memset, and whether a cuBLASLt candidate without one runs as fast (issue 19).
+
+    PYTHONPATH=. python3 bench/graph_nodes.py --variants andrea-480m:8,16 andrea-120m:32 --candidates \
+        --json nodes.json                                                  # on the GPU, ~1 min a shape
+
+Why: session 34's profile (docs/bench/s34_kernels_h200.json) counts 111-167 memsets a step at 480M and
+126 at 120M B=32, each just before a GEMM or a cuDNN kernel, and puts most of the step's idle time
+(0.58-0.74 ms) in the gaps beside them; in bf16 the engine itself clears nothing inside the step, so the
+libraries add them. For each (variant, batch):
+1. the step's graphs (``GpuEngine.graph``: the forward + backward and the tail, per weight-gradient
+   beta) read node by node through the driver API (cuGraphGetNodes, cuGraphNodeGetType): the nodes by
+   type, the memsets by size and by the kernel each one precedes;
+2. each cuBLASLt problem and each cuDNN attention call of the step (recorded from one eager step)
+   captured alone, one call in a graph of its own: the memsets it adds under the algorithm the engine
+   runs, times its calls a step, against the graphs' count;
+3. ``--candidates``: each cuBLASLt problem under every candidate of the heuristic (the engine's 32 MiB
+   workspace) and every candidate offered with no workspace: the memsets a call adds and the ms a call
+   in a graph of ``--reps`` calls back to back after ``--sustain-ms`` of them (the way the step replays
+   it, at the card's power limit); then the fastest candidate that adds none, and the ms a step it
+   would save over the engine's.
+Only reads and times: the engine's table (andrea/cuda/lt_choices.json) is not written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import ctypes
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import engine_gpu as eg  # noqa: E402
+import lt_algos  # noqa: E402
+
+from andrea.fsutil import atomic_write_json  # noqa: E402
+
+# CUgraphNodeType (cuda.h)
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "event wait",
+              7: "event record", 8: "semaphore signal", 9: "semaphore wait", 10: "mem alloc", 11: "mem free",
+              12: "batch mem op", 13: "conditional"}
+
+
+class _MemsetParams(ctypes.Structure):              # CUDA_MEMSET_NODE_PARAMS
+    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
+                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+
+class _KernelParams(ctypes.Structure):              # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [("func", ctypes.c_void_p)] + [(f, ctypes.c_uint) for f in (
+        "gridDimX", "gridDimY", "gridDimZ", "blockDimX", "blockDimY", "blockDimZ", "sharedMemBytes")] + [
+        ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p)]
+
+
+class Driver:
+    """The graph-reading calls of libcuda (one per process, whichever runtime built the graph)."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def _call(self, name: str, *args) -> int:
+        fn = getattr(self.lib, name, None)
+        return 999 if fn is None else int(fn(*args))
+
+    def nodes(self, graph: int) -> list[int]:
+        n = ctypes.c_size_t(0)
+        if self._call("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(n)):
+            raise RuntimeError("cuGraphGetNodes failed")
+        arr = (ctypes.c_void_p * max(n.value, 1))()
+        if self._call("cuGraphGetNodes", ctypes.c_void_p(graph), arr, ctypes.byref(n)):
+            raise RuntimeError("cuGraphGetNodes failed")
+        return [int(arr[i] or 0) for i in range(n.value)]
+
+    def node_type(self, node: int) -> str:
+        t = ctypes.c_int(-1)
+        self._call("cuGraphNodeGetType", ctypes.c_void_p(node), ctypes.byref(t))
+        return NODE_TYPES.get(t.value, f"type {t.value}")
+
+    def memset(self, node: int) -> dict:
+        p = _MemsetParams()
+        if self._call("cuGraphMemsetNodeGetParams", ctypes.c_void_p(node), ctypes.byref(p)):
+            return {}
+        return {"dst": int(p.dst), "bytes": int(p.elementSize) * int(p.width) * max(int(p.height), 1),
+                "value": int(p.value)}
+
+    def kernel_name(self, node: int) -> str:
+        """The kernel's name (cuFuncGetName / cuKernelGetName, CUDA 12.3+ drivers), or "?"."""
+        p = _KernelParams()
+        if self._call("cuGraphKernelNodeGetParams_v2", ctypes.c_void_p(node), ctypes.byref(p)):
+            return "?"
+        name = ctypes.c_char_p()
+        for fn, h in (("cuFuncGetName", p.func), ("cuKernelGetName", p.kern)):
+            if h and not self._call(fn, ctypes.byref(name), ctypes.c_void_p(h)) and name.value:
+                return name.value.decode(errors="replace")
+        return "?"
+
+    def dependents(self, node: int) -> list[int] | None:
+        """The nodes that wait for this one (cuGraphNodeGetDependentNodes_v2 with no edge data, CUDA 12.3+
+        drivers, else the 3-argument original), or None where the driver gives neither."""
+        v2 = hasattr(self.lib, "cuGraphNodeGetDependentNodes_v2")
+
+        def get(arr, n):
+            if v2:
+                return self._call("cuGraphNodeGetDependentNodes_v2", ctypes.c_void_p(node), arr, None, ctypes.byref(n))
+            return self._call("cuGraphNodeGetDependentNodes", ctypes.c_void_p(node), arr, ctypes.byref(n))
+
+        n = ctypes.c_size_t(0)
+        if get(None, n):
+            return None
+        arr = (ctypes.c_void_p * max(n.value, 1))()
+        if get(arr, n):
+            return None
+        return [int(arr[i] or 0) for i in range(n.value)]
+
+
+def read_graph(drv: Driver, graph: int) -> list[dict]:
+    """The graph's nodes in the driver's order: {"type", and for a kernel "name", for a memset "dst",
+    "bytes", "value" and "next" (the name of the node that depends on it; where the driver gives no
+    edges, of the next kernel listed)}."""
+    handles = drv.nodes(graph)
+    rows = [{"type": drv.node_type(h)} for h in handles]
+    at = {h: i for i, h in enumerate(handles)}
+    for h, r in zip(handles, rows):
+        if r["type"] == "kernel":
+            r["name"] = drv.kernel_name(h)
+    for i, (h, r) in enumerate(zip(handles, rows)):
+        if r["type"] != "memset":
+            continue
+        r.update(drv.memset(h))
+        deps = drv.dependents(h)
+        j = at.get(deps[0]) if deps else next((k for k in range(i + 1, len(rows)) if rows[k]["type"] == "kernel"),
+                                               None)
+        nxt = rows[j] if j is not None else {}
+        r["next"] = nxt.get("name", nxt.get("type", "-"))
+    return rows
+
+
+def short(name: str, n: int = 60) -> str:
+    """A kernel name cut to its first ``n`` characters after any ``void `` or template noise at the front."""
+    return name.removeprefix("void ")[:n]
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Counts of one graph's (or several graphs') nodes: by type, memsets by size and by the kernel after."""
+    mem = [r for r in rows if r["type"] == "memset"]
+    return {"nodes": len(rows), "by_type": dict(Counter(r["type"] for r in rows).most_common()),
+            "memset_bytes": dict(Counter(str(r.get("bytes", "?")) for r in mem).most_common()),
+            "memset_before": dict(Counter(short(str(r.get("next", "-"))) for r in mem).most_common())}
+
+
+def key_aligns(pid: str) -> tuple | None:
+    """The operand alignments of a 16-bit problem from its table name (cublaslt.problem_id "16:(key)",
+    entry 12 of the key), or None for another kind."""
+    kind, _, key = pid.partition(":")
+    if kind != "16":
+        return None
+    k = ast.literal_eval(key)
+    return tuple(k[12])
+
+
+def best_free(cands: list[dict]) -> dict | None:
+    """The fastest candidate that ran and added no memset, or None."""
+    ok = [c for c in cands if c.get("ms") is not None and c.get("memsets") == 0]
+    return min(ok, key=lambda c: c["ms"]) if ok else None
+
+
+def capture(fn):
+    """fn(stream pointer) captured on a fresh stream: the CuPy graph (its ``graph`` is the cudaGraph_t)."""
+    import cupy as cp
+
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        try:
+            fn(s.ptr)
+        finally:
+            g = s.end_capture()
+    if not hasattr(g, "graph"):
+        raise SystemExit("graph_nodes: this CuPy's Graph does not expose its cudaGraph_t (.graph)")
+    return g
+
+
+def lt_call(lt, plan, args, algo: int, ws_bytes: int):
+    """One cublasLtMatmul of a recorded problem under candidate address ``algo`` (lt_algos.time_candidates'
+    call, with the workspace size given): fn(stream) -> status."""
+    desc, a_l, b_l, d_l, _, _, _, c_l, _ = plan
+    a_ptr, b_ptr, d_ptr, beta, c_ptr = args
+    c_ptr = d_ptr if c_ptr is None else c_ptr
+    return lambda s: lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
+                                           lt._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l, algo,
+                                           lt.ws.data.ptr if ws_bytes else 0, ws_bytes, s)
+
+
+def memsets_of(drv: Driver, fn) -> int | None:
+    """Memset nodes that one call adds, captured alone; None if it refused (a nonzero status) or its
+    capture failed (printed)."""
+    status = []
+    try:
+        g = capture(lambda s: status.append(fn(s)))
+    except Exception as e:  # noqa: BLE001 - one candidate that cannot be captured: say so, go on
+        print(f"  (capture failed: {type(e).__name__}: {e})", flush=True)
+        return None
+    if any(status):
+        return None
+    return sum(r["type"] == "memset" for r in read_graph(drv, g.graph))
+
+
+def graph_ms(fn, reps: int, sustain_ms: float) -> float:
+    """ms a call of fn replayed as a graph of ``reps`` calls back to back (engine_gpu.sustained_ms)."""
+    import cupy as cp
+
+    g = capture(lambda s: [fn(s) for _ in range(reps)])
+    stream = cp.cuda.get_current_stream()
+    for _ in range(2):
+        g.launch(stream=stream)
+    return eg.sustained_ms(lambda: g.launch(stream=stream), 5, sustain_ms) / reps
+
+
+def candidates(drv: Driver, lt, plan, args, reps: int, sustain_ms: float) -> list[dict]:
+    """Every candidate of a problem with the engine's workspace, then those the heuristic offers with
+    none: {"ws", "index", "memsets", "ms"} (None where it refused)."""
+    out = []
+    pools = [(lt.ws_bytes, plan)]                   # each with the plan list that owns its candidates' bytes
+    aligns = key_aligns(plan[8])
+    if aligns is not None:
+        saved = lt.ws_bytes
+        lt.ws_bytes = 0
+        try:
+            pools.append((0, lt._candidates(plan[0], plan[1], plan[2], plan[3], aligns, "no workspace",
+                                            c_l=plan[7])))
+        except Exception as e:  # noqa: BLE001 - no candidate without a workspace: say so, keep the rest
+            print(f"  (no candidate without a workspace: {e})", flush=True)
+        finally:
+            lt.ws_bytes = saved
+    for ws, owner in pools:
+        algos = owner[5]
+        for i, algo in enumerate(algos):
+            fn = lt_call(lt, plan, args, algo, ws)
+            m = memsets_of(drv, fn)
+            out.append({"ws": ws, "index": i, "memsets": m,
+                        "ms": None if m is None else graph_ms(fn, reps, sustain_ms)})
+    return out
+
+
+def record_dnn(eng) -> dict:
+    """id(graph) -> [CudnnAttention, its graph, (ptrs, scratch) of the last call, calls a step] over one
+    eager step (eng.train_step_once)."""
+    from andrea.cuda.cudnn_attention import CudnnAttention
+
+    seen: dict = {}
+    orig = CudnnAttention._run
+
+    def run(self, graph, ptrs, scratch):
+        orig(self, graph, ptrs, scratch)
+        hit = seen.setdefault(id(graph), [self, graph, None, 0])
+        hit[2] = (ptrs, scratch)
+        hit[3] += 1
+
+    with eg.patched(CudnnAttention, _run=run):
+        eng.train_step_once()
+    return seen
+
+
+def one_shape(drv: Driver, v: str, B: int, args) -> dict:
+    import cupy as cp
+
+    from andrea.cuda.backend import make_backend
+    from andrea.engine.engine import Hyper
+    from andrea.engine.model import ModelConfig
+
+    s = eg.variant_shapes(v)
+    mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
+    batch = (x, np.roll(x, -1, axis=1))
+    res: dict = {}
+
+    # 1. the step's graphs, as the engine captures and replays them
+    eng = make_backend().make_engine(mc, B, precision="bf16", cuda_graph=True, grad_accum=1)
+    eng.init_weights(1337)
+    for t in (1, 2):
+        eng.train_step([batch], 3e-4, t, Hyper())
+    cp.cuda.Device().synchronize()
+    if not eng.graph:
+        raise SystemExit(f"graph_nodes: {v}:B{B}: the engine runs without a CUDA graph (its capture failed; "
+                         "the reason is printed above)")
+    rows = []
+    for beta, pair in sorted(eng.graph.items()):
+        for part, g in zip(("main", "tail"), pair):
+            got = read_graph(drv, g.graph)
+            res[f"graph beta={beta} {part}"] = summarise(got)
+            rows += got
+    res["step"] = step = summarise(rows)
+    print(f"{v}:B{B} step graphs: {step['nodes']} nodes, " + ", ".join(f"{k} {n}" for k, n in step["by_type"].items()),
+          flush=True)
+    print(f"  memsets by bytes: {step['memset_bytes']}", flush=True)
+    for k, n in list(step["memset_before"].items())[:12]:
+        print(f"  {n:4d} memsets before {k}", flush=True)
+    del eng
+    cp.get_default_memory_pool().free_all_blocks()
+
+    # 2. each library call alone, as the engine runs it (eager engine: the calls' recorded buffers)
+    eng = make_backend().make_engine(mc, B, precision="bf16", cuda_graph=False, grad_accum=1)
+    eng.init_weights(1337)
+    eng.train_step([batch], 3e-4, 1, Hyper())
+    eng.train_step_once = lambda: eng.train_step([batch], 3e-4, 2, Hyper())
+    gemms = lt_algos.record(eng)
+    dnn = record_dnn(eng) if getattr(eng, "dnn", None) is not None else {}
+    cp.cuda.Device().synchronize()
+    probs, total_lt = [], 0
+    for plan, call_args, calls, what, lt in gemms.values():
+        m = memsets_of(drv, lt_call(lt, plan, call_args, plan[5][plan[6]], lt.ws_bytes))
+        total_lt += calls * (m or 0)
+        row = {"problem": what, "calls": calls, "chosen": plan[6], "memsets": m}
+        text = f"  {what}: {calls} calls, #{plan[6]} adds {m} memset(s) a call"
+        if args.candidates:
+            row["candidates"] = cands = candidates(drv, lt, plan, call_args, args.reps, args.sustain_ms)
+            cur = next((c for c in cands if c["ws"] == lt.ws_bytes and c["index"] == plan[6]), None)
+            row["best_free"] = free = best_free(cands)
+            if cur is not None and cur["ms"] is not None:
+                text += f"; in a graph {cur['ms']:.4f} ms a call"
+                if free is None:
+                    text += ", no candidate without a memset"
+                else:
+                    row["save_ms_per_step"] = calls * (cur["ms"] - free["ms"])
+                    text += (f", fastest without a memset #{free['index']} (workspace {free['ws']} bytes) "
+                             f"{free['ms']:.4f} ms: {row['save_ms_per_step']:+.3f} ms a step")
+        probs.append(row)
+        print(text, flush=True)
+    total_dnn, calls_dnn = 0, []
+    for att, graph, (ptrs, scratch), calls in dnn.values():
+        def fn(_stream, att=att, graph=graph, ptrs=ptrs, scratch=scratch):
+            att._run(graph, ptrs, scratch)          # on the current stream: capture()'s
+            return 0
+        m = memsets_of(drv, fn)
+        total_dnn += calls * (m or 0)
+        kind = "backward" if len(ptrs) == 9 else "forward"
+        calls_dnn.append({"call": kind, "calls": calls, "memsets": m})
+        print(f"  cuDNN SDPA {kind}: {calls} calls, adds {m} memset(s) a call", flush=True)
+    res["gemms"], res["cudnn"] = probs, calls_dnn
+    res["accounted"] = {"cublaslt": total_lt, "cudnn": total_dnn, "graphs": step["by_type"].get("memset", 0)}
+    print(f"  memsets a step: cuBLASLt {total_lt} + cuDNN {total_dnn} of the graphs' "
+          f"{res['accounted']['graphs']}", flush=True)
+    if args.candidates:
+        save = sum(r.get("save_ms_per_step", 0.0) for r in probs if r.get("save_ms_per_step", 0.0) > 0)
+        res["save_ms_per_step"] = save
+        print(f"  the fastest memset-free candidates would save {save:.3f} ms a step (where faster)", flush=True)
+    eng = None                                      # its arena back to the pool (train_step_once holds the name)
+    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="+", default=["andrea-480m:8"])
+    ap.add_argument("--candidates", action="store_true",
+                    help="also every cuBLASLt candidate, with the workspace and without: memsets and ms in a graph")
+    ap.add_argument("--reps", type=int, default=20, help="calls in a timed graph")
+    ap.add_argument("--sustain-ms", type=float, default=100.0, help="back-to-back replays before timing one")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        import cupy  # noqa: F401
+        drv = Driver()
+    except (ImportError, OSError) as e:
+        print(f"graph_nodes: needs CuPy and an NVIDIA driver ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    out = {}
+    for v, B in eg.parse_variants(args.variants, 8):
+        out[f"{v}:B{B}"] = one_shape(drv, v, B, args)
+        if args.json:
+            atomic_write_json(Path(args.json), out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""bench/graph_nodes.py's bookkeeping without a GPU: reading a graph's nodes through a stand-in driver, the
+counts it prints, the problem names it parses and the memset-free pick.
+
+    pytest tests/test_bench_graph_nodes.py
+
+Nothing here touches a device; the driver calls are replaced by a fake graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from script_helpers import load_script
+
+
+@pytest.fixture()
+def gn():
+    return load_script("bench/graph_nodes.py")
+
+
+class FakeDriver:
+    """A captured chain: memset -> GEMM -> kernel -> memset -> cuDNN kernel -> event record; node handles are
+    ints, listed out of chain order as a driver may list them."""
+
+    def __init__(self):
+        self.kind = {11: "memset", 12: "kernel", 13: "kernel", 14: "memset", 15: "kernel", 16: "event record"}
+        self.names = {12: "void nvjet_sm90_tst_256x128_TNT", 13: "k_layernorm_bwd4", 15: "cudnn_sdpa_bprop"}
+        self.deps = {11: [12], 14: [15]}
+
+    def nodes(self, graph):
+        return [14, 11, 12, 13, 15, 16]
+
+    def node_type(self, h):
+        return self.kind[h]
+
+    def kernel_name(self, h):
+        return self.names[h]
+
+    def memset(self, h):
+        return {"dst": 0x1000 * h, "bytes": 4096 if h == 11 else 64, "value": 0}
+
+    def dependents(self, h):
+        return self.deps.get(h)
+
+
+def test_read_graph_names_the_kernel_each_memset_comes_before(gn):
+    rows = gn.read_graph(FakeDriver(), 0)
+    mem = [r for r in rows if r["type"] == "memset"]
+    # by the dependency edge, not by list order (node 14 is listed first, before node 11)
+    assert [(r["bytes"], r["next"]) for r in mem] == [(64, "cudnn_sdpa_bprop"), (4096, "void nvjet_sm90_tst_256x128_TNT")]
+    s = gn.summarise(rows)
+    assert s["nodes"] == 6
+    assert s["by_type"] == {"kernel": 3, "memset": 2, "event record": 1}
+    assert s["memset_bytes"] == {"64": 1, "4096": 1}
+    assert s["memset_before"] == {"cudnn_sdpa_bprop": 1, "nvjet_sm90_tst_256x128_TNT": 1}
+
+
+def test_without_dependency_edges_the_next_listed_kernel_is_named(gn):
+    drv = FakeDriver()
+    drv.dependents = lambda h: None                  # an old driver without cuGraphNodeGetDependentNodes
+    rows = gn.read_graph(drv, 0)
+    assert [r.get("next") for r in rows if r["type"] == "memset"] == ["void nvjet_sm90_tst_256x128_TNT",
+                                                                       "void nvjet_sm90_tst_256x128_TNT"]
+
+
+def test_problem_names_give_their_alignments_and_the_memset_free_pick(gn):
+    pid = "16:(1536, 4608, 8192, True, False, 14, 0, 1536, 4608, 4608, 0.0, 1, (256, 128, 256, 16), 0, 0)"
+    assert gn.key_aligns(pid) == (256, 128, 256, 16)
+    assert gn.key_aligns("fp8:(16, 16, 16)") is None
+    cands = [{"ws": 1, "index": 0, "memsets": 1, "ms": 0.10},
+             {"ws": 1, "index": 1, "memsets": 0, "ms": 0.12},
+             {"ws": 0, "index": 0, "memsets": 0, "ms": 0.11},
+             {"ws": 0, "index": 1, "memsets": None, "ms": None}]
+    assert gn.best_free(cands) == cands[2]
+    assert gn.best_free(cands[:1]) is None
+
+
+def test_without_cupy_it_says_what_it_needs(gn, monkeypatch, capsys):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_cupy(name, *a, **k):
+        if name == "cupy":
+            raise ImportError("No module named 'cupy'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    assert gn.main(["--variants", "andrea-12m:8"]) == 2
+    assert "needs CuPy and an NVIDIA driver" in capsys.readouterr().err
