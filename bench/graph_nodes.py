@@ -4,18 +4,21 @@ each memset, and whether a cuBLASLt candidate without one runs as fast (issue 19
     PYTHONPATH=. python3 bench/graph_nodes.py --variants andrea-480m:8,16 andrea-120m:32 --candidates \
         --json nodes.json                                                  # on the GPU, ~1 min a shape
 
-Why: session 34's profile (docs/bench/s34_kernels_h200.json) counts 111-167 memsets a step at 480M and
-126 at 120M B=32, each just before a GEMM or a cuDNN kernel, and puts most of the step's idle time
-(0.58-0.74 ms) in the gaps beside them; in bf16 the engine itself clears nothing inside the step, so the
-libraries add them. For each (variant, batch):
+Why: session 34's profile (docs/bench/s34_kernels_h200.json) counts 166-167 memsets a step at 480M and
+126 at 120M B=32, each just before a GEMM or a cuDNN kernel (1.1 us apiece), and puts most of the step's
+idle time (0.58-0.74 ms) in the gaps beside them: with the memsets' own time 0.8-1.3% of the step. In bf16
+the engine clears nothing inside its captured graphs, so the libraries add them. For each (variant, batch):
 1. the step's graphs (``GpuEngine.graph``: the forward + backward and the tail, per weight-gradient
-   beta) read node by node through the driver API (cuGraphGetNodes, cuGraphNodeGetType): the nodes by
-   type, the memsets by size and by the kernel each one precedes;
+   beta; the step's figures are the first beta's, which a one-microbatch step replays) read node by node
+   through the driver API (cuGraphGetNodes, cuGraphNodeGetType): the nodes by type, the memsets by size,
+   by the kernel each one precedes and by the buffer it clears (cuBLASLt's workspace, the logits, where
+   cuDNN's scratch lives, or elsewhere in the engine's arena);
 2. each cuBLASLt problem and each cuDNN attention call of the step (recorded from one eager step)
    captured alone, one call in a graph of its own: the memsets it adds under the algorithm the engine
    runs, times its calls a step, against the graphs' count;
 3. ``--candidates``: each cuBLASLt problem under every candidate of the heuristic (the engine's 32 MiB
-   workspace) and every candidate offered with no workspace: the memsets a call adds and the ms a call
+   workspace) and every candidate offered with no workspace (``lt_algos.pools``; the table names those
+   "w0:i", cublaslt.table_choice): the memsets a call adds and the ms a call
    in a graph of ``--reps`` calls back to back after ``--sustain-ms`` of them (the way the step replays
    it, at the card's power limit); then the fastest candidate that adds none, and the ms a step it
    would save over the engine's.
@@ -25,7 +28,6 @@ Only reads and times: the engine's table (andrea/cuda/lt_choices.json) is not wr
 from __future__ import annotations
 
 import argparse
-import ast
 import ctypes
 import sys
 from collections import Counter
@@ -148,22 +150,22 @@ def short(name: str, n: int = 60) -> str:
     return name.removeprefix("void ")[:n]
 
 
-def summarise(rows: list[dict]) -> dict:
-    """Counts of one graph's (or several graphs') nodes: by type, memsets by size and by the kernel after."""
+def summarise(rows: list[dict], regions: dict | None = None) -> dict:
+    """Counts of one graph's (or several graphs') nodes: by type, memsets by size, by the kernel after and
+    by the buffer they clear (``regions``, see ``region_of``)."""
     mem = [r for r in rows if r["type"] == "memset"]
     return {"nodes": len(rows), "by_type": dict(Counter(r["type"] for r in rows).most_common()),
             "memset_bytes": dict(Counter(str(r.get("bytes", "?")) for r in mem).most_common()),
-            "memset_before": dict(Counter(short(str(r.get("next", "-"))) for r in mem).most_common())}
+            "memset_before": dict(Counter(short(str(r.get("next", "-"))) for r in mem).most_common()),
+            "memset_in": dict(Counter(region_of(r.get("dst"), regions or {}) for r in mem).most_common())}
 
 
-def key_aligns(pid: str) -> tuple | None:
-    """The operand alignments of a 16-bit problem from its table name (cublaslt.problem_id "16:(key)",
-    entry 12 of the key), or None for another kind."""
-    kind, _, key = pid.partition(":")
-    if kind != "16":
-        return None
-    k = ast.literal_eval(key)
-    return tuple(k[12])
+def region_of(dst: int | None, regions: dict) -> str:
+    """The name of the first of ``regions`` ({name: (start, bytes)}) that holds address ``dst``, else "other"."""
+    for name, (lo, n) in regions.items():
+        if dst is not None and lo <= dst < lo + n:
+            return name
+    return "other"
 
 
 def best_free(cands: list[dict]) -> dict | None:
@@ -225,27 +227,14 @@ def graph_ms(fn, reps: int, sustain_ms: float) -> float:
 
 
 def candidates(drv: Driver, lt, plan, args, reps: int, sustain_ms: float) -> list[dict]:
-    """Every candidate of a problem with the engine's workspace, then those the heuristic offers with
-    none: {"ws", "index", "memsets", "ms"} (None where it refused)."""
+    """Every candidate of a problem with the engine's workspace, then those the heuristic offers with none
+    (lt_algos.pools): {"choice" (as the table names it), "ws", "memsets", "ms"} (None where it refused)."""
     out = []
-    pools = [(lt.ws_bytes, plan)]                   # each with the plan list that owns its candidates' bytes
-    aligns = key_aligns(plan[8])
-    if aligns is not None:
-        saved = lt.ws_bytes
-        lt.ws_bytes = 0
-        try:
-            pools.append((0, lt._candidates(plan[0], plan[1], plan[2], plan[3], aligns, "no workspace",
-                                            c_l=plan[7])))
-        except Exception as e:  # noqa: BLE001 - no candidate without a workspace: say so, keep the rest
-            print(f"  (no candidate without a workspace: {e})", flush=True)
-        finally:
-            lt.ws_bytes = saved
-    for ws, owner in pools:
-        algos = owner[5]
-        for i, algo in enumerate(algos):
+    for pre, ws, owner in lt_algos.pools(lt, plan, True):
+        for i, algo in enumerate(owner[5]):
             fn = lt_call(lt, plan, args, algo, ws)
             m = memsets_of(drv, fn)
-            out.append({"ws": ws, "index": i, "memsets": m,
+            out.append({"choice": f"{pre}{i}" if pre else i, "ws": ws, "memsets": m,
                         "ms": None if m is None else graph_ms(fn, reps, sustain_ms)})
     return out
 
@@ -292,16 +281,19 @@ def one_shape(drv: Driver, v: str, B: int, args) -> dict:
     if not eng.graph:
         raise SystemExit(f"graph_nodes: {v}:B{B}: the engine runs without a CUDA graph (its capture failed; "
                          "the reason is printed above)")
-    rows = []
+    rows = []                                       # the step's: a one-microbatch step replays the first beta's pair
     for beta, pair in sorted(eng.graph.items()):
         for part, g in zip(("main", "tail"), pair):
             got = read_graph(drv, g.graph)
             res[f"graph beta={beta} {part}"] = summarise(got)
-            rows += got
-    res["step"] = step = summarise(rows)
+            rows += got if beta == min(eng.graph) else []
+    lg = eng.a["logits"]                            # cuDNN's scratch (in a layer's backward, maybe h_pre's)
+    regions = {"cuBLASLt workspace": (eng.lt.ws.data.ptr, eng.lt.ws_bytes), "logits": (lg.data.ptr, lg.nbytes),
+               "engine arena": (eng.arena.data.ptr, eng.arena.nbytes)}
+    res["step"] = step = summarise(rows, regions)
     print(f"{v}:B{B} step graphs: {step['nodes']} nodes, " + ", ".join(f"{k} {n}" for k, n in step["by_type"].items()),
           flush=True)
-    print(f"  memsets by bytes: {step['memset_bytes']}", flush=True)
+    print(f"  memsets by bytes: {step['memset_bytes']}; by buffer: {step['memset_in']}", flush=True)
     for k, n in list(step["memset_before"].items())[:12]:
         print(f"  {n:4d} memsets before {k}", flush=True)
     del eng
@@ -317,13 +309,14 @@ def one_shape(drv: Driver, v: str, B: int, args) -> dict:
     cp.cuda.Device().synchronize()
     probs, total_lt = [], 0
     for plan, call_args, calls, what, lt in gemms.values():
-        m = memsets_of(drv, lt_call(lt, plan, call_args, plan[5][plan[6]], lt.ws_bytes))
+        label = lt_algos.engine_label(lt, plan)
+        m = memsets_of(drv, lt_call(lt, plan, call_args, plan[5][plan[6]], lt.plan_ws.get(plan[8], lt.ws_bytes)))
         total_lt += calls * (m or 0)
-        row = {"problem": what, "calls": calls, "chosen": plan[6], "memsets": m}
-        text = f"  {what}: {calls} calls, #{plan[6]} adds {m} memset(s) a call"
+        row = {"problem": what, "calls": calls, "chosen": label, "memsets": m}
+        text = f"  {what}: {calls} calls, #{label} adds {m} memset(s) a call"
         if args.candidates:
             row["candidates"] = cands = candidates(drv, lt, plan, call_args, args.reps, args.sustain_ms)
-            cur = next((c for c in cands if c["ws"] == lt.ws_bytes and c["index"] == plan[6]), None)
+            cur = next((c for c in cands if c["choice"] == label), None)
             row["best_free"] = free = best_free(cands)
             if cur is not None and cur["ms"] is not None:
                 text += f"; in a graph {cur['ms']:.4f} ms a call"
@@ -331,7 +324,7 @@ def one_shape(drv: Driver, v: str, B: int, args) -> dict:
                     text += ", no candidate without a memset"
                 else:
                     row["save_ms_per_step"] = calls * (cur["ms"] - free["ms"])
-                    text += (f", fastest without a memset #{free['index']} (workspace {free['ws']} bytes) "
+                    text += (f", fastest without a memset #{free['choice']} "
                              f"{free['ms']:.4f} ms: {row['save_ms_per_step']:+.3f} ms a step")
         probs.append(row)
         print(text, flush=True)

@@ -12,15 +12,19 @@ an accumulating weight gradient keeps accumulating, which does not change its ti
 problem: calls a step, the candidate the engine runs and its ms, the fastest candidate and its ms,
 and the step time the fastest would save; the total at the end. ``--sustain-ms MS`` times each candidate
 after MS of back-to-back calls, at the power limit where the step runs (``time_candidates``).
+``--no-workspace``: each 16-bit problem also under every candidate the heuristic offers for no workspace
+(cublaslt.table_choice's "w0:i": cuBLASLt then clears no workspace before the kernel, one memset node
+fewer in the step's graph, bench/graph_nodes.py), timed the same way with no workspace given.
 ``--write-table PATH`` merges the choices into that table (andrea/cuda/lt_choices.json is the engine's,
-read by cublaslt.Lt): for each problem the fastest candidate when it beats the heuristic's first by
-``MARGIN`` or more, else the first; keyed by GPU model and cuBLASLt version. Measure with
-``USE_CHOICES`` as committed: the candidate lists do not depend on it.
+read by cublaslt.Lt): for each problem the fastest candidate (of both lists with ``--no-workspace``) when it
+beats the heuristic's first by ``MARGIN`` or more, else the first; keyed by GPU model and cuBLASLt version.
+Measure with ``USE_CHOICES`` as committed: the candidate lists do not depend on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from pathlib import Path
 
@@ -38,12 +42,50 @@ from andrea.fsutil import atomic_write_json  # noqa: E402
 MARGIN = 0.02        # a candidate replaces the heuristic's first only when this much faster (not noise)
 
 
-def choose(times: list) -> int:
-    """The table's candidate for one problem: the fastest when it beats candidate 0 by MARGIN, else 0."""
-    ok = [(t, i) for i, t in enumerate(times) if t is not None]
-    best_t, best_i = min(ok)
+def choose(times: list, times_w0: list | None = None) -> int | str:
+    """The table's entry for one problem: the fastest candidate, of ``times`` (the engine's workspace: its
+    index) and ``times_w0`` (no workspace: "w0:<index>"), when it beats candidate 0 of ``times`` by MARGIN,
+    else 0."""
+    ok = [(t, i) for i, t in enumerate(times) if t is not None] + \
+        [(t, f"w0:{i}") for i, t in enumerate(times_w0 or []) if t is not None]
+    best_t, best_i = min(ok, key=lambda x: x[0])
     first = times[0]
     return best_i if first is None or best_t <= first * (1 - MARGIN) else 0
+
+
+def key_aligns(pid: str) -> tuple | None:
+    """The operand alignments of a 16-bit problem from its table name (cublaslt.problem_id "16:(key)",
+    entry 12 of the key), or None for another kind."""
+    kind, _, key = pid.partition(":")
+    return tuple(ast.literal_eval(key)[12]) if kind == "16" else None
+
+
+def pools(lt, plan, no_workspace: bool) -> list[tuple[str, int, list]]:
+    """The candidate lists to time a recorded problem over, each (its table prefix, the workspace bytes its
+    calls get, a plan list that owns its candidates): "" and the engine's workspace, then with
+    ``no_workspace`` (or where the engine runs it so) for a 16-bit problem "w0:" and none. The engine's own
+    plan serves for the list it was built from; the other is asked of the heuristic here."""
+    from andrea.errors import AndreaError
+
+    pid = plan[8]
+    aligns, runs_w0 = key_aligns(pid), lt.plan_ws.get(pid) == 0
+
+    def fresh(ws):
+        return lt._candidates(plan[0], plan[1], plan[2], plan[3], aligns, f"{pid} ({ws} bytes of workspace)",
+                              c_l=plan[7], ws_bytes=ws)
+
+    out = [("", lt.ws_bytes, fresh(None) if runs_w0 else plan)]
+    if aligns is not None and (no_workspace or runs_w0):
+        try:
+            out.append(("w0:", 0, plan if runs_w0 else fresh(0)))
+        except AndreaError as e:                     # no algorithm without a workspace: time the others
+            print(f"  {pid}: {e}", flush=True)
+    return out
+
+
+def engine_label(lt, plan) -> int | str:
+    """The candidate the engine runs for a recorded problem, as the table names it."""
+    return f"w0:{plan[6]}" if lt.plan_ws.get(plan[8]) == 0 else plan[6]
 
 
 def record(eng) -> dict:
@@ -68,22 +110,24 @@ def record(eng) -> dict:
     return seen
 
 
-def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0) -> list[float | None]:
-    """ms per call of each candidate (None: it refused the problem), after 3 untimed calls:
-    ``engine_gpu.sustained_ms`` over ``reps`` calls, or with ``sustain_ms`` > 0 after that long back to
-    back, at the card's power limit where a training step runs, not a short burst at full clock."""
+def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0, ws_bytes: int | None = None) -> list[float | None]:
+    """ms per call of each candidate of ``plan`` (a plan list: the engine's, or one of ``pools``; None: it
+    refused the problem), after 3 untimed calls: ``engine_gpu.sustained_ms`` over ``reps`` calls, or with
+    ``sustain_ms`` > 0 after that long back to back, at the card's power limit where a training step runs,
+    not a short burst at full clock. The calls get ``ws_bytes`` of workspace (None: the engine's)."""
     import cupy as cp
 
     desc, a_l, b_l, d_l, _, algos, chosen, c_l, _ = plan
     a_ptr, b_ptr, d_ptr, beta, c_ptr = args
     c_ptr = d_ptr if c_ptr is None else c_ptr
     out = []
+    ws = lt.ws_bytes if ws_bytes is None else ws_bytes
     stream = cp.cuda.get_current_stream().ptr     # timed where sustained_ms records its events
     for algo in algos:
         def call():
             return lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
                                          lt._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l, algo,
-                                         lt.ws.data.ptr, lt.ws_bytes, stream)
+                                         lt.ws.data.ptr, ws, stream)
         if call():
             out.append(None)
             continue
@@ -100,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sustain-ms", type=float, default=0.0,
                     help="run each candidate this long before timing it, so it is timed at the power limit")
+    ap.add_argument("--no-workspace", action="store_true",
+                    help="also every candidate the heuristic offers for no workspace (16-bit problems)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--write-table", default=None, metavar="PATH",
                     help="merge each problem's choice into this table (e.g. andrea/cuda/lt_choices.json)")
@@ -133,17 +179,22 @@ def main(argv=None) -> int:
             cp.cuda.Device().synchronize()
             rows, total = [], 0.0
             for plan, call_args, calls, what, lt in seen.values():
-                times = time_candidates(lt, plan, call_args, args.reps, args.sustain_ms)
-                ok = [(t, i) for i, t in enumerate(times) if t is not None]
-                best_t, best_i = min(ok)
-                cur = times[plan[6]]
+                timed = {pre: time_candidates(lt, owner, call_args, args.reps, args.sustain_ms, ws)
+                         for pre, ws, owner in pools(lt, plan, args.no_workspace)}
+                times, times_w0 = timed[""], timed.get("w0:")
+                by = {(f"{pre}{i}" if pre else i): t for pre, ts in timed.items() for i, t in enumerate(ts)}
+                ok = [(t, c) for c, t in by.items() if t is not None]
+                best_t, best_i = min(ok, key=lambda x: x[0])
+                chosen = engine_label(lt, plan)
+                cur = by[chosen]
                 save = calls * (cur - best_t)
                 total += save
-                rows.append({"problem": what, "calls": calls, "chosen": plan[6], "chosen_ms": cur, "best": best_i,
-                             "best_ms": best_t, "candidates_ms": times, "save_ms_per_step": save})
-                table.setdefault(lt.table_key, {})[plan[8]] = choose(times)
-                print(f"{v}:B{B} {p} {what}: {calls} calls, runs #{plan[6]} {cur:.4f} ms, fastest #{best_i} "
-                      f"{best_t:.4f} ms ({len(ok)}/{len(times)} candidates run), saves {save:.3f} ms/step",
+                rows.append({"problem": what, "calls": calls, "chosen": chosen, "chosen_ms": cur, "best": best_i,
+                             "best_ms": best_t, "candidates_ms": times, "save_ms_per_step": save}
+                            | ({"candidates_w0_ms": times_w0} if times_w0 is not None else {}))
+                table.setdefault(lt.table_key, {})[plan[8]] = choose(times, times_w0)
+                print(f"{v}:B{B} {p} {what}: {calls} calls, runs #{chosen} {cur:.4f} ms, fastest #{best_i} "
+                      f"{best_t:.4f} ms ({len(ok)}/{len(by)} candidates run), saves {save:.3f} ms/step",
                       flush=True)
             print(f"{v}:B{B} {p}: the fastest candidates would save {total:.3f} ms a step", flush=True)
             allres[f"{v}:B{B}:{p}"] = {"problems": rows, "save_ms_per_step": total}

@@ -63,14 +63,19 @@ def test_without_dependency_edges_the_next_listed_kernel_is_named(gn):
                                                                        "void nvjet_sm90_tst_256x128_TNT"]
 
 
-def test_problem_names_give_their_alignments_and_the_memset_free_pick(gn):
-    pid = "16:(1536, 4608, 8192, True, False, 14, 0, 1536, 4608, 4608, 0.0, 1, (256, 128, 256, 16), 0, 0)"
-    assert gn.key_aligns(pid) == (256, 128, 256, 16)
-    assert gn.key_aligns("fp8:(16, 16, 16)") is None
-    cands = [{"ws": 1, "index": 0, "memsets": 1, "ms": 0.10},
-             {"ws": 1, "index": 1, "memsets": 0, "ms": 0.12},
-             {"ws": 0, "index": 0, "memsets": 0, "ms": 0.11},
-             {"ws": 0, "index": 1, "memsets": None, "ms": None}]
+def test_memsets_are_counted_by_the_buffer_they_clear(gn):
+    rows = gn.read_graph(FakeDriver(), 0)                    # memsets at 0xB000 (4096 bytes) and 0xE000 (64)
+    regions = {"cuBLASLt workspace": (0xE000, 0x100), "engine arena": (0x0, 0x100000)}
+    assert gn.summarise(rows, regions)["memset_in"] == {"cuBLASLt workspace": 1, "engine arena": 1}
+    assert gn.summarise(rows)["memset_in"] == {"other": 2}
+    assert gn.region_of(None, regions) == "other"
+
+
+def test_the_memset_free_pick(gn):
+    cands = [{"choice": 0, "ws": 1, "memsets": 1, "ms": 0.10},
+             {"choice": 1, "ws": 1, "memsets": 0, "ms": 0.12},
+             {"choice": "w0:0", "ws": 0, "memsets": 0, "ms": 0.11},
+             {"choice": "w0:1", "ws": 0, "memsets": None, "ms": None}]
     assert gn.best_free(cands) == cands[2]
     assert gn.best_free(cands[:1]) is None
 

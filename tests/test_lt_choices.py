@@ -25,12 +25,14 @@ def _lt(prefer: dict, refuse=()):
 
     def matmul(h, desc, alpha, a, al, b, bl, beta, c, cl, d, dl, algo, ws, wsb, stream):
         tried.append(algo)
+        lt.ws_given.append(wsb)
         return lt_mod.STATUS_NOT_SUPPORTED if algo in refuse else 0
 
     lt = lt_mod.Lt.__new__(lt_mod.Lt)
     lt.lib, lt.h, lt.prefer = SimpleNamespace(cublasLtMatmul=matmul), None, prefer
     lt._alpha, lt._beta = np.ones(1, np.float32), {0.0: np.zeros(1, np.float32), 1.0: np.ones(1, np.float32)}
-    lt.ws, lt.ws_bytes = SimpleNamespace(data=SimpleNamespace(ptr=0)), 0
+    lt.ws, lt.ws_bytes = SimpleNamespace(data=SimpleNamespace(ptr=0)), 32 << 20
+    lt.plan_ws, lt.ws_given, lt.plans16 = {}, [], {}
     return lt, tried
 
 
@@ -70,9 +72,44 @@ def test_try_order_problem_id_and_the_table_file(tmp_path):
     f.write_text(json.dumps({"NVIDIA H200 | cuBLASLt 130000": {"16:(1,)": 2}}))
     assert lt_mod.load_choices(str(f))["NVIDIA H200 | cuBLASLt 130000"] == {"16:(1,)": 2}
     assert lt_mod.load_choices(str(tmp_path / "none.json")) == {}
-    shipped = lt_mod.load_choices()                              # the committed table: model | version -> ints
-    assert all(" | cuBLASLt " in k and all(isinstance(i, int) and i >= 0 for i in v.values())
+    shipped = lt_mod.load_choices()                  # the committed table: model | version -> entries it reads
+    assert all(" | cuBLASLt " in k and all(lt_mod.table_choice(e, pid)[0] is not None for pid, e in v.items())
                for k, v in shipped.items())
+
+
+def test_a_table_entry_is_an_index_or_a_no_workspace_index():
+    assert lt_mod.table_choice(None) == (None, None)
+    assert lt_mod.table_choice(3) == (3, None)
+    assert lt_mod.table_choice("w0:2") == (2, 0)
+    for bad in (-1, True, "2", "w0:", "w1:2", 1.5):
+        with pytest.raises(AndreaError, match=r"lt_choices\.json: 16:\(1,\) = .* is neither a candidate index .*"
+                                              r"bench/lt_algos\.py --write-table"):
+            lt_mod.table_choice(bad, "16:(1,)")
+
+
+def test_a_no_workspace_choice_asks_the_heuristic_for_none_and_calls_without_one(monkeypatch):
+    """_plan16 with a "w0:i" entry asks the heuristic for algorithms that fit no workspace and its calls
+    pass a workspace size of 0; a problem without such an entry keeps the engine's workspace."""
+    asked = []
+    lib = SimpleNamespace(**{f: (lambda *a: 0) for f in ("cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute",
+                                                          "cublasLtMatrixLayoutCreate")})
+    key0 = (64, 64, 64, False, True, 14, 14, 64, 64, 64, 0.0, 1, (256, 256, 256, 256), 0, 0)
+    key1 = key0[:10] + (1.0,) + key0[11:]
+    lt, tried = _lt({lt_mod.problem_id("16", key0): "w0:1"})
+    matmul = lt.lib.cublasLtMatmul
+    lt.lib = SimpleNamespace(cublasLtMatmul=matmul, **vars(lib))
+
+    def candidates(desc, a_l, b_l, d_l, aligns, what, hint="", c_l=None, ws_bytes=None):
+        asked.append(ws_bytes)
+        return [desc, a_l, b_l, d_l, None, [200, 201, 202], None, c_l]
+
+    monkeypatch.setattr(lt, "_candidates", candidates)
+    for key in (key0, key1):
+        plan = lt._plan16(key)
+        lt._run(plan, 0, 0, 0, key[10], 0, lambda: "p")
+    assert asked == [0, None]
+    assert tried == [201, 200] and lt.ws_given == [0, 32 << 20]
+    assert lt.plan_ws == {lt_mod.problem_id("16", key0): 0}
 
 
 def test_lt_algos_writes_a_choice_only_past_its_margin():
@@ -81,3 +118,29 @@ def test_lt_algos_writes_a_choice_only_past_its_margin():
     assert mod.choose([1.0, 0.97, 0.95]) == 2
     assert mod.choose([None, 0.5, 0.4]) == 2                      # the first refused
     assert mod.choose([1.0, None, 1.1]) == 0
+    assert mod.choose([1.0, 0.97], [0.99, 0.95]) == "w0:1"          # no workspace, 5% faster
+    assert mod.choose([1.0, 0.99], [0.985, None]) == 0               # 1.5% faster: noise
+    assert mod.choose([None, 0.5], [0.5]) == 1                      # a tie goes to the engine's workspace
+
+
+def test_lt_algos_times_both_lists_and_names_the_engines_candidate():
+    """pools: the engine's plan for the list it was built from, a fresh heuristic list for the other (none
+    for a kind whose alignments the name does not give); engine_label names a no-workspace run "w0:i"."""
+    mod = load_script("bench/lt_algos.py")
+    pid = "16:(64, 64, 64, False, True, 14, 14, 64, 64, 64, 0.0, 1, (256, 256, 128, 256), 0, 0)"
+    asked = []
+
+    def candidates(desc, a_l, b_l, d_l, aligns, what, hint="", c_l=None, ws_bytes=None):
+        asked.append((aligns, ws_bytes))
+        return ["fresh", ws_bytes]
+
+    lt = SimpleNamespace(ws_bytes=32 << 20, plan_ws={}, _candidates=candidates)
+    plan = [None] * 6 + [2, None, pid]
+    assert [(pre, ws, o is plan) for pre, ws, o in mod.pools(lt, plan, False)] == [("", 32 << 20, True)]
+    assert [(pre, ws, o is plan) for pre, ws, o in mod.pools(lt, plan, True)] == [("", 32 << 20, True), ("w0:", 0, False)]
+    assert asked == [((256, 256, 128, 256), 0)] and mod.engine_label(lt, plan) == 2
+    lt.plan_ws[pid] = 0                                               # the engine runs it without a workspace
+    assert [(pre, ws, o is plan) for pre, ws, o in mod.pools(lt, plan, False)] == [("", 32 << 20, False), ("w0:", 0, True)]
+    assert asked[-1] == ((256, 256, 128, 256), None) and mod.engine_label(lt, plan) == "w0:2"
+    fp8 = [None] * 6 + [0, None, "fp8:(16, 16, 16)"]
+    assert [pre for pre, _, _ in mod.pools(lt, fp8, True)] == [""]

@@ -45,7 +45,8 @@ for this GPU model and cuBLASLt version (measured by ``bench/lt_algos.py --write
 fastest of the heuristic's candidates, where it beat the first by 2% or more), else the first of
 cuBLASLt's heuristic candidates that runs. The table is data in git, so the same GPU model and
 library give the same choice, and the same bytes, on every run (``USE_CHOICES = False``: the
-heuristic's first everywhere). The committed table holds the H200's choices for the 120M B=32
+heuristic's first everywhere). A 16-bit problem's entry may also be "w0:i", candidate i of the heuristic
+asked for algorithms that need no workspace, whose calls then get none (``table_choice``). The committed table holds the H200's choices for the 120M B=32
 problems (the step measured 49.72 ms against 50.81 bf16, 44.58 against 44.77 fp8;
 docs/bench/lt_choices_s11_h200.json), the 480M B=8 ones (bf16 and fp8, added from a later
 ``lt_algos.py`` pass) and the 12M B=8 and B=64 bf16 ones (session 24: the step 3.34 against 3.43 ms at
@@ -108,6 +109,21 @@ def problem_id(kind: str, key: tuple) -> str:
     return f"{kind}:{key!r}"
 
 
+def table_choice(value, where: str = "") -> tuple[int | None, int | None]:
+    """A table entry -> (the candidate to try first, the workspace bytes its call gets: None for the
+    engine's workspace). An int i is candidate i of the heuristic asked with the engine's workspace;
+    "w0:i" candidate i of the heuristic asked for none (an algorithm that needs no workspace, so cuBLASLt
+    clears none before the kernel: bench/graph_nodes.py); None (no entry) the heuristic's order."""
+    if value is None:
+        return None, None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value, None
+    if isinstance(value, str) and value.startswith("w0:") and value[3:].isdigit():
+        return int(value[3:]), 0
+    raise AndreaError(f"{CHOICES}: {where} = {value!r} is neither a candidate index (0, 1, ...) nor \"w0:<index>\" "
+                      f"(a candidate asked for with no workspace); rewrite it with bench/lt_algos.py --write-table")
+
+
 def try_order(n: int, preferred) -> list:
     """The candidates to try on first use: the table's choice first, then the heuristic's order."""
     if preferred is None or not 0 <= int(preferred) < n:
@@ -164,6 +180,7 @@ class Lt:
         self.h = h
         self.plans: dict[tuple, tuple] = {}
         self.plans16: dict[tuple, list] = {}
+        self.plan_ws: dict[str, int] = {}      # problem -> workspace bytes its calls get, where not ws_bytes
         from andrea.cuda.kernels import cp
         props = cp().cuda.runtime.getDeviceProperties(cp().cuda.Device().id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -258,17 +275,19 @@ class Lt:
         self.plans[key] = plan
         return plan
 
-    def _candidates(self, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "", c_l=None) -> list:
+    def _candidates(self, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "", c_l=None,
+                    ws_bytes: int | None = None) -> list:
         """The plan of a problem whose descriptor and layouts are made: [desc, a_l, b_l, d_l, the
         heuristic's result buffer, the addresses of up to N_ALGOS candidate algorithms, None, C's
         layout (``c_l``, default D's)]; entry 6 becomes the index of the candidate that ran (``_run``);
-        the caller appends the problem's table name (``problem_id``)."""
+        the caller appends the problem's table name (``problem_id``). The heuristic is asked for
+        algorithms that fit ``ws_bytes`` of workspace (None: the engine's)."""
         c_l = d_l if c_l is None else c_l
         L = self.lib
         pref = _P()
         self._check(L.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         sp = L.cublasLtMatmulPreferenceSetAttribute
-        self._set(sp, pref, PREF_MAX_WORKSPACE_BYTES, self.ws_bytes, ctypes.c_uint64)
+        self._set(sp, pref, PREF_MAX_WORKSPACE_BYTES, self.ws_bytes if ws_bytes is None else ws_bytes, ctypes.c_uint64)
         for name, a in zip("ABCD", aligns):
             self._set(sp, pref, PREF_MIN_ALIGNMENT[name], a, ctypes.c_uint32)
         res = (ctypes.c_ubyte * (HEURISTIC_RESULT_BYTES * N_ALGOS))()
@@ -287,11 +306,13 @@ class Lt:
         in the refusal, built only then."""
         desc, a_l, b_l, d_l, _, algos, chosen, c_l, pid = plan
         c_ptr = d_ptr if c_ptr is None else c_ptr
+        ws_bytes = self.plan_ws.get(pid, self.ws_bytes)
         statuses = []
-        for i in ([chosen] if chosen is not None else try_order(len(algos), self.prefer.get(pid))):
+        first = None if chosen is not None else table_choice(self.prefer.get(pid), pid)[0]
+        for i in ([chosen] if chosen is not None else try_order(len(algos), first)):
             rc = self.lib.cublasLtMatmul(self.h, desc, self._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
                                          self._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l,
-                                         algos[i], self.ws.data.ptr, self.ws_bytes, stream)
+                                         algos[i], self.ws.data.ptr, ws_bytes, stream)
             if rc == 0:
                 plan[6] = i                                     # this problem runs this candidate from now on
                 return
@@ -375,9 +396,14 @@ class Lt:
         a_l = self._layout(ab_type, *((K, N) if tb else (N, K)), ldb)     # B's storage, column-major
         b_l = self._layout(ab_type, *((M, K) if ta else (K, M)), lda)     # A's storage
         d_l = self._layout(c_type, N, M, ldc)
+        pid = problem_id("16", key)
+        ws = table_choice(self.prefer.get(pid), pid)[1]                 # 0: the table's choice needs no workspace
         plan = self._candidates(desc, a_l, b_l, d_l, aligns, f"C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/"
-                                f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns}, epilogue {epilogue})")
-        plan.append(problem_id("16", key))
+                                f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns}, epilogue {epilogue})",
+                                ws_bytes=ws)
+        plan.append(pid)
+        if ws is not None:
+            self.plan_ws[pid] = ws
         self.plans16[key] = plan
         return plan
 
