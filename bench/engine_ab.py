@@ -5,8 +5,10 @@ alternating rounds of one process, and the torch anchor once: what a switch of a
     PYTHONPATH=. python3 bench/engine_ab.py --variants andrea-480m:8,16 andrea-120m:32 \
         --flip OVERLAP_UPDATE=False "OWN_DGELU=True,OWN_DGELU_DEFINES=('MM_CLUSTER=2',)" --json ab.json
 
-Each --flip is one arm: comma-separated NAME=VALUE, NAME an upper-case setting of andrea.cuda.engine and
-VALUE a Python literal; both are checked before any GPU work. Per variant and batch: ``engine_gpu.bench_ours``
+Each --flip is one arm: comma-separated NAME=VALUE, NAME an upper-case setting of andrea.cuda.engine (or,
+as cublaslt.NAME, of andrea.cuda.cublaslt: ``"cublaslt.CHOICES='t.json'"`` runs the engine on another
+algorithm table, such as one ``bench/lt_algos.py --write-table`` wrote) and VALUE a Python literal; both are
+checked before any GPU work. Per variant and batch: ``engine_gpu.bench_ours``
 (one microbatch a step, CUDA graph) under each arm, ``--rounds`` rounds with the order reversed every
 other round, the median; then the ``--anchor`` (``none``: no anchor). Printed: each arm's ms, MFU and ratio
 of tokens/s to the anchor. ``--json`` is written after every shape.
@@ -34,16 +36,26 @@ from andrea.fsutil import atomic_write_json  # noqa: E402
 COMMITTED = "committed"
 
 
-def parse_flip(item: str) -> dict:
-    """{NAME: value} of one --flip item; AndreaError names a setting engine.py does not have or a value
-    that is not a literal."""
+def modules() -> dict:
+    """The modules a flip may set, by the prefix that names them ("": andrea.cuda.engine)."""
+    import andrea.cuda.cublaslt as ltm
     import andrea.cuda.engine as ce
 
+    return {"": ce, "cublaslt.": ltm}
+
+
+def parse_flip(item: str) -> dict:
+    """{NAME: value} of one --flip item (NAME as given: ``cublaslt.`` names andrea.cuda.cublaslt's); AndreaError
+    names a setting the module does not have or a value that is not a literal."""
+    mods = modules()
     out = {}
-    for part in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", item):
+    for part in re.split(r",(?=(?:cublaslt\.)?[A-Z_][A-Z0-9_]*=)", item):
         name, eq, text = part.partition("=")
-        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", name) or not hasattr(ce, name):
-            raise AndreaError(f"--flip {item!r}: {name!r} is not an upper-case setting of andrea/cuda/engine.py")
+        pre = "cublaslt." if name.startswith("cublaslt.") else ""
+        bare = name[len(pre):]
+        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", bare) or not hasattr(mods[pre], bare):
+            where = "andrea/cuda/cublaslt.py" if pre else "andrea/cuda/engine.py (cublaslt.NAME: andrea/cuda/cublaslt.py)"
+            raise AndreaError(f"--flip {item!r}: {bare!r} is not an upper-case setting of {where}")
         try:
             out[name] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
@@ -51,13 +63,22 @@ def parse_flip(item: str) -> dict:
     return out
 
 
-def settings_of(flips: dict[str, dict]) -> dict:
-    """step_ab's settings: the committed engine, then each flip patched into andrea.cuda.engine."""
-    import andrea.cuda.engine as ce
+@contextlib.contextmanager
+def flipped(values: dict):
+    """Each of ``parse_flip``'s settings patched into its module inside the block, put back after it."""
+    with contextlib.ExitStack() as stack:
+        for pre, mod in modules().items():
+            mine = {k[len(pre):]: v for k, v in values.items() if (k.startswith(pre) if pre else "." not in k)}
+            if mine:
+                stack.enter_context(eg.patched(mod, **mine))
+        yield
 
+
+def settings_of(flips: dict[str, dict]) -> dict:
+    """step_ab's settings: the committed engine, then each flip patched into its modules."""
     out = {COMMITTED: contextlib.nullcontext}
     for name, values in flips.items():
-        out[name] = (lambda v=values: eg.patched(ce, **v))
+        out[name] = (lambda v=values: flipped(v))
     return out
 
 

@@ -30,6 +30,26 @@ def test_a_flip_names_engine_settings_with_literal_values(ab):
         ab.parse_flip("OWN_DGELU=yes")
 
 
+def test_a_flip_may_set_cublaslt_and_every_setting_is_put_back(ab):
+    """cublaslt.NAME sets andrea.cuda.cublaslt's NAME (another algorithm table for an A/B of two), beside the
+    engine's settings in the same arm; both go back after the block, whatever happens in it."""
+    import andrea.cuda.cublaslt as ltm
+    import andrea.cuda.engine as ce
+
+    got = ab.parse_flip("cublaslt.CHOICES='/tmp/t.json',OVERLAP_UPDATE=False")
+    assert got == {"cublaslt.CHOICES": "/tmp/t.json", "OVERLAP_UPDATE": False}
+    table, overlap = ltm.CHOICES, ce.OVERLAP_UPDATE
+    with pytest.raises(RuntimeError, match="inside"):
+        with ab.flipped(got):
+            assert (ltm.CHOICES, ce.OVERLAP_UPDATE) == ("/tmp/t.json", False)
+            raise RuntimeError("inside")
+    assert (ltm.CHOICES, ce.OVERLAP_UPDATE) == (table, overlap)
+    with pytest.raises(AndreaError, match="'NO_SUCH' is not an upper-case setting of andrea/cuda/cublaslt.py"):
+        ab.parse_flip("cublaslt.NO_SUCH=1")
+    with pytest.raises(AndreaError, match="'CHOICES' is not an upper-case setting of andrea/cuda/engine.py"):
+        ab.parse_flip("CHOICES='/tmp/t.json'")
+
+
 def test_a_bad_flip_stops_before_any_gpu_work(ab, capsys):
     assert ab.main(["--flip", "FUSE_GELU=maybe"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

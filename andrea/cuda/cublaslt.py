@@ -185,7 +185,7 @@ class Lt:
         props = cp().cuda.runtime.getDeviceProperties(cp().cuda.Device().id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.table_key = f"{name} | cuBLASLt {int(self.lib.cublasLtGetVersion())}"
-        self.prefer = load_choices().get(self.table_key, {}) if USE_CHOICES else {}
+        self.prefer = load_choices(str(CHOICES)).get(self.table_key, {}) if USE_CHOICES else {}
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = {0.0: np.zeros(1, dtype=np.float32), 1.0: np.ones(1, dtype=np.float32)}
 
