@@ -148,8 +148,9 @@ def test_ten_steps_track_numpy(prec, tol):
     assert b.loss < 4.6 - 0.05 or b.loss < a.loss + tol      # it learns (ln 97 = 4.57 at init)
 
 
-def _run(prec, steps, start=None, graph=True, accum=1, grad_accum=None):
-    """``accum`` microbatches a step; ``grad_accum`` what the engine is planned for (GpuEngine's)."""
+def _run(prec, steps, start=None, graph=True, accum=1, grad_accum=None, results=None):
+    """``accum`` microbatches a step; ``grad_accum`` what the engine is planned for (GpuEngine's); each
+    step's StepResult appended to ``results`` where given."""
     from andrea.cuda.backend import make_backend
 
     eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph, grad_accum=grad_accum)
@@ -160,7 +161,9 @@ def _run(prec, steps, start=None, graph=True, accum=1, grad_accum=None):
         t0, w, m, v = start
         eng.load_state(w, m, v)
     for t in range(t0 + 1, t0 + steps + 1):
-        eng.train_step([batch(300 + 7 * t + k) for k in range(accum)], 3e-3, t, HP)
+        r = eng.train_step([batch(300 + 7 * t + k) for k in range(accum)], 3e-3, t, HP)
+        if results is not None:
+            results.append(r)
     return (t0 + steps, *eng.state_host())
 
 
@@ -245,6 +248,37 @@ def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, accum,
     assert run(True) == run(False)
     resumed, whole = steps(True, 3, start=steps(True, 3)), steps(False, 6)
     assert all(x.tobytes() == y.tobytes() for x, y in zip(whole[1:], resumed[1:]))
+
+
+@pytest.mark.parametrize("prec,graph,accum,micro", [("bf16", True, 1, 1), ("bf16", False, None, 1),
+                                                    ("bf16", True, None, 3), ("fp32", True, None, 1)])
+def test_the_norm_beside_the_backward_is_the_norm_in_its_own_order(prec, graph, accum, micro, monkeypatch):
+    """OVERLAP_NORM: the norm's partial sums piece by piece on their own stream during the backward. Against
+    the single pass: each step's norm within fp32 summation error (1e-5 relative; the slots sum in another
+    order) and the weights after six steps within 1e-4 relative of the largest; with it, CUDA graph and eager
+    the same bytes, two runs the same bytes and a run resumed after three steps on the six-step run's bytes.
+    micro=3: every microbatch's backward sums the pieces, the last one's sums stand."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    def run(flag, g=graph, start=None, n=6):
+        monkeypatch.setattr(ce, "OVERLAP_NORM", flag)
+        res = []
+        state = _run(prec, n, start=start, graph=g, accum=micro, grad_accum=accum, results=res)
+        return [r.grad_norm for r in res], state
+
+    for flag in (True, False):
+        monkeypatch.setattr(ce, "OVERLAP_NORM", flag)
+        eng = make_backend().make_engine(MC, B, precision=prec, cuda_graph=graph, grad_accum=accum)
+        assert (eng._norm is not None) == flag == ("OVERLAP_NORM" in eng.describe())
+    on, off = run(True), run(False)
+    np.testing.assert_allclose(on[0], off[0], rtol=1e-5)
+    for x, y in zip(on[1][1:], off[1][1:]):
+        assert np.abs(x - y).max() <= 1e-4 * np.abs(y).max()
+    for other in (run(True, not graph), run(True)):
+        assert other[0] == on[0] and all(x.tobytes() == y.tobytes() for x, y in zip(on[1][1:], other[1][1:]))
+    resumed = run(True, start=run(True, n=3)[1], n=3)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(on[1][1:], resumed[1][1:]))
 
 
 @pytest.mark.parametrize("prec", ["bf16", "fp8"])

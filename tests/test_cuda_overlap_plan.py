@@ -1,6 +1,7 @@
 """OVERLAP_UPDATE, the engine switch that runs AdamW beside the next forward, without a GPU: the pieces AdamW
-runs in cover every parameter once, in the order the forward reads them. The GPU side (the same bytes as the
-single launch, graph and eager alike): tests/test_cuda_engine.py.
+runs in cover every parameter once, in the order the forward reads them. OVERLAP_NORM's partial sums over the
+same pieces: slots in flat order, the arena's norm_part sized for them. The GPU side (the same bytes as the
+single launch, graph and eager alike; the norm within its summation error): tests/test_cuda_engine.py.
 
     python -m pytest -q tests/test_cuda_overlap_plan.py
 """
@@ -24,3 +25,30 @@ def test_the_updates_pieces_cover_every_parameter_once_in_the_order_the_forward_
         assert mats[1] - mats[0] == 12 * C * C and lns[1] - lns[0] == 4 * C
         assert lns[0] == lay.by_name[f"h.{l}.ln1.g"].offset
     assert pieces[0][0] == [(0, (mc.vocab_size + mc.context) * C)]
+
+
+def test_the_norms_partial_sums_take_every_range_in_flat_order(monkeypatch):
+    """norm_slots: a range's blocks are one per NORM_CHUNK elements (1 to NORM_BLOCKS); the slots follow the
+    ranges' flat order whatever the pieces' order; the arena sizes norm_part for them only with OVERLAP_NORM."""
+    import andrea.cuda.engine as ce
+    from andrea.engine.model import ModelConfig, param_layout
+
+    mc = ModelConfig(vocab_size=300, d_model=64, n_head=2, n_layer=3, context=128)
+    pieces = ce.update_pieces(param_layout(mc), mc.n_layer)
+    monkeypatch.setattr(ce, "NORM_CHUNK", 4096)
+    ranges, slots = ce.norm_slots(pieces)
+    assert [len(rs) for rs in ranges] == [len(rs) for rs, _ in pieces]
+    flat = sorted(r for rs in ranges for r in rs)
+    assert flat[0][2] == 0 and all(a[2] + a[3] == b[2] for a, b in zip(flat, flat[1:]))
+    assert flat[-1][2] + flat[-1][3] == slots
+    for lo, hi, _, blocks in flat:
+        assert blocks == min(ce.NORM_BLOCKS, max(1, -(-(hi - lo) // 4096)))
+    assert ranges[1][0][3] == 12 * 64 * 64 // 4096 and ranges[1][1][3] == 1     # a block's matrices, its LayerNorms
+
+    def part(flag):
+        monkeypatch.setattr(ce, "OVERLAP_NORM", flag)
+        return dict((n, shape) for n, shape, _ in ce.arena_layout(mc, 2, "bf16").spec)["norm_part"]
+
+    monkeypatch.setattr(ce, "NORM_CHUNK", 64)                  # more slots than NORM_BLOCKS
+    assert part(True) == (ce.norm_slots(pieces)[1],) and part(True)[0] > ce.NORM_BLOCKS
+    assert part(False) == (ce.NORM_BLOCKS,)

@@ -113,6 +113,17 @@ OWN_DGELU_DEFINES: tuple[str, ...] = ()
 # 0.30 ms off 480M B=8 (47.55 -> 47.25), 0.10 ms off 480M B=16 and 0.40 ms off 120M B=32 (bench/engine_ab.py,
 # docs/bench/s33_h200.md).
 OVERLAP_UPDATE = True
+# One GPU, not fp8: the gradient norm's partial sums are taken piece by piece (update_pieces' pieces: lnf,
+# then each block's matmul weights and LayerNorms) on a stream of their own as soon as the backward has
+# finished the piece (lnf's after its LayerNorm backward, a block's after its ln1 backward), beside the rest
+# of the backward, which joins that stream before it ends; only wte and wpe's partials (final after the
+# embedding backward) run after it. So the norm's pass over g (480M: 0.43 ms a step, on the critical path
+# between the backward and the next forward; docs/bench/s34_h200.md) mostly leaves it. Each range of the
+# flat layout sums into its own NORM_CHUNK-sized slots (norm_slots), k_grad_norm_final adds every slot in
+# flat order: deterministic, but another summation order than the single pass, so the bytes differ from
+# False in the last bits of the norm. False until bench/engine_ab.py measures it.
+OVERLAP_NORM = False
+NORM_CHUNK = 1 << 16      # OVERLAP_NORM: gradient elements a partial-sum block covers (NORM_BLOCKS at most a range)
 # A step's first microbatch: the four block weight-gradient GEMMs write their gradients (beta 0: no read of
 # C, no zeroed rows to add onto) and zero_grads clears only the rest of g (wte, wpe, the LayerNorms), as
 # torch's zero_grad(set_to_none=True) leaves the first backward to write. The later microbatches add (beta
@@ -217,6 +228,9 @@ class FastOps:
         self.dgelu = None                                       # OWN_DGELU: a kernels.MmDgelu (GpuEngine sets it)
         # OVERLAP_UPDATE (GpuEngine sets it): a parameter's pointer -> the event its optimizer step records
         self.update_waits = None
+        # OVERLAP_NORM (GpuEngine sets it): a LayerNorm weight gradient's pointer -> what to queue once its
+        # backward is queued (the partial norm sums of the piece it completes)
+        self.norm_hooks = None
         # GELU in the epilogue of the fc forward (fused) and of the proj dgrad (fused_bwd)
         self.fused, self.fused_bwd = fused_gelu("fp8" if f8 is not None else prec if lt is not None else "fp32")
         if f8 is not None:                                      # fp8.HPRE_E4M3: only without the DGELU epilogue
@@ -282,9 +296,16 @@ class FastOps:
             return
         k_layernorm_fwd(self.p, out, mean, rstd, x, g, b, N, C)
 
+    def _piece_done(self, dg) -> None:
+        """OVERLAP_NORM: the backward has queued the last write of the piece whose LayerNorm gradient is dg."""
+        hook = self.norm_hooks.get(dg.data.ptr) if self.norm_hooks else None
+        if hook is not None:
+            hook()
+
     def layernorm_backward(self, dx, dg, db, dout, x, mean, rstd, g, work):
         N, C = x.shape
         k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C)
+        self._piece_done(dg)
 
     def layernorm_residual_backward(self, dx, dbranch, dg, db, dout, x, mean, rstd, g, work):
         """One kernel: the LayerNorm backward also writes the branch gradient's 16-bit cast."""
@@ -296,6 +317,7 @@ class FastOps:
                 after_shadow=False)
             return
         k_layernorm_bwd(self.p, dx, dg, db, dout, x, mean, rstd, g, self.a["ln_part"], N, C, dlow=low)
+        self._piece_done(dg)
 
     def residual_layernorm_forward(self, xo, out, mean, rstd, a, b, g, beta):
         self._await_update(g)
@@ -461,10 +483,12 @@ def gpu_policy(mc: ModelConfig, B: int, precision: str, recompute: str = "auto")
     T, C, H = mc.context, mc.d_model, mc.n_head
     N = B * T
     n_chunks = (N + LN_ROWS_PER_CHUNK - 1) // LN_ROWS_PER_CHUNK
+    n_part = max(NORM_BLOCKS, norm_slots(update_pieces(param_layout(mc), mc.n_layer))[1]) if OVERLAP_NORM \
+        else NORM_BLOCKS
     scratch = (
         Buffer("dh", (N, 4 * C), "work"), Buffer("dvec", (B * H * T,), "work", "acc"),
         Buffer("ln_part", (n_chunks * 2 * C,), "work", "acc"), Buffer("loss_out", (8,), "stat", "acc"),
-        Buffer("norm_part", (NORM_BLOCKS,), "stat", "acc"), Buffer("gstate", (4,), "stat", "acc"),
+        Buffer("norm_part", (n_part,), "stat", "acc"), Buffer("gstate", (4,), "stat", "acc"),
         Buffer("hp", (8,), "stat", "acc"),
         Buffer("seg_order", (N,), "index", "int32"), Buffer("seg_start", (N + 1,), "index", "int32"),
         Buffer("seg_tok", (N,), "index", "int32"), Buffer("seg_n", (1,), "index", "int32"),
@@ -593,6 +617,18 @@ def update_pieces(layout, n_layer: int) -> list:
     return pieces
 
 
+def norm_slots(pieces) -> tuple[list, int]:
+    """OVERLAP_NORM's partial sums: for each piece of ``update_pieces``, its ranges as (lo, hi, first slot,
+    blocks), a range's k_grad_norm_partial blocks being one per NORM_CHUNK elements (1 to NORM_BLOCKS); the
+    slots laid out in the flat order of the ranges, whatever order the backward finishes them in. And the
+    number of slots."""
+    at, slot = {}, 0
+    for lo, hi in sorted(r for rs, _ in pieces for r in rs):
+        blocks = min(NORM_BLOCKS, max(1, -(-(hi - lo) // NORM_CHUNK)))
+        at[lo, hi], slot = (slot, blocks), slot + blocks
+    return [[(lo, hi, *at[lo, hi]) for lo, hi in rs] for rs, _ in pieces], slot
+
+
 class GpuEngine:
     """The training step on the GPU in fp32 | bf16 | fp16 with fp32 master weights, m and v.
     Every buffer lives in one arena allocated at construction; ``planned_bytes`` is its size."""
@@ -698,6 +734,9 @@ class GpuEngine:
         self._upd = None                     # OVERLAP_UPDATE: its stream, pieces and events (_update_plan)
         if OVERLAP_UPDATE and f8 is None and world == 1:
             self._upd = self._update_plan(xp)
+        self._norm = None                    # OVERLAP_NORM: its stream, slots and events (_norm_plan)
+        if OVERLAP_NORM and f8 is None and world == 1:
+            self._norm = self._norm_plan(xp)
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
         self.graph = None                  # (forward + backward up to the embedding's, the embedding backward)
@@ -749,6 +788,7 @@ class GpuEngine:
                 + (f"proj dgrad + gelu': mm_dgelu.cu {self.ops.dgelu.cfg} (OWN_DGELU)\n" if self.ops.dgelu else "")
                 + ("optimizer: AdamW piece by piece beside the next forward (OVERLAP_UPDATE)\n"
                    if self._upd is not None else "")
+                + ("gradient norm: piece by piece beside the backward (OVERLAP_NORM)\n" if self._norm is not None else "")
                 + f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
                 f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes"
                 + ("" if self.comm is None or self.comm.size == 1 else
@@ -880,6 +920,9 @@ class GpuEngine:
 
     def _backward(self, dscale: float) -> None:
         recipe.backward(self.ops, self.z, self.mc.n_head, dscale, self.policy.recompute)
+        if self._norm is not None:                           # OVERLAP_NORM: the partial sums' stream joins here
+            self._norm.done.record(self._norm.stream)
+            self.cp.cuda.get_current_stream().wait_event(self._norm.done)
         if self.f8 is not None:
             self.f8.check_pass()
 
@@ -1044,8 +1087,13 @@ class GpuEngine:
             stepped = self._w8_range()                       # fp8 ADAMW_E4M3: the matmul weights' step writes
             if self.comm is not None:                        # their E4M3 copies
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
+            elif self._norm is not None:                     # OVERLAP_NORM: the backward took all but wte and wpe's
+                for lo, hi, slot, blocks in self._norm.last:
+                    k_grad_norm_partial(self.g[lo:hi], hi - lo, a["norm_part"][slot:slot + blocks], blocks)
+                k_grad_norm_final(a["norm_part"], self._norm.slots, hp.grad_clip, inv, a["gstate"])
             else:
                 k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
+            if self.comm is None:
                 if gate:
                     k_gate_finite(a["loss_out"], a["gstate"])
                 if self._upd is not None:                    # OVERLAP_UPDATE: beside the next forward
@@ -1078,6 +1126,35 @@ class GpuEngine:
         self.ops.update_waits = {self.W[opens].data.ptr: e for _, e, opens in pieces}
         return SimpleNamespace(stream=xp.cuda.Stream(non_blocking=True), pieces=[(rs, e) for rs, e, _ in pieces],
                                after_norm=xp.cuda.Event(disable_timing=True), done=pieces[-1][1])
+
+    def _norm_plan(self, xp) -> SimpleNamespace:
+        """OVERLAP_NORM: the partial sums' ``stream``, the ``slots`` they fill, the ranges the update sums itself
+        (``last``: wte and wpe's) and ``done`` (recorded on the stream at the end of the backward); the
+        LayerNorm backwards learn which gradient completes which piece (FastOps.norm_hooks)."""
+        pieces = update_pieces(self.layout, self.mc.n_layer)
+        ranges, slots = norm_slots(pieces)
+        plan = SimpleNamespace(stream=xp.cuda.Stream(non_blocking=True), slots=slots, done=xp.cuda.Event(disable_timing=True),
+                               last=())
+        hooks = {}
+        for (_, opens), rs in zip(pieces, ranges):
+            if opens == "wte":                       # its gradient is final after the embedding backward only
+                plan.last = tuple(rs)
+            else:                                    # lnf.g / h.l.ln1.g: its LayerNorm backward ends the piece
+                hooks[self.G[opens].data.ptr] = (lambda rs=rs, ev=xp.cuda.Event(disable_timing=True):
+                                                 self._norm_piece(rs, ev))
+        self.ops.norm_hooks = hooks
+        return plan
+
+    def _norm_piece(self, ranges, fork) -> None:
+        """OVERLAP_NORM: the partial sums of one piece's ranges on the norm's stream, after what the current
+        stream has queued (inside a capture, a branch of the graph that _backward joins)."""
+        side = self._norm.stream
+        fork.record(self.cp.cuda.get_current_stream())
+        side.wait_event(fork)
+        part = self.a["norm_part"]
+        with side:
+            for lo, hi, slot, blocks in ranges:
+                k_grad_norm_partial(self.g[lo:hi], hi - lo, part[slot:slot + blocks], blocks)
 
     def _queue_update_overlapped(self) -> None:
         """OVERLAP_UPDATE's AdamW: on the update stream after the norm (and the gate) the current stream has

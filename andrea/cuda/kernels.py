@@ -582,9 +582,9 @@ def k_grad_norm(g, n, part, grad_clip, inv, gstate):
     k_grad_norm_final(part, NORM_BLOCKS, grad_clip, inv, gstate)
 
 
-def k_grad_norm_partial(g, n, part):
-    """part (NORM_BLOCKS,) = the sums of squares of g's (n,) NORM_BLOCKS grid-stride slices."""
-    kernel("optim.cu", "k_grad_norm_partial")((NORM_BLOCKS,), (256,), (g, np.int64(n), part))
+def k_grad_norm_partial(g, n, part, blocks: int = NORM_BLOCKS):
+    """part (blocks,) = the sums of squares of g's (n,) ``blocks`` grid-stride slices."""
+    kernel("optim.cu", "k_grad_norm_partial")((int(blocks),), (256,), (g, np.int64(n), part))
 
 
 def k_grad_norm_final(part, G, grad_clip, inv, gstate):
