@@ -258,29 +258,21 @@ def record_dnn(eng) -> dict:
     return seen
 
 
-def one_shape(drv: Driver, v: str, B: int, args) -> dict:
+def step_graphs(drv: Driver, mc, B: int, batch, name: str) -> dict:
+    """Part 1: the step's graphs as the engine captures and replays them, summarised (``summarise``)."""
     import cupy as cp
 
     from andrea.cuda.backend import make_backend
     from andrea.engine.engine import Hyper
-    from andrea.engine.model import ModelConfig
 
-    s = eg.variant_shapes(v)
-    mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
-    batch = (x, np.roll(x, -1, axis=1))
     res: dict = {}
-
-    # 1. the step's graphs, as the engine captures and replays them
     eng = make_backend().make_engine(mc, B, precision="bf16", cuda_graph=True, grad_accum=1)
     eng.init_weights(1337)
     for t in (1, 2):
         eng.train_step([batch], 3e-4, t, Hyper())
     cp.cuda.Device().synchronize()
     if not eng.graph:
-        raise SystemExit(f"graph_nodes: {v}:B{B}: the engine runs without a CUDA graph (its capture failed; "
-                         "the reason is printed above)")
+        raise RuntimeError("the engine runs without a CUDA graph (its capture failed; the reason is printed above)")
     rows = []                                       # the step's: a one-microbatch step replays the first beta's pair
     for beta, pair in sorted(eng.graph.items()):
         for part, g in zip(("main", "tail"), pair):
@@ -291,15 +283,21 @@ def one_shape(drv: Driver, v: str, B: int, args) -> dict:
     regions = {"cuBLASLt workspace": (eng.lt.ws.data.ptr, eng.lt.ws_bytes), "logits": (lg.data.ptr, lg.nbytes),
                "engine arena": (eng.arena.data.ptr, eng.arena.nbytes)}
     res["step"] = step = summarise(rows, regions)
-    print(f"{v}:B{B} step graphs: {step['nodes']} nodes, " + ", ".join(f"{k} {n}" for k, n in step["by_type"].items()),
+    print(f"{name} step graphs: {step['nodes']} nodes, " + ", ".join(f"{k} {n}" for k, n in step["by_type"].items()),
           flush=True)
     print(f"  memsets by bytes: {step['memset_bytes']}; by buffer: {step['memset_in']}", flush=True)
     for k, n in list(step["memset_before"].items())[:12]:
         print(f"  {n:4d} memsets before {k}", flush=True)
-    del eng
-    cp.get_default_memory_pool().free_all_blocks()
+    return res
 
-    # 2. each library call alone, as the engine runs it (eager engine: the calls' recorded buffers)
+
+def library_calls(drv: Driver, mc, B: int, batch, args) -> dict:
+    """Part 2 (and 3 with --candidates): each cuBLASLt problem and cuDNN call of one eager step alone."""
+    import cupy as cp
+
+    from andrea.cuda.backend import make_backend
+    from andrea.engine.engine import Hyper
+
     eng = make_backend().make_engine(mc, B, precision="bf16", cuda_graph=False, grad_accum=1)
     eng.init_weights(1337)
     eng.train_step([batch], 3e-4, 1, Hyper())
@@ -338,16 +336,38 @@ def one_shape(drv: Driver, v: str, B: int, args) -> dict:
         kind = "backward" if len(ptrs) == 9 else "forward"
         calls_dnn.append({"call": kind, "calls": calls, "memsets": m})
         print(f"  cuDNN SDPA {kind}: {calls} calls, adds {m} memset(s) a call", flush=True)
-    res["gemms"], res["cudnn"] = probs, calls_dnn
-    res["accounted"] = {"cublaslt": total_lt, "cudnn": total_dnn, "graphs": step["by_type"].get("memset", 0)}
-    print(f"  memsets a step: cuBLASLt {total_lt} + cuDNN {total_dnn} of the graphs' "
-          f"{res['accounted']['graphs']}", flush=True)
+    res = {"gemms": probs, "cudnn": calls_dnn, "memsets_a_step": {"cublaslt": total_lt, "cudnn": total_dnn}}
+    print(f"  memsets a step: cuBLASLt {total_lt} + cuDNN {total_dnn}", flush=True)
     if args.candidates:
         save = sum(r.get("save_ms_per_step", 0.0) for r in probs if r.get("save_ms_per_step", 0.0) > 0)
         res["save_ms_per_step"] = save
         print(f"  the fastest memset-free candidates would save {save:.3f} ms a step (where faster)", flush=True)
     eng = None                                      # its arena back to the pool (train_step_once holds the name)
-    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
+def one_shape(drv: Driver, v: str, B: int, args) -> dict:
+    """Both parts for one (variant, batch); a part that fails is reported in one line and the other still runs."""
+    import cupy as cp
+
+    from andrea.engine.model import ModelConfig
+
+    s = eg.variant_shapes(v)
+    mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, s["V"], (B, s["T"])).astype(np.int32)
+    batch = (x, np.roll(x, -1, axis=1))
+    res: dict = {}
+    for part, fn in (("graphs", lambda: step_graphs(drv, mc, B, batch, f"{v}:B{B}")),
+                     ("calls", lambda: library_calls(drv, mc, B, batch, args))):
+        try:
+            res.update(fn())
+        except Exception as e:  # noqa: BLE001 - a diagnostic: keep what the other part finds
+            res[f"{part}_error"] = f"{type(e).__name__}: {e}"
+            print(f"graph_nodes: {v}:B{B}: the {part} part failed ({type(e).__name__}: {e})", flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
+    if "step" in res and "memsets_a_step" in res:
+        print(f"  the graphs hold {res['step']['by_type'].get('memset', 0)} memsets a step", flush=True)
     return res
 
 
