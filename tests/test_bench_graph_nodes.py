@@ -93,3 +93,27 @@ def test_without_cupy_it_says_what_it_needs(gn, monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_cupy)
     assert gn.main(["--variants", "andrea-12m:8"]) == 2
     assert "needs CuPy and an NVIDIA driver" in capsys.readouterr().err
+
+
+def test_a_failing_part_is_reported_and_the_other_still_runs(gn, monkeypatch, capsys):
+    """one_shape: the graphs part failing (here: a capture that fell back to eager launches) costs only its
+    own figures; the calls part's still land in the result, and the failure is one line naming the shape."""
+    import sys
+    import types
+
+    freed = []
+    fake = types.SimpleNamespace(get_default_memory_pool=lambda: types.SimpleNamespace(
+        free_all_blocks=lambda: freed.append(1)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+    def graphs(*a):
+        raise RuntimeError("the engine runs without a CUDA graph")
+
+    monkeypatch.setattr(gn, "step_graphs", graphs)
+    monkeypatch.setattr(gn, "library_calls", lambda *a: {"gemms": [], "memsets_a_step": {"cublaslt": 0, "cudnn": 0}})
+    res = gn.one_shape(None, "andrea-12m", 8, None)
+    assert res["graphs_error"] == "RuntimeError: the engine runs without a CUDA graph"
+    assert res["gemms"] == [] and len(freed) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["graph_nodes: andrea-12m:B8: the graphs part failed (RuntimeError: the engine runs without a "
+                   "CUDA graph)"]
