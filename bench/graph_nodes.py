@@ -22,7 +22,9 @@ the engine clears nothing inside its captured graphs, so the libraries add them.
    in a graph of ``--reps`` calls back to back after ``--sustain-ms`` of them (the way the step replays
    it, at the card's power limit); then the fastest candidate that adds none, and the ms a step it
    would save over the engine's.
-Only reads and times: the engine's table (andrea/cuda/lt_choices.json) is not written.
+Parts 1 and 2-3 run on engines of their own; a part that fails is reported in one line and the other's
+figures still land in ``--json``. Only reads and times: the engine's table (andrea/cuda/lt_choices.json) is
+not written (bench/lt_algos.py --no-workspace --write-table writes "w0:i" entries).
 """
 
 from __future__ import annotations
