@@ -603,6 +603,35 @@ def test_cublaslt_gemm_forms_match_and_are_bitwise_repeatable(be, prec):
         lt.mm(out, A[:, ::2], W[::2], lowtype=low)
 
 
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_cublaslt_no_workspace_entry_runs_without_one(be, prec):
+    """A table entry "w0:i" (cublaslt.table_choice): the problem's candidates come from the heuristic asked for
+    no workspace, its calls pass none, and the product matches the float64 one as the engine's X W does
+    (test_cublaslt_gemm_forms_match_and_are_bitwise_repeatable's tolerance), the same bits on a repeat."""
+    from andrea.cuda.cublaslt import Lt
+
+    rng = np.random.default_rng(19)
+    low = be.LOWTYPE[prec]
+    M, K, N = 512, 256, 768
+    A, A64 = to_dev(rng.normal(0, 1, (M, K)), prec)
+    W, W64 = to_dev(rng.normal(0, 1, (K, N)), prec)
+    lt = Lt(cp.zeros(32 << 20, dtype=np.uint8))
+    out = empty((M, N), prec)
+    lt.mm(out, A, W, lowtype=low)
+    (pid,) = [plan[8] for plan in lt.plans16.values()]
+    assert lt.plan_ws == {}
+    lt0 = Lt(cp.zeros(32 << 20, dtype=np.uint8))
+    lt0.prefer = {pid: "w0:0"}
+    runs = []
+    for _ in range(2):
+        got = empty((M, N), prec)
+        lt0.mm(got, A, W, lowtype=low)
+        runs.append(cp.asnumpy(got))
+    assert lt0.plan_ws == {pid: 0}
+    assert runs[0].tobytes() == runs[1].tobytes()
+    close(from_dev(cp.asarray(runs[0]), prec), A64 @ W64, prec, scale=20.0, what="X W, no workspace")
+
+
 @pytest.mark.parametrize("prec", ["bf16", "fp32"])
 def test_loss_pair_on_padded_rows(be, prec):
     """The loss kernels on the first V columns of rows padded to a multiple of 64 (the 16-bit
