@@ -1087,13 +1087,8 @@ class GpuEngine:
             stepped = self._w8_range()                       # fp8 ADAMW_E4M3: the matmul weights' step writes
             if self.comm is not None:                        # their E4M3 copies
                 dist.zero1_update(self.comm, _Zero1Kernels(self, hp.grad_clip, inv), n, self.layout.n_decay)
-            elif self._norm is not None:                     # OVERLAP_NORM: the backward took all but wte and wpe's
-                for lo, hi, slot, blocks in self._norm.last:
-                    k_grad_norm_partial(self.g[lo:hi], hi - lo, a["norm_part"][slot:slot + blocks], blocks)
-                k_grad_norm_final(a["norm_part"], self._norm.slots, hp.grad_clip, inv, a["gstate"])
             else:
-                k_grad_norm(a["g"], n, a["norm_part"], hp.grad_clip, inv, a["gstate"])
-            if self.comm is None:
+                self._grad_norm(hp.grad_clip, inv)
                 if gate:
                     k_gate_finite(a["loss_out"], a["gstate"])
                 if self._upd is not None:                    # OVERLAP_UPDATE: beside the next forward
@@ -1115,6 +1110,17 @@ class GpuEngine:
             if self.f8 is not None:
                 self.f8.after_step(self.stream)
         return stepped
+
+    def _grad_norm(self, grad_clip: float, inv: float) -> None:
+        """gstate[:3] = [norm, clip scale, ok] of g / inv^-1 on the current stream: one pass over g, or with
+        OVERLAP_NORM the slots the backward filled plus wte and wpe's, final only now."""
+        a = self.a
+        if self._norm is None:
+            k_grad_norm(a["g"], self.n_params, a["norm_part"], grad_clip, inv, a["gstate"])
+            return
+        for lo, hi, slot, blocks in self._norm.last:
+            k_grad_norm_partial(self.g[lo:hi], hi - lo, a["norm_part"][slot:slot + blocks], blocks)
+        k_grad_norm_final(a["norm_part"], self._norm.slots, grad_clip, inv, a["gstate"])
 
     def _update_plan(self, xp) -> SimpleNamespace:
         """OVERLAP_UPDATE: the update's ``stream``, its ``pieces`` (``update_pieces``, each with the event
