@@ -1118,9 +1118,15 @@ class GpuEngine:
         if self._norm is None:
             k_grad_norm(a["g"], self.n_params, a["norm_part"], grad_clip, inv, a["gstate"])
             return
-        for lo, hi, slot, blocks in self._norm.last:
-            k_grad_norm_partial(self.g[lo:hi], hi - lo, a["norm_part"][slot:slot + blocks], blocks)
+        self._norm_sums(self._norm.last)
         k_grad_norm_final(a["norm_part"], self._norm.slots, grad_clip, inv, a["gstate"])
+
+    def _norm_sums(self, ranges) -> None:
+        """OVERLAP_NORM: the partial sums of squares of these (lo, hi, first slot, blocks) ranges of g into
+        their slots of norm_part, on the current stream."""
+        part = self.a["norm_part"]
+        for lo, hi, slot, blocks in ranges:
+            k_grad_norm_partial(self.g[lo:hi], hi - lo, part[slot:slot + blocks], blocks)
 
     def _update_plan(self, xp) -> SimpleNamespace:
         """OVERLAP_UPDATE: the update's ``stream``, its ``pieces`` (``update_pieces``, each with the event
@@ -1157,10 +1163,8 @@ class GpuEngine:
         side = self._norm.stream
         fork.record(self.cp.cuda.get_current_stream())
         side.wait_event(fork)
-        part = self.a["norm_part"]
         with side:
-            for lo, hi, slot, blocks in ranges:
-                k_grad_norm_partial(self.g[lo:hi], hi - lo, part[slot:slot + blocks], blocks)
+            self._norm_sums(ranges)
 
     def _queue_update_overlapped(self) -> None:
         """OVERLAP_UPDATE's AdamW: on the update stream after the norm (and the gate) the current stream has
