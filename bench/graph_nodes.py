@@ -192,17 +192,6 @@ def capture(fn):
     return g
 
 
-def lt_call(lt, plan, args, algo: int, ws_bytes: int):
-    """One cublasLtMatmul of a recorded problem under candidate address ``algo`` (lt_algos.time_candidates'
-    call, with the workspace size given): fn(stream) -> status."""
-    desc, a_l, b_l, d_l, _, _, _, c_l, _ = plan
-    a_ptr, b_ptr, d_ptr, beta, c_ptr = args
-    c_ptr = d_ptr if c_ptr is None else c_ptr
-    return lambda s: lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
-                                           lt._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l, algo,
-                                           lt.ws.data.ptr if ws_bytes else 0, ws_bytes, s)
-
-
 def memsets_of(drv: Driver, fn) -> int | None:
     """Memset nodes that one call adds, captured alone; None if it refused (a nonzero status) or its
     capture failed (printed)."""
@@ -234,7 +223,7 @@ def candidates(drv: Driver, lt, plan, args, reps: int, sustain_ms: float) -> lis
     out = []
     for pre, ws, owner in lt_algos.pools(lt, plan, True):
         for i, algo in enumerate(owner[5]):
-            fn = lt_call(lt, plan, args, algo, ws)
+            fn = lt_algos.call_of(lt, plan, args, algo, ws)
             m = memsets_of(drv, fn)
             out.append({"choice": f"{pre}{i}" if pre else i, "ws": ws, "memsets": m,
                         "ms": None if m is None else graph_ms(fn, reps, sustain_ms)})
@@ -310,7 +299,7 @@ def library_calls(drv: Driver, mc, B: int, batch, args) -> dict:
     probs, total_lt = [], 0
     for plan, call_args, calls, what, lt in gemms.values():
         label = lt_algos.engine_label(lt, plan)
-        m = memsets_of(drv, lt_call(lt, plan, call_args, plan[5][plan[6]], lt.plan_ws.get(plan[8], lt.ws_bytes)))
+        m = memsets_of(drv, lt_algos.call_of(lt, plan, call_args, plan[5][plan[6]], lt.plan_ws.get(plan[8], lt.ws_bytes)))
         total_lt += calls * (m or 0)
         row = {"problem": what, "calls": calls, "chosen": label, "memsets": m}
         text = f"  {what}: {calls} calls, #{label} adds {m} memset(s) a call"

@@ -24,7 +24,6 @@ Measure with ``USE_CHOICES`` as committed: the candidate lists do not depend on 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
@@ -53,11 +52,21 @@ def choose(times: list, times_w0: list | None = None) -> int | str:
     return best_i if first is None or best_t <= first * (1 - MARGIN) else 0
 
 
-def key_aligns(pid: str) -> tuple | None:
-    """The operand alignments of a 16-bit problem from its table name (cublaslt.problem_id "16:(key)",
-    entry 12 of the key), or None for another kind."""
-    kind, _, key = pid.partition(":")
-    return tuple(ast.literal_eval(key)[12]) if kind == "16" else None
+def plan_aligns(lt, plan) -> tuple | None:
+    """The operand alignments of a 16-bit problem (entry 12 of its key in ``lt.plans16``), or None for
+    another kind."""
+    return next((key[12] for key, p in lt.plans16.items() if p is plan), None)
+
+
+def call_of(lt, plan, args, algo: int, ws_bytes: int):
+    """One cublasLtMatmul of a recorded problem (``record``'s args) under candidate address ``algo`` with
+    ``ws_bytes`` of workspace: fn(stream) -> its status."""
+    desc, a_l, b_l, d_l, _, _, _, c_l, _ = plan
+    a_ptr, b_ptr, d_ptr, beta, c_ptr = args
+    c_ptr = d_ptr if c_ptr is None else c_ptr
+    return lambda stream: lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
+                                                lt._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l, algo,
+                                                lt.ws.data.ptr, ws_bytes, stream)
 
 
 def pools(lt, plan, no_workspace: bool) -> list[tuple[str, int, list]]:
@@ -68,7 +77,7 @@ def pools(lt, plan, no_workspace: bool) -> list[tuple[str, int, list]]:
     from andrea.errors import AndreaError
 
     pid = plan[8]
-    aligns, runs_w0 = key_aligns(pid), lt.plan_ws.get(pid) == 0
+    aligns, runs_w0 = plan_aligns(lt, plan), lt.plan_ws.get(pid) == 0
 
     def fresh(ws):
         return lt._candidates(plan[0], plan[1], plan[2], plan[3], aligns, f"{pid} ({ws} bytes of workspace)",
@@ -117,17 +126,14 @@ def time_candidates(lt, plan, args, reps: int, sustain_ms: float = 0.0, ws_bytes
     not a short burst at full clock. The calls get ``ws_bytes`` of workspace (None: the engine's)."""
     import cupy as cp
 
-    desc, a_l, b_l, d_l, _, algos, chosen, c_l, _ = plan
-    a_ptr, b_ptr, d_ptr, beta, c_ptr = args
-    c_ptr = d_ptr if c_ptr is None else c_ptr
     out = []
     ws = lt.ws_bytes if ws_bytes is None else ws_bytes
     stream = cp.cuda.get_current_stream().ptr     # timed where sustained_ms records its events
-    for algo in algos:
-        def call():
-            return lt.lib.cublasLtMatmul(lt.h, desc, lt._alpha.ctypes.data, a_ptr, a_l, b_ptr, b_l,
-                                         lt._beta[float(beta)].ctypes.data, c_ptr, c_l, d_ptr, d_l, algo,
-                                         lt.ws.data.ptr, ws, stream)
+    for algo in plan[5]:
+        fn = call_of(lt, plan, args, algo, ws)
+
+        def call(fn=fn):
+            return fn(stream)
         if call():
             out.append(None)
             continue

@@ -134,8 +134,9 @@ def test_lt_algos_times_both_lists_and_names_the_engines_candidate():
         asked.append((aligns, ws_bytes))
         return ["fresh", ws_bytes]
 
-    lt = SimpleNamespace(ws_bytes=32 << 20, plan_ws={}, _candidates=candidates)
     plan = [None] * 6 + [2, None, pid]
+    key = (64, 64, 64, False, True, 14, 14, 64, 64, 64, 0.0, 1, (256, 256, 128, 256), 0, 0)   # pid's
+    lt = SimpleNamespace(ws_bytes=32 << 20, plan_ws={}, _candidates=candidates, plans16={key: plan})
     assert [(pre, ws, o is plan) for pre, ws, o in mod.pools(lt, plan, False)] == [("", 32 << 20, True)]
     assert [(pre, ws, o is plan) for pre, ws, o in mod.pools(lt, plan, True)] == [("", 32 << 20, True), ("w0:", 0, False)]
     assert asked == [((256, 256, 128, 256), 0)] and mod.engine_label(lt, plan) == 2
