@@ -45,8 +45,9 @@ for this GPU model and cuBLASLt version (measured by ``bench/lt_algos.py --write
 fastest of the heuristic's candidates, where it beat the first by 2% or more), else the first of
 cuBLASLt's heuristic candidates that runs. The table is data in git, so the same GPU model and
 library give the same choice, and the same bytes, on every run (``USE_CHOICES = False``: the
-heuristic's first everywhere). A 16-bit problem's entry may also be "w0:i", candidate i of the heuristic
-asked for algorithms that need no workspace, whose calls then get none (``table_choice``). The committed table holds the H200's choices for the 120M B=32
+heuristic's first everywhere). An entry may also be "w0:i", candidate i of the heuristic asked for
+algorithms that need no workspace, whose calls then get none (``table_choice``; bench/lt_algos.py
+--no-workspace times those for the 16-bit problems). The committed table holds the H200's choices for the 120M B=32
 problems (the step measured 49.72 ms against 50.81 bf16, 44.58 against 44.77 fp8;
 docs/bench/lt_choices_s11_h200.json), the 480M B=8 ones (bf16 and fp8, added from a later
 ``lt_algos.py`` pass) and the 12M B=8 and B=64 bf16 ones (session 24: the step 3.34 against 3.43 ms at
@@ -268,11 +269,21 @@ class Lt:
         # an E4M3 D takes a 16-bit C (beta 0: unread): fp16 beside an E4M3 aux (cuBLASLt allows that aux type
         # only with an fp16 C), else bf16
         c_l = self._layout(CUDA_R_16F if aux8 else CUDA_R_16BF, N, M, N) if e4m3 else d_l
-        plan = self._candidates(desc, a_l, b_l, d_l, aligns,
+        plan = self._table_plan(problem_id("fp8", key), desc, a_l, b_l, d_l, aligns,
                                 f"FP8 D {M}x{N} (type {d_type}) K={K} beta={beta} epilogue {epilogue}",
                                 "; M, N, K must be multiples of 16", c_l=c_l)
-        plan.append(problem_id("fp8", key))
         self.plans[key] = plan
+        return plan
+
+    def _table_plan(self, pid: str, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "", c_l=None) -> list:
+        """The plan of problem ``pid`` (``_candidates``, its table name appended), the heuristic asked with the
+        workspace its table entry names (``table_choice``): for a "w0:i" entry none, and its calls then get
+        none (``plan_ws``)."""
+        ws = table_choice(self.prefer.get(pid), pid)[1]
+        plan = self._candidates(desc, a_l, b_l, d_l, aligns, what, hint, c_l=c_l, ws_bytes=ws)
+        plan.append(pid)
+        if ws is not None:
+            self.plan_ws[pid] = ws
         return plan
 
     def _candidates(self, desc, a_l, b_l, d_l, aligns, what: str, hint: str = "", c_l=None,
@@ -396,14 +407,9 @@ class Lt:
         a_l = self._layout(ab_type, *((K, N) if tb else (N, K)), ldb)     # B's storage, column-major
         b_l = self._layout(ab_type, *((M, K) if ta else (K, M)), lda)     # A's storage
         d_l = self._layout(c_type, N, M, ldc)
-        pid = problem_id("16", key)
-        ws = table_choice(self.prefer.get(pid), pid)[1]                 # 0: the table's choice needs no workspace
-        plan = self._candidates(desc, a_l, b_l, d_l, aligns, f"C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/"
-                                f"{c_type}, ld {lda}/{ldb}/{ldc}, alignments {aligns}, epilogue {epilogue})",
-                                ws_bytes=ws)
-        plan.append(pid)
-        if ws is not None:
-            self.plan_ws[pid] = ws
+        plan = self._table_plan(problem_id("16", key), desc, a_l, b_l, d_l, aligns,
+                                f"C {M}x{N} K={K} (ta={ta}, tb={tb}, types {ab_type}/{c_type}, ld {lda}/{ldb}/{ldc}, "
+                                f"alignments {aligns}, epilogue {epilogue})")
         self.plans16[key] = plan
         return plan
 
