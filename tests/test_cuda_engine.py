@@ -250,6 +250,27 @@ def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, accum,
     assert all(x.tobytes() == y.tobytes() for x, y in zip(whole[1:], resumed[1:]))
 
 
+@pytest.mark.parametrize("graph", [True, False])
+def test_the_engine_stream_at_high_priority_keeps_every_byte(graph, monkeypatch):
+    """STREAM_PRIORITY: the engine's stream (the graphs launch into it) at the device's greatest priority, the
+    update's side stream at the default. The stream got a greater priority (a lower number) than the side
+    stream, describe() says so, and six steps give the same StepResults and w, m, v bytes as without it."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    def run(flag):
+        monkeypatch.setattr(ce, "STREAM_PRIORITY", flag)
+        eng = make_backend().make_engine(MC, B, precision="bf16", cuda_graph=graph, grad_accum=1)
+        if flag:
+            assert eng.stream.priority < eng._upd.stream.priority
+            assert f"engine stream priority {eng.stream.priority}" in eng.describe()
+        eng.init_weights(0)
+        res = [eng.train_step([batch(300 + t)], 3e-3, t, HP) for t in range(1, 7)]
+        return repr([(r.loss, r.grad_norm, r.ok) for r in res]), [x.tobytes() for x in eng.state_host()]
+
+    assert run(True) == run(False)
+
+
 @pytest.mark.parametrize("prec,graph,accum,micro", [("bf16", True, 1, 1), ("bf16", False, None, 1),
                                                     ("bf16", True, None, 3), ("fp32", True, None, 1)])
 def test_the_norm_beside_the_backward_is_the_norm_in_its_own_order(prec, graph, accum, micro, monkeypatch):

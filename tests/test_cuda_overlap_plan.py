@@ -2,6 +2,7 @@
 runs in cover every parameter once, in the order the forward reads them. OVERLAP_NORM's partial sums over the
 same pieces: slots in flat order, the arena's norm_part sized for them. The GPU side (the same bytes as the
 single launch, graph and eager alike; the norm within its summation error): tests/test_cuda_engine.py.
+STREAM_PRIORITY's choice of the engine stream's priority, one GPU only.
 
     python -m pytest -q tests/test_cuda_overlap_plan.py
 """
@@ -52,3 +53,12 @@ def test_the_norms_partial_sums_take_every_range_in_flat_order(monkeypatch):
     monkeypatch.setattr(ce, "NORM_CHUNK", 64)                  # more slots than NORM_BLOCKS
     assert part(True) == (ce.norm_slots(pieces)[1],) and part(True)[0] > ce.NORM_BLOCKS
     assert part(False) == (ce.NORM_BLOCKS,)
+
+
+def test_stream_priority_raises_the_engines_stream_on_one_gpu_only(monkeypatch):
+    import andrea.cuda.engine as ce
+
+    assert ce.STREAM_PRIORITY is False and ce.stream_priority(1) is None     # committed: the default stream
+    monkeypatch.setattr(ce, "STREAM_PRIORITY", True)
+    assert ce.stream_priority(1) == ce.PRIORITY_HIGH < 0                     # lower = greater in CUDA
+    assert ce.stream_priority(2) is None                                     # NCCL's streams keep their say

@@ -124,6 +124,16 @@ OVERLAP_UPDATE = True
 # False in the last bits of the norm. False until bench/engine_ab.py measures it.
 OVERLAP_NORM = False
 NORM_CHUNK = 1 << 16      # OVERLAP_NORM: gradient elements a partial-sum block covers (NORM_BLOCKS at most a range)
+# One GPU: the engine's stream, which the CUDA graphs' forward + backward are launched into (so their kernels
+# take its priority), at the greatest priority the device has; OVERLAP_UPDATE's and OVERLAP_NORM's side streams
+# keep the default, the least. When an SM frees up, the block scheduler then hands it to a waiting GEMM or
+# attention block before an AdamW or partial-sum block, and those fill the gaps instead of holding SMs the
+# forward needs: OVERLAP_UPDATE took only 0.30 ms of AdamW's 3.6 ms off 480M B=8 (docs/bench/s33_h200.md),
+# so most of the update still delays the forward. Priorities order the scheduling only: the same bytes. CUDA
+# clamps a priority to the device's range (cudaDeviceGetStreamPriorityRange), so PRIORITY_HIGH is the greatest
+# on any device; describe() prints the priority the stream got. False until bench/engine_ab.py measures it.
+STREAM_PRIORITY = False
+PRIORITY_HIGH = -5
 # A step's first microbatch: the four block weight-gradient GEMMs write their gradients (beta 0: no read of
 # C, no zeroed rows to add onto) and zero_grads clears only the rest of g (wte, wpe, the LayerNorms), as
 # torch's zero_grad(set_to_none=True) leaves the first backward to write. The later microbatches add (beta
@@ -601,6 +611,11 @@ def arena_layout(mc: ModelConfig, batch_size: int, precision: str, world: int = 
     return Arena(policy, plan, spec, offs, -(-off // 512) * 512, tuple(aliases), tuple(moved))
 
 
+def stream_priority(world: int) -> int | None:
+    """The engine stream's priority (STREAM_PRIORITY, one GPU), or None: the default."""
+    return PRIORITY_HIGH if STREAM_PRIORITY and world == 1 else None
+
+
 def update_pieces(layout, n_layer: int) -> list:
     """OVERLAP_UPDATE's pieces of the flat parameters in the order the forward reads them, each (its flat
     [lo, hi) ranges, the parameter whose first read in the forward waits for it): wte and wpe (the
@@ -737,7 +752,8 @@ class GpuEngine:
         self._norm = None                    # OVERLAP_NORM: its stream, slots and events (_norm_plan)
         if OVERLAP_NORM and f8 is None and world == 1:
             self._norm = self._norm_plan(xp)
-        self.stream = xp.cuda.Stream(non_blocking=True)
+        self.priority = stream_priority(world)           # STREAM_PRIORITY: None = the default
+        self.stream = xp.cuda.Stream(non_blocking=True, priority=self.priority)
         self.use_graph = bool(cuda_graph) and precision != "fp16"
         self.graph = None                  # (forward + backward up to the embedding's, the embedding backward)
         self.graph_scale = None
@@ -789,6 +805,8 @@ class GpuEngine:
                 + ("optimizer: AdamW piece by piece beside the next forward (OVERLAP_UPDATE)\n"
                    if self._upd is not None else "")
                 + ("gradient norm: piece by piece beside the backward (OVERLAP_NORM)\n" if self._norm is not None else "")
+                + (f"engine stream priority {self.stream.priority} (STREAM_PRIORITY)\n"
+                   if self.priority is not None else "")
                 + f"planned bytes: {self.planned_bytes:,} ({self.planned_bytes / mib:.1f} MiB; fp32 w+g+m+v "
                 f"{16 * self.n_params / mib:.1f} MiB); memory pool grew by {self.arena_used:,} bytes"
                 + ("" if self.comm is None or self.comm.size == 1 else
