@@ -35,6 +35,7 @@ from andrea.cuda.kernels import SUFFIX, cp, k_cast
 from andrea.cuda.loader import kernel
 from andrea.engine.fp8_numpy import bf16_to_f32, f32_to_bf16
 from andrea.engine.model import ModelConfig, param_layout
+from andrea.engine.ops_numpy import GELU_A, GELU_K
 from andrea.errors import AndreaError
 
 ATTN_THREADS = 128
@@ -43,7 +44,6 @@ LN_EPS = 1e-5
 MODE_QKV, MODE_GELU, MODE_LOGITS = 0, 1, 2
 MODES = ("logits", "greedy", "sample")     # the graphs: what follows the logits (advance / arg-max / draw)
 SAMPLE_CHUNK = 32          # tokens drawn on the device per copy back to the host
-GELU_K, GELU_A = math.sqrt(2.0 / math.pi), 0.044715
 VEC = {"fp32": 4, "bf16": 8, "fp16": 8}   # elements per 16-byte load
 
 
