@@ -20,6 +20,16 @@ Memory: "import" is the child's RSS after importing its libraries (numpy, numba 
 as well) and before building anything; "peak" its peak RSS after the steps; "peak - import" is what
 the model, its buffers and the steps added, the figure the memory ratio compares (the import
 footprint of torch alone is ~4x NumPy's and says nothing about the engine).
+
+``--breakdown K``: after the repeats, one more child each for the engine and the anchor, at 1 thread
+whatever ``--threads`` says (with more, the engine's ops run on several threads at once and their
+times overlap), times K steps by class, side by side (``CLASSES``). The engine's: each op's wall time
+(the outermost op of the recipe, ``ops_cpu``'s functions), with the time of its BLAS calls (np.matmul)
+moved to "matmul" except inside the attention ops; the step's time outside every op is "other". The
+anchor's: torch.profiler's self CPU time of each aten op over the same steps, classed by its name
+(``torch_class``; the fused attention op holds its own GEMMs, so attention is compared whole on both
+sides); what the profiler adds shows in its step time, printed beside. Both are instrumented runs:
+their step times sit above the headline's.
 Needs torch (the ``oracle`` extra).
 """
 
@@ -47,11 +57,122 @@ def _rss_now() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+# --breakdown's classes, in print order
+CLASSES = ("matmul (BLAS)", "attention", "GELU", "loss (softmax, cross-entropy)", "LayerNorm + residual",
+           "optimizer (norm, clip, AdamW)", "embedding", "other")
+ATTENTION_OPS = frozenset({"attn_forward", "attn_backward"})
+# the engine's ops (andrea.engine.ops_cpu) -> the class of the time they spend outside np.matmul
+OURS_CLASS = {
+    "attn_forward": "attention", "attn_backward": "attention",
+    "mlp_forward": "GELU", "mlp_backward": "GELU", "gelu_forward": "GELU",
+    "loss_forward": "loss (softmax, cross-entropy)", "loss_backward": "loss (softmax, cross-entropy)",
+    "layernorm_forward": "LayerNorm + residual", "layernorm_backward": "LayerNorm + residual",
+    "residual_layernorm_forward": "LayerNorm + residual", "layernorm_residual_backward": "LayerNorm + residual",
+    "residual_add_forward": "LayerNorm + residual", "residual_add_backward": "LayerNorm + residual",
+    "adamw": "optimizer (norm, clip, AdamW)", "grad_norm_partial": "optimizer (norm, clip, AdamW)",
+    "grad_norm_final": "optimizer (norm, clip, AdamW)", "grad_scale": "optimizer (norm, clip, AdamW)",
+    "embed_forward": "embedding", "embed_backward": "embedding",
+}
+# the anchor's aten ops by name: GEMMs by their exact name, "aten::add" (the residual adds and the sums of
+# their gradients) with the LayerNorms, the rest by the first key their lower-cased name contains
+TORCH_MATMUL = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
+TORCH_CLASSES = (
+    (("flash_attention", "scaled_dot_product", "efficient_attention"), "attention"),
+    (("gelu",), "GELU"),
+    (("softmax", "nll_loss", "cross_entropy"), "loss (softmax, cross-entropy)"),
+    (("layer_norm",), "LayerNorm + residual"),
+    (("adam", "linalg_vector_norm", "foreach", "clip_grad", "aten::mul_"), "optimizer (norm, clip, AdamW)"),
+    (("embedding", "index"), "embedding"),
+)
+
+
+def torch_class(name: str) -> str:
+    """The class of one aten op's self time (``TORCH_MATMUL``, ``TORCH_CLASSES``), else "other"."""
+    n = name.lower()
+    if n in TORCH_MATMUL:
+        return "matmul (BLAS)"
+    if n == "aten::add":
+        return "LayerNorm + residual"
+    return next((cls for keys, cls in TORCH_CLASSES if any(k in n for k in keys)), "other")
+
+
+def ours_breakdown(ops, step, steps: int) -> dict:
+    """ms a step of ``steps`` calls of step(i) by class, the engine's ops (the functions of module ``ops``)
+    and np.matmul timed as they run (an op called from inside another counts toward the outer one)."""
+    import numpy as np
+
+    acc = dict.fromkeys(CLASSES, 0.0)
+    state = {"op": None, "mm": 0.0}
+    matmul = np.matmul
+
+    def timed_matmul(*a, **k):
+        t = time.perf_counter()
+        try:
+            return matmul(*a, **k)
+        finally:
+            state["mm"] += time.perf_counter() - t
+
+    def wrap(name, fn):
+        def op(*a, **k):
+            if state["op"] is not None:             # inside another op: its time is the outer op's
+                return fn(*a, **k)
+            state["op"], state["mm"], t = name, 0.0, time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt, mm = time.perf_counter() - t, state["mm"]
+                state["op"] = None
+                if name in ATTENTION_OPS:
+                    acc["attention"] += dt
+                else:
+                    acc["matmul (BLAS)"] += mm
+                    acc[OURS_CLASS.get(name, "other")] += dt - mm
+        return op
+
+    saved = {n: getattr(ops, n) for n in OURS_CLASS.keys() | _linear_ops(ops) if hasattr(ops, n)}
+    np.matmul = timed_matmul
+    for n, fn in saved.items():
+        setattr(ops, n, wrap(n, fn))
+    try:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        wall = time.perf_counter() - t0
+    finally:
+        np.matmul = matmul
+        for n, fn in saved.items():
+            setattr(ops, n, fn)
+    acc["other"] += wall - sum(acc.values())
+    return {"step_ms": 1000 * wall / steps, "classes": {c: 1000 * v / steps for c, v in acc.items()}}
+
+
+def _linear_ops(ops) -> set:
+    """The recipe's linear layers (attn_qkv_*, attn_out_*): their GEMMs are matmul, the rest "other"."""
+    return {n for n in dir(ops) if n.startswith(("attn_qkv_", "attn_out_"))}
+
+
+def torch_breakdown(step, steps: int) -> dict:
+    """ms a step of ``steps`` calls of step(i) by class, from torch.profiler's self CPU time per aten op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acc = dict.fromkeys(CLASSES, 0.0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        wall = time.perf_counter() - t0
+    for ev in prof.key_averages():
+        if ev.key.startswith("aten::"):
+            acc[torch_class(ev.key)] += ev.self_cpu_time_total / 1e6
+    acc["other"] += wall - sum(acc.values())
+    return {"step_ms": 1000 * wall / steps, "classes": {c: 1000 * v / steps for c, v in acc.items()}}
+
+
 def child(args) -> None:
     """One measurement in this process; prints one JSON line."""
     import numpy as np
     if args.engine != "numpy":
-        import torch  # noqa: F401 - the import footprint is measured before anything is built
+        import torch  # the import footprint is measured before anything is built
     import threadpoolctl  # noqa: F401
 
     import andrea.engine.backend  # noqa: F401 - the NumPy backend's ops and their library (numba)
@@ -84,8 +205,6 @@ def child(args) -> None:
         def step(i):
             return eng.train_step([batches[i % 4]], lr, i + 1, hp).loss
     else:
-        import torch
-
         from andrea.engine.oracle_torch import TorchGPT
 
         torch.set_num_threads(args.threads)
@@ -111,16 +230,24 @@ def child(args) -> None:
     losses = [step(args.warmup + i) for i in range(args.steps)]
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"engine": args.engine, "tok_s": args.steps * B * T / dt, "ms_step": 1000 * dt / args.steps,
-                      "cpu_ms_step": 1000 * cpu / args.steps,
-                      "peak_rss": rss, "import_rss": rss_import, "loss_first": losses[0], "loss_last": losses[-1],
-                      "shape": f"V={V} C={mc.d_model} H={mc.n_head} L={mc.n_layer} T={T} B={B}"}))
+    res = {"engine": args.engine, "tok_s": args.steps * B * T / dt, "ms_step": 1000 * dt / args.steps,
+           "cpu_ms_step": 1000 * cpu / args.steps,
+           "peak_rss": rss, "import_rss": rss_import, "loss_first": losses[0], "loss_last": losses[-1],
+           "shape": f"V={V} C={mc.d_model} H={mc.n_head} L={mc.n_layer} T={T} B={B}"}
+    if args.breakdown:
+        after = args.warmup + args.steps
+
+        def later(i):
+            return step(after + i)
+        res["breakdown"] = (ours_breakdown(eng.ops, later, args.breakdown) if args.engine == "numpy"
+                            else torch_breakdown(later, args.breakdown))
+    print(json.dumps(res))
 
 
 ENGINES = ("numpy", "torch-foreach", "torch-fused")
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="tiny")
     p.add_argument("--vocab", type=int, default=0, help="vocab size (default: 256 + tokenizer.n_morphemes + 1)")
@@ -128,23 +255,25 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--breakdown", type=int, default=0, metavar="K",
+                   help="also K steps of the engine and the anchor at 1 thread, timed by class")
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.engine:
         child(args)
         return 0
-    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads))
+    try:
+        return run_all(args)
+    except ChildFailed as e:
+        print(e, file=sys.stderr)
+        return 1
+
+
+def run_all(args) -> int:
     runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
     for r in range(args.repeats):
         for eng in ENGINES[r % 3:] + ENGINES[:r % 3]:     # rotate who goes first
-            cmd = [sys.executable, __file__, "--engine", eng, "--profile", args.profile, "--vocab", str(args.vocab),
-                   "--threads", str(args.threads), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(out.stderr, file=sys.stderr)
-                return out.returncode
-            res = json.loads(out.stdout.strip().splitlines()[-1])
+            res = measure(eng, args, args.threads)
             print(f"  run {r + 1} {eng:13s} {res['tok_s']:10,.0f} tok/s {res['ms_step']:8.1f} ms/step "
                   f"{res['cpu_ms_step']:8.1f} cpu-ms/step  RSS import {res['import_rss'] / 2**20:6.1f} "
                   f"peak {res['peak_rss'] / 2**20:6.1f} MiB  loss {res['loss_first']:.3f} -> {res['loss_last']:.3f}")
@@ -172,7 +301,41 @@ def main() -> int:
     print(f"CPU time per step anchor/andrea: median {statistics.median(cpus):.2f}x (>1 = andrea cheaper)")
     print(f"memory: peak RSS {med('numpy', 'peak_rss') / med(anchor, 'peak_rss'):.2f}x; "
           f"peak minus import footprint {mem:.2f}x (andrea/anchor: < 1 = andrea smaller)")
+    if args.breakdown:
+        print_breakdown(measure("numpy", args, 1, args.breakdown)["breakdown"],
+                        measure(anchor, args, 1, args.breakdown)["breakdown"], anchor, args.breakdown)
     return 0
+
+
+class ChildFailed(Exception):
+    pass
+
+
+def measure(eng: str, args, threads: int, breakdown: int = 0) -> dict:
+    """One child's JSON line: ``eng`` on ``threads`` threads (BLAS and torch's), with ``breakdown`` steps by class."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, __file__, "--engine", eng, "--profile", args.profile, "--vocab", str(args.vocab),
+           "--threads", str(threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--breakdown", str(breakdown)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(out.stderr, file=sys.stderr)
+        raise ChildFailed(f"engine_cpu: the {eng} child exited with {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def print_breakdown(ours: dict, anchor: dict, name: str, steps: int) -> None:
+    """The two breakdowns side by side, ms a step by class (``CLASSES``)."""
+    print(f"\nbreakdown, 1 thread, ms a step over {steps} instrumented steps (andrea: each op's wall time, its "
+          f"np.matmul calls as matmul outside attention; {name}: torch.profiler self CPU time by aten op)")
+    print(f"{'':30s} {'andrea':>8s} {'anchor':>8s} {'andrea/anchor':>14s}")
+    for c in CLASSES:
+        a, b = ours["classes"][c], anchor["classes"][c]
+        ratio = f"{a / b:14.2f}" if b > 0.05 else f"{'-':>14s}"
+        print(f"{c:30s} {a:8.2f} {b:8.2f} {ratio}")
+    print(f"{'step (instrumented)':30s} {ours['step_ms']:8.2f} {anchor['step_ms']:8.2f} "
+          f"{ours['step_ms'] / anchor['step_ms']:14.2f}")
 
 
 if __name__ == "__main__":
