@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 
+from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 from engine_gpu import event_ms as cupy_ms  # noqa: E402  (one untimed call, then reps between CUDA events)
 
@@ -132,4 +133,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_main(main, "attention_gpu", needs=("cupy", "torch"))

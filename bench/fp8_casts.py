@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from engine_gpu import event_ms, parse_variants, patched, variant_shapes  # noqa: E402
 
 from andrea.engine import fp8_numpy as f8  # noqa: E402
+from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 
@@ -146,4 +147,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_main(main, "fp8_casts", needs=("cupy", "torch"))

@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from engine_gpu import event_ms, parse_variants, variant_shapes  # noqa: E402
 
+from andrea.errors import exit_main  # noqa: E402
+
 
 def bf16_host(a) -> np.ndarray:
     import cupy as cp
@@ -91,4 +93,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_main(main, "gelu_epilogue", needs=("cupy", "torch"))

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import engine_gpu as eg  # noqa: E402
 import lt_algos  # noqa: E402
 
+from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 # CUgraphNodeType (cuda.h)
@@ -386,4 +387,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_main(main, "graph_nodes", needs=("cupy", "torch"))

@@ -44,6 +44,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from andrea.errors import AndreaError, exit_main  # noqa: E402
+
 TARGET_EFF = {"andrea-120m": 0.90, "andrea-480m": 0.95}
 
 
@@ -135,6 +137,10 @@ def main(argv=None) -> int:
     gpus = [int(x) for x in a.gpus.split(",")]
     if 1 not in gpus:
         gpus = [1] + gpus
+    import cupy as cp        # before any data is built: no CuPy or too few devices is one line (exit_main)
+
+    if max(gpus) > (have := cp.cuda.runtime.getDeviceCount()):
+        raise AndreaError(f"--gpus {a.gpus}: this machine has {have} CUDA device(s); name at most that many")
     variants = a.variants.split(",")
     todo = a.only or ["scaling", "loss", "memory"]
     res: dict = {"scaling": {}, "loss": {}, "memory": {}}
@@ -198,4 +204,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_main(main, "multi_gpu", needs=("cupy", "torch"))
