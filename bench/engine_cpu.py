@@ -36,6 +36,7 @@ Needs torch (the ``oracle`` extra).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -262,6 +263,10 @@ def main(argv=None) -> int:
     if args.engine:
         child(args)
         return 0
+    if importlib.util.find_spec("torch") is None:
+        print("engine_cpu: error: the anchor needs torch, which this Python cannot import "
+              "(pip install -e '.[oracle]', or torch's CPU build)", file=sys.stderr)
+        return 2
     try:
         return run_all(args)
     except ChildFailed as e:

@@ -141,3 +141,12 @@ def test_the_table_puts_both_sides_by_class(capsys):
     assert "matmul (BLAS)                      1.25     2.50           0.50" in out
     assert "embedding                          1.25     0.00              -" in out
     assert "step (instrumented)               10.00    20.00           0.50" in out
+
+
+def test_without_torch_the_bench_says_so_in_one_line(monkeypatch, capsys):
+    real = ec.importlib.util.find_spec
+    monkeypatch.setattr(ec.importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    monkeypatch.setattr(ec, "run_all", lambda args: pytest.fail("no child should start"))
+    assert ec.main(["--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engine_cpu: error: the anchor needs torch") and err.count("\n") == 1
