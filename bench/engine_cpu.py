@@ -261,7 +261,13 @@ def main(argv=None) -> int:
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.engine:
-        child(args)
+        from andrea.errors import AndreaError
+
+        try:
+            child(args)
+        except AndreaError as e:                # bad input (a profile, a vocab): one line, the parent adds none
+            print(f"engine_cpu: error: {e}", file=sys.stderr)
+            return 2
         return 0
     if importlib.util.find_spec("torch") is None:
         print("engine_cpu: error: the anchor needs torch, which this Python cannot import "
@@ -271,7 +277,7 @@ def main(argv=None) -> int:
         return run_all(args)
     except ChildFailed as e:
         print(e, file=sys.stderr)
-        return 1
+        return e.code
 
 
 def run_all(args) -> int:
@@ -313,7 +319,11 @@ def run_all(args) -> int:
 
 
 class ChildFailed(Exception):
-    pass
+    """A child that failed: its message and the exit code the bench returns (2: bad input, 1: a crash)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 def measure(eng: str, args, threads: int, breakdown: int = 0) -> dict:
@@ -324,9 +334,11 @@ def measure(eng: str, args, threads: int, breakdown: int = 0) -> dict:
            "--threads", str(threads), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--breakdown", str(breakdown)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode == 2:                         # the child's own one-line refusal
+        raise ChildFailed(out.stderr.strip(), 2)
     if out.returncode != 0:
         print(out.stderr, file=sys.stderr)
-        raise ChildFailed(f"engine_cpu: the {eng} child exited with {out.returncode}")
+        raise ChildFailed(f"engine_cpu: the {eng} child exited with {out.returncode}", 1)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -150,3 +150,10 @@ def test_without_torch_the_bench_says_so_in_one_line(monkeypatch, capsys):
     assert ec.main(["--repeats", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engine_cpu: error: the anchor needs torch") and err.count("\n") == 1
+
+
+def test_a_bad_profile_is_the_childs_one_line(capsys):
+    pytest.importorskip("torch")
+    assert ec.main(["--repeats", "1", "--steps", "1", "--warmup", "0", "--profile", "no-such-profile"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engine_cpu: error: profile 'no-such-profile'") and err.count("\n") == 1
