@@ -35,7 +35,6 @@ import engine_gpu as eg  # noqa: E402
 from step_rounds import add_step_args, alternate, anchor_of, print_step, step_ab  # noqa: E402
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
-from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 SETTINGS = {"deterministic": True, "default": False}        # name -> cudnn_attention.DETERMINISTIC
@@ -129,4 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "attention_det", needs=("cupy", "torch"))
+    eg.exit_gpu_main(main, "attention_det")

@@ -25,9 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
 
-from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
-from engine_gpu import event_ms as cupy_ms  # noqa: E402  (one untimed call, then reps between CUDA events)
+from engine_gpu import event_ms as cupy_ms, exit_gpu_main  # noqa: E402  (one untimed call, then reps between CUDA events)
 
 SHAPES = [("andrea-12m", 8, 384, 12), ("andrea-120m", 32, 768, 12), ("andrea-480m", 8, 1536, 24)]
 T = 1024
@@ -133,4 +132,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "attention_gpu", needs=("cupy", "torch"))
+    exit_gpu_main(main, "attention_gpu")

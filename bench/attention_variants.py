@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_gpu import SHAPES, T, random_bf16  # noqa: E402
-from engine_gpu import event_ms  # noqa: E402
+from engine_gpu import event_ms, exit_gpu_main  # noqa: E402
 from fp8_ab import round_order  # noqa: E402  (A B C, C B A, ...)
 
-from andrea.errors import AndreaError, exit_main  # noqa: E402
+from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 FILE = "attention.cu"
@@ -139,4 +139,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "attention_variants", needs=("cupy", "torch"))
+    exit_gpu_main(main, "attention_variants")

@@ -38,7 +38,7 @@ import engine_gpu as eg  # noqa: E402
 from step_rounds import add_step_args, alternate, anchor_of, print_step, step_ab  # noqa: E402
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
-from andrea.errors import AndreaError, exit_main  # noqa: E402
+from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 EPS, TOL = 2.0 ** -7, 2e-3                  # one bf16 unit of the value; fp32 sums in other orders near zero
@@ -192,4 +192,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "dgelu_gemm", needs=("cupy", "torch"))
+    eg.exit_gpu_main(main, "dgelu_gemm")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import engine_gpu as eg  # noqa: E402
 from step_rounds import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
 
-from andrea.errors import AndreaError, exit_main  # noqa: E402
+from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 COMMITTED = "committed"
@@ -108,4 +108,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "engine_ab", needs=("cupy", "torch"))
+    eg.exit_gpu_main(main, "engine_ab")

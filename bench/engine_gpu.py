@@ -82,8 +82,34 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from andrea.errors import exit_main  # noqa: E402
+from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
+
+# the CUDA runtime errors that mean "no GPU here", as CuPy's CUDARuntimeError words them
+NO_DEVICE = ("cudaErrorNoDevice", "cudaErrorInsufficientDriver")
+
+
+def exit_gpu_main(main, prog: str) -> None:
+    """A GPU bench run as a script: ``sys.exit(main())``, but one line on stderr and exit 2, not a traceback,
+    for an AndreaError, for cupy or torch missing, and for CuPy finding no CUDA device or too old a driver;
+    anything else keeps its traceback."""
+    try:
+        sys.exit(main())
+    except AndreaError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+    except ModuleNotFoundError as e:
+        root = (e.name or "").split(".")[0]
+        if root not in ("cupy", "torch"):
+            raise
+        print(f"{prog}: error: needs {root}, which this Python cannot import ({e}); run it where {root} is "
+              f"installed{' and a CUDA GPU is' if root == 'cupy' else ''}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - only CuPy's no-device refusals become one line; the rest re-raise
+        if type(e).__name__ != "CUDARuntimeError" or not any(k in str(e) for k in NO_DEVICE):
+            raise
+        print(f"{prog}: error: CuPy finds no usable CUDA device ({e}); run it on a machine with an NVIDIA GPU",
+              file=sys.stderr)
+    sys.exit(2)
+
 
 
 @contextmanager
@@ -912,4 +938,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "engine_gpu", needs=("cupy", "torch"))
+    exit_gpu_main(main, "engine_gpu")

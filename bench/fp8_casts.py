@@ -31,10 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_gpu import event_ms, parse_variants, patched, variant_shapes  # noqa: E402
+from engine_gpu import event_ms, exit_gpu_main, parse_variants, patched, variant_shapes  # noqa: E402
 
 from andrea.engine import fp8_numpy as f8  # noqa: E402
-from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 
@@ -147,4 +146,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "fp8_casts", needs=("cupy", "torch"))
+    exit_gpu_main(main, "fp8_casts")

@@ -24,9 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_gpu import event_ms, parse_variants, variant_shapes  # noqa: E402
-
-from andrea.errors import exit_main  # noqa: E402
+from engine_gpu import event_ms, exit_gpu_main, parse_variants, variant_shapes  # noqa: E402
 
 
 def bf16_host(a) -> np.ndarray:
@@ -93,4 +91,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "gelu_epilogue", needs=("cupy", "torch"))
+    exit_gpu_main(main, "gelu_epilogue")

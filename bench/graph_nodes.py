@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import engine_gpu as eg  # noqa: E402
 import lt_algos  # noqa: E402
 
-from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 # CUgraphNodeType (cuda.h)
@@ -387,4 +386,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "graph_nodes", needs=("cupy", "torch"))
+    eg.exit_gpu_main(main, "graph_nodes")

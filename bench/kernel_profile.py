@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
 
-from andrea.errors import exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 
@@ -160,4 +159,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "kernel_profile", needs=("cupy", "torch"))
+    eg.exit_gpu_main(main, "kernel_profile")

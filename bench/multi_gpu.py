@@ -43,8 +43,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from andrea.errors import AndreaError, exit_main  # noqa: E402
+from engine_gpu import exit_gpu_main  # noqa: E402
+
+from andrea.errors import AndreaError  # noqa: E402
 
 TARGET_EFF = {"andrea-120m": 0.90, "andrea-480m": 0.95}
 
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
     gpus = [int(x) for x in a.gpus.split(",")]
     if 1 not in gpus:
         gpus = [1] + gpus
-    import cupy as cp        # before any data is built: no CuPy or too few devices is one line (exit_main)
+    import cupy as cp        # before any data is built: no CuPy or too few devices is one line (exit_gpu_main)
 
     if max(gpus) > (have := cp.cuda.runtime.getDeviceCount()):
         raise AndreaError(f"--gpus {a.gpus}: this machine has {have} CUDA device(s); name at most that many")
@@ -204,4 +207,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "multi_gpu", needs=("cupy", "torch"))
+    exit_gpu_main(main, "multi_gpu")

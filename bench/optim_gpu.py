@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from andrea.errors import exit_main  # noqa: E402
+from engine_gpu import exit_gpu_main  # noqa: E402
 
 
 def bench_variant(name: str, reps: int) -> dict:
@@ -90,4 +90,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_main(main, "optim_gpu", needs=("cupy", "torch"))
+    exit_gpu_main(main, "optim_gpu")
