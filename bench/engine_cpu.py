@@ -261,13 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.engine:
-        from andrea.errors import AndreaError
-
-        try:
-            child(args)
-        except AndreaError as e:                # bad input (a profile, a vocab): one line, the parent adds none
-            print(f"engine_cpu: error: {e}", file=sys.stderr)
-            return 2
+        child(args)             # bad input (a profile, a vocab): exit_main's one line and 2; the parent adds none
         return 0
     if importlib.util.find_spec("torch") is None:
         print("engine_cpu: error: the anchor needs torch, which this Python cannot import "
@@ -356,4 +350,6 @@ def print_breakdown(ours: dict, anchor: dict, name: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from andrea.errors import exit_main
+
+    exit_main(main, "engine_cpu")

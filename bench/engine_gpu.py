@@ -82,7 +82,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from andrea.errors import AndreaError  # noqa: E402
+from andrea.errors import AndreaError, exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 # the CUDA runtime errors that mean "no GPU here", as CuPy's CUDARuntimeError words them
@@ -90,26 +90,25 @@ NO_DEVICE = ("cudaErrorNoDevice", "cudaErrorInsufficientDriver")
 
 
 def exit_gpu_main(main, prog: str) -> None:
-    """A GPU bench run as a script: ``sys.exit(main())``, but one line on stderr and exit 2, not a traceback,
-    for an AndreaError, for cupy or torch missing, and for CuPy finding no CUDA device or too old a driver;
-    anything else keeps its traceback."""
-    try:
-        sys.exit(main())
-    except AndreaError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-    except ModuleNotFoundError as e:
-        root = (e.name or "").split(".")[0]
-        if root not in ("cupy", "torch"):
-            raise
-        print(f"{prog}: error: needs {root}, which this Python cannot import ({e}); run it where {root} is "
-              f"installed{' and a CUDA GPU is' if root == 'cupy' else ''}", file=sys.stderr)
-    except Exception as e:  # noqa: BLE001 - only CuPy's no-device refusals become one line; the rest re-raise
-        if type(e).__name__ != "CUDARuntimeError" or not any(k in str(e) for k in NO_DEVICE):
-            raise
-        print(f"{prog}: error: CuPy finds no usable CUDA device ({e}); run it on a machine with an NVIDIA GPU",
-              file=sys.stderr)
-    sys.exit(2)
+    """``andrea.errors.exit_main`` for a GPU bench run as a script: cupy or torch missing, and CuPy finding no
+    CUDA device or too old a driver, are its one line on stderr and exit 2 as well, not a traceback; anything
+    else keeps its traceback."""
+    def guarded():
+        try:
+            return main()
+        except ModuleNotFoundError as e:
+            root = (e.name or "").split(".")[0]
+            if root not in ("cupy", "torch"):
+                raise
+            raise AndreaError(f"needs {root}, which this Python cannot import ({e}); run it where {root} is "
+                              f"installed{' and a CUDA GPU is' if root == 'cupy' else ''}") from None
+        except Exception as e:  # noqa: BLE001 - only CuPy's no-device refusals become one line; the rest re-raise
+            if type(e).__name__ != "CUDARuntimeError" or not any(k in str(e) for k in NO_DEVICE):
+                raise
+            raise AndreaError(f"CuPy finds no usable CUDA device ({e}); run it on a machine with an NVIDIA GPU") \
+                from None
 
+    exit_main(guarded, prog)
 
 
 @contextmanager
