@@ -67,6 +67,7 @@ Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor)
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -249,6 +250,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     from andrea.engine.model import ModelConfig
 
     pool = cp.get_default_memory_pool()
+    gc.collect()                 # an engine holds reference cycles: only the collector frees its arena
     pool.free_all_blocks()
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
     default = ce.RECOMPUTE, ce.RECOMPUTE_FUSED, ce.FUSE_GELU_FP8
@@ -288,6 +290,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
            "n_params": eng.n_params, "loss": None}
     res["loss"] = eng.train_step([batches[0]], 3e-4, it[0] + 1, hp).loss
     del eng
+    gc.collect()
     pool.free_all_blocks()
     return res
 
