@@ -131,8 +131,9 @@ NORM_CHUNK = 1 << 16      # OVERLAP_NORM: gradient elements a partial-sum block 
 # forward needs: OVERLAP_UPDATE took only 0.30 ms of AdamW's 3.6 ms off 480M B=8 (docs/bench/s33_h200.md),
 # so most of the update still delays the forward. Priorities order the scheduling only: the same bytes. CUDA
 # clamps a priority to the device's range (cudaDeviceGetStreamPriorityRange), so PRIORITY_HIGH is the greatest
-# on any device; describe() prints the priority the stream got. False until bench/engine_ab.py measures it.
-STREAM_PRIORITY = False
+# on any device; describe() prints the priority the stream got. bench/engine_ab.py on an H100 (session 38,
+# docs/bench/s38_h100.md): -0.52 ms at 480M B=16, -0.46 at 480M B=8, -0.23 at 120M B=32, every round.
+STREAM_PRIORITY = True
 PRIORITY_HIGH = -5
 # A step's first microbatch: the four block weight-gradient GEMMs write their gradients (beta 0: no read of
 # C, no zeroed rows to add onto) and zero_grads clears only the rest of g (wte, wpe, the LayerNorms), as
