@@ -58,7 +58,8 @@ def test_the_norms_partial_sums_take_every_range_in_flat_order(monkeypatch):
 def test_stream_priority_raises_the_engines_stream_on_one_gpu_only(monkeypatch):
     import andrea.cuda.engine as ce
 
-    assert ce.STREAM_PRIORITY is False and ce.stream_priority(1) is None     # committed: the default stream
-    monkeypatch.setattr(ce, "STREAM_PRIORITY", True)
+    assert ce.STREAM_PRIORITY is True                                        # committed since session 38
     assert ce.stream_priority(1) == ce.PRIORITY_HIGH < 0                     # lower = greater in CUDA
     assert ce.stream_priority(2) is None                                     # NCCL's streams keep their say
+    monkeypatch.setattr(ce, "STREAM_PRIORITY", False)
+    assert ce.stream_priority(1) is None                                     # off: the default stream

@@ -121,7 +121,9 @@ OVERLAP_UPDATE = True
 # between the backward and the next forward; docs/bench/s34_h200.md) mostly leaves it. Each range of the
 # flat layout sums into its own NORM_CHUNK-sized slots (norm_slots), k_grad_norm_final adds every slot in
 # flat order: deterministic, but another summation order than the single pass, so the bytes differ from
-# False in the last bits of the norm. False until bench/engine_ab.py measures it.
+# False in the last bits of the norm. Off: bench/engine_ab.py on an H100 (session 38) timed it 0.32-0.45 ms
+# slower at 480M B=8/16 and 120M B=32, every round, alone and beside STREAM_PRIORITY (not yet profiled: the
+# partial sums beside the backward cost it more than the single pass they take off the critical path).
 OVERLAP_NORM = False
 NORM_CHUNK = 1 << 16      # OVERLAP_NORM: gradient elements a partial-sum block covers (NORM_BLOCKS at most a range)
 # One GPU: the engine's stream, which the CUDA graphs' forward + backward are launched into (so their kernels
