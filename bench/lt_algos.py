@@ -111,11 +111,8 @@ def record(eng) -> dict:
         hit[1] = (a_ptr, b_ptr, d_ptr, beta, c_ptr)
         hit[2] += 1
 
-    Lt._run = run
-    try:
+    with eg.patched(Lt, _run=run):
         eng.train_step_once()
-    finally:
-        Lt._run = orig
     return seen
 
 

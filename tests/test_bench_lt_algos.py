@@ -53,3 +53,31 @@ def test_every_problem_of_a_step_is_timed_under_each_candidate(tmp_path):
         assert p["calls"] >= 1 and p["candidates_ms"][p["chosen"]] is not None
         assert p["best_ms"] <= p["chosen_ms"] and p["save_ms_per_step"] >= 0
     assert got["save_ms_per_step"] == pytest.approx(sum(p["save_ms_per_step"] for p in probs))
+
+
+def test_record_counts_each_problems_calls_and_puts_the_run_back(monkeypatch):
+    """record() sees every Lt._run of one step through the real call: per plan, the last call's buffers,
+    the calls a step, the problem's name and its Lt; Lt._run is the original again afterwards, also when
+    the step raises."""
+    from andrea.cuda.cublaslt import Lt
+
+    mod = load_script("bench/lt_algos.py")
+    ran = []
+    monkeypatch.setattr(Lt, "_run", lambda self, plan, a, b, d, beta, stream, what, c_ptr=None: ran.append(plan))
+    orig = Lt._run
+    lt, p1, p2 = object.__new__(Lt), ["p1"], ["p2"]
+
+    def step():
+        for i, plan in enumerate([p1, p2, p1]):
+            Lt._run(lt, plan, 10 + i, 20 + i, 30 + i, 0.0, None, lambda n=plan[0]: n, c_ptr=40 + i)
+
+    seen = mod.record(types.SimpleNamespace(train_step_once=step))
+    assert ran == [p1, p2, p1] and Lt._run is orig
+    assert seen == {id(p1): [p1, (12, 22, 32, 0.0, 42), 2, "p1", lt], id(p2): [p2, (11, 21, 31, 0.0, 41), 1, "p2", lt]}
+
+    def boom():
+        raise RuntimeError("step died")
+
+    with pytest.raises(RuntimeError):
+        mod.record(types.SimpleNamespace(train_step_once=boom))
+    assert Lt._run is orig
