@@ -112,6 +112,16 @@ def exit_gpu_main(main, prog: str) -> None:
     exit_main(guarded, prog)
 
 
+def release_pool() -> None:
+    """CuPy's default pool gives its free blocks back to the device, after the collector has freed what only
+    reference cycles still held: a dropped GpuEngine holds some, so ``del eng`` alone leaves its arena in use
+    (engine_ab's arms piled up 21 GB engines until an 80 GB H100 refused one, session 38)."""
+    import cupy as cp
+
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 @contextmanager
 def patched(obj, **attrs):
     """obj's attributes set as given inside the block and put back after it, whatever happens."""
@@ -250,8 +260,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     from andrea.engine.model import ModelConfig
 
     pool = cp.get_default_memory_pool()
-    gc.collect()                 # an engine holds reference cycles: only the collector frees its arena
-    pool.free_all_blocks()
+    release_pool()
     mc = ModelConfig(s["V"], s["C"], s["H"], s["L"], s["T"])
     default = ce.RECOMPUTE, ce.RECOMPUTE_FUSED, ce.FUSE_GELU_FP8
     if recompute is not None:
@@ -290,8 +299,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
            "n_params": eng.n_params, "loss": None}
     res["loss"] = eng.train_step([batches[0]], 3e-4, it[0] + 1, hp).loss
     del eng
-    gc.collect()
-    pool.free_all_blocks()
+    release_pool()
     return res
 
 
@@ -393,7 +401,7 @@ def breakdown(s: dict, B: int, precision: str, reps: int = 3) -> dict:
             out["total"] = cp.cuda.get_elapsed_time(e0, e1)
             per_rep.append(out)
     del eng
-    cp.get_default_memory_pool().free_all_blocks()
+    release_pool()
     return {k: float(np.median([r.get(k, 0.0) for r in per_rep[1:]])) for k in per_rep[-1]}
 
 

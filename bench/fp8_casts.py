@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_gpu import event_ms, exit_gpu_main, parse_variants, patched, variant_shapes  # noqa: E402
+from engine_gpu import event_ms, exit_gpu_main, parse_variants, patched, release_pool, variant_shapes  # noqa: E402
 
 from andrea.engine import fp8_numpy as f8  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
@@ -113,7 +113,7 @@ def weight_rows(cp, s: dict, B: int, reps: int) -> dict:
         out = {"weights two launches": median_ms(eng.f8.cast_weights, reps),
                "weights one by one": median_ms(eng.f8.cast_weights_each, reps)}
     del eng
-    cp.get_default_memory_pool().free_all_blocks()
+    release_pool()
     return {k: {"ms": ms, "GBps": 6 * n / ms / 1e6} for k, ms in out.items()}
 
 

@@ -339,8 +339,6 @@ def library_calls(drv: Driver, mc, B: int, batch, args) -> dict:
 
 def one_shape(drv: Driver, v: str, B: int, args) -> dict:
     """Both parts for one (variant, batch); a part that fails is reported in one line and the other still runs."""
-    import cupy as cp
-
     from andrea.engine.model import ModelConfig
 
     s = eg.variant_shapes(v)
@@ -356,7 +354,7 @@ def one_shape(drv: Driver, v: str, B: int, args) -> dict:
         except Exception as e:  # noqa: BLE001 - a diagnostic: keep what the other part finds
             res[f"{part}_error"] = f"{type(e).__name__}: {e}"
             print(f"graph_nodes: {v}:B{B}: the {part} part failed ({type(e).__name__}: {e})", flush=True)
-        cp.get_default_memory_pool().free_all_blocks()
+        eg.release_pool()
     if "step" in res and "memsets_a_step" in res:
         print(f"  the graphs hold {res['step']['by_type'].get('memset', 0)} memsets a step", flush=True)
     return res

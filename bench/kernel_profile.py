@@ -112,7 +112,7 @@ def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: in
     by = eg.kernel_times(prof, steps)
     idle = step_gaps(device_ops(prof)) if gaps else None
     del eng
-    cp.get_default_memory_pool().free_all_blocks()
+    eg.release_pool()
     total = sum(v[0] for v in by.values())
     print(f"== {name} B={B} {spec}{'' if fp8_gelu is None else ' fp8-gelu ' + (','.join(fp8_gelu) or 'none')}: "
           f"step {ms:.2f} ms, kernels {total:.2f} ms", flush=True)

@@ -206,7 +206,7 @@ def main(argv=None) -> int:
             if args.write_table:
                 atomic_write_json(Path(args.write_table), {k: dict(sorted(v.items())) for k, v in table.items()})
             del eng
-            cp.get_default_memory_pool().free_all_blocks()
+            eg.release_pool()
     return 0
 
 

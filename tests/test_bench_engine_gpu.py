@@ -270,3 +270,30 @@ def test_power_query_drops_the_fields_an_older_nvidia_smi_refuses(eg, refused, f
     assert tried == ["--query-gpu=" + ",".join(f) for f in lists[:min(refused + 1, 2)]]
     assert cmd[1] == "--query-gpu=" + ",".join(lists[fields]) and cmd[-2:] == ("-lms", "100")
     assert lists[-1] == ("clocks.sm", "power.draw")
+
+
+def test_release_pool_collects_the_cycles_before_it_frees_the_blocks(eg, monkeypatch):
+    """release_pool: what only a reference cycle holds (as a dropped GpuEngine's arena) is gone by the time
+    the pool gives its free blocks back, so they include it."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    class Engine:
+        pass
+
+    eng = Engine()
+    eng.me = eng                                  # a cycle: del alone does not free it
+    gone = weakref.ref(eng)
+    seen = []
+    pool = types.SimpleNamespace(free_all_blocks=lambda: seen.append(gone() is None))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
+    gc.disable()
+    try:
+        del eng
+        assert gone() is not None
+        eg.release_pool()
+    finally:
+        gc.enable()
+    assert seen == [True]

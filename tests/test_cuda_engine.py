@@ -681,16 +681,13 @@ def test_the_bench_frees_each_engine_before_the_next_one():
     """bench/engine_gpu.bench_ours, twice: the first engine's arena is back in the pool before the second is
     built. An engine holds reference cycles, so ``del`` alone left it alive until the collector happened to
     run; engine_ab's arms then piled up 21 GB engines until an 80 GB H100 refused the sixth (session 38)."""
-    import gc
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from script_helpers import load_script
 
     eg = load_script("bench/engine_gpu.py")
     s = dict(eg.variant_shapes("andrea-12m"), T=128)
-    gc.collect()
+    eg.release_pool()
     pool = cp.get_default_memory_pool()
-    pool.free_all_blocks()
     before = pool.used_bytes()
     first = eg.bench_ours(s, 2, 2, 1, "bf16")
     second = eg.bench_ours(s, 2, 2, 1, "bf16")
