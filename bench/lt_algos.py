@@ -41,13 +41,22 @@ from andrea.fsutil import atomic_write_json  # noqa: E402
 MARGIN = 0.02        # a candidate replaces the heuristic's first only when this much faster (not noise)
 
 
+def by_label(times: list, times_w0: list | None = None) -> dict:
+    """{the table's name of a candidate: its ms or None}: ``times``' by index (the engine's workspace), then
+    ``times_w0``'s as "w0:<index>" (no workspace)."""
+    return dict(enumerate(times)) | {f"w0:{i}": t for i, t in enumerate(times_w0 or [])}
+
+
+def fastest(by: dict) -> tuple[float, int | str]:
+    """(ms, name) of the fastest candidate that ran in ``by_label``'s dict; a tie goes to the earlier name."""
+    return min(((t, c) for c, t in by.items() if t is not None), key=lambda x: x[0])
+
+
 def choose(times: list, times_w0: list | None = None) -> int | str:
     """The table's entry for one problem: the fastest candidate, of ``times`` (the engine's workspace: its
     index) and ``times_w0`` (no workspace: "w0:<index>"), when it beats candidate 0 of ``times`` by MARGIN,
     else 0."""
-    ok = [(t, i) for i, t in enumerate(times) if t is not None] + \
-        [(t, f"w0:{i}") for i, t in enumerate(times_w0 or []) if t is not None]
-    best_t, best_i = min(ok, key=lambda x: x[0])
+    best_t, best_i = fastest(by_label(times, times_w0))
     first = times[0]
     return best_i if first is None or best_t <= first * (1 - MARGIN) else 0
 
@@ -185,9 +194,8 @@ def main(argv=None) -> int:
                 timed = {pre: time_candidates(lt, owner, call_args, args.reps, args.sustain_ms, ws)
                          for pre, ws, owner in pools(lt, plan, args.no_workspace)}
                 times, times_w0 = timed[""], timed.get("w0:")
-                by = {(f"{pre}{i}" if pre else i): t for pre, ts in timed.items() for i, t in enumerate(ts)}
-                ok = [(t, c) for c, t in by.items() if t is not None]
-                best_t, best_i = min(ok, key=lambda x: x[0])
+                by = by_label(times, times_w0)
+                best_t, best_i = fastest(by)
                 chosen = engine_label(lt, plan)
                 cur = by[chosen]
                 save = calls * (cur - best_t)
@@ -197,7 +205,7 @@ def main(argv=None) -> int:
                             | ({"candidates_w0_ms": times_w0} if times_w0 is not None else {}))
                 table.setdefault(lt.table_key, {})[plan[8]] = choose(times, times_w0)
                 print(f"{v}:B{B} {p} {what}: {calls} calls, runs #{chosen} {cur:.4f} ms, fastest #{best_i} "
-                      f"{best_t:.4f} ms ({len(ok)}/{len(by)} candidates run), saves {save:.3f} ms/step",
+                      f"{best_t:.4f} ms ({sum(x is not None for x in by.values())}/{len(by)} candidates run), saves {save:.3f} ms/step",
                       flush=True)
             print(f"{v}:B{B} {p}: the fastest candidates would save {total:.3f} ms a step", flush=True)
             allres[f"{v}:B{B}:{p}"] = {"problems": rows, "save_ms_per_step": total}
