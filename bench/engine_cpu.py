@@ -135,14 +135,24 @@ def ours_breakdown(ops, step, steps: int) -> dict:
     for n, fn in saved.items():
         setattr(ops, n, wrap(n, fn))
     try:
-        t0 = time.perf_counter()
-        for i in range(steps):
-            step(i)
-        wall = time.perf_counter() - t0
+        wall = _wall(step, steps)
     finally:
         np.matmul = matmul
         for n, fn in saved.items():
             setattr(ops, n, fn)
+    return _per_step(acc, wall, steps)
+
+
+def _wall(step, steps: int) -> float:
+    """Seconds of ``steps`` calls of step(i)."""
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    return time.perf_counter() - t0
+
+
+def _per_step(acc: dict, wall: float, steps: int) -> dict:
+    """A breakdown: the step's ms and each class's, "other" taking the wall time no class holds."""
     acc["other"] += wall - sum(acc.values())
     return {"step_ms": 1000 * wall / steps, "classes": {c: 1000 * v / steps for c, v in acc.items()}}
 
@@ -158,15 +168,11 @@ def torch_breakdown(step, steps: int) -> dict:
 
     acc = dict.fromkeys(CLASSES, 0.0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for i in range(steps):
-            step(i)
-        wall = time.perf_counter() - t0
+        wall = _wall(step, steps)
     for ev in prof.key_averages():
         if ev.key.startswith("aten::"):
             acc[torch_class(ev.key)] += ev.self_cpu_time_total / 1e6
-    acc["other"] += wall - sum(acc.values())
-    return {"step_ms": 1000 * wall / steps, "classes": {c: 1000 * v / steps for c, v in acc.items()}}
+    return _per_step(acc, wall, steps)
 
 
 def child(args) -> None:
