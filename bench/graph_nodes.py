@@ -333,7 +333,6 @@ def library_calls(drv: Driver, mc, B: int, batch, args) -> dict:
         save = sum(r.get("save_ms_per_step", 0.0) for r in probs if r.get("save_ms_per_step", 0.0) > 0)
         res["save_ms_per_step"] = save
         print(f"  the fastest memset-free candidates would save {save:.3f} ms a step (where faster)", flush=True)
-    eng = None                                      # its arena back to the pool (train_step_once holds the name)
     return res
 
 
