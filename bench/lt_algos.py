@@ -88,9 +88,9 @@ def pools(lt, plan, no_workspace: bool) -> list[tuple[str, int, list]]:
     pid = plan[8]
     aligns, runs_w0 = plan_aligns(lt, plan), lt.plan_ws.get(pid) == 0
 
-    def fresh(ws):
+    def fresh(ws):                                   # a plan list as the engine's: its table name appended
         return lt._candidates(plan[0], plan[1], plan[2], plan[3], aligns, f"{pid} ({ws} bytes of workspace)",
-                              c_l=plan[7], ws_bytes=ws)
+                              c_l=plan[7], ws_bytes=ws) + [pid]
 
     out = [("", lt.ws_bytes, fresh(None) if runs_w0 else plan)]
     if aligns is not None and (no_workspace or runs_w0):
