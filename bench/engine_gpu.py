@@ -61,13 +61,17 @@ times is the ratio of these energies, and the one at the lower clock does more w
 (docs/bench/s26_h200.md, s27_h200.md). Beside them the GPU temperature and, for each reason the driver gives
 for holding the clock down (software power cap, hardware slowdown, thermal, power brake), the share of
 the samples it was active in.
-Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor).
+Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor). ``--autotune-seed``
+first places there the GEMM timings kept in docs/bench/ from earlier device runs (``seed_autotune``), so
+max-autotune benchmarks only the GEMMs they lack; inductor reads only the file made on the same card model
+with the same Triton and CUDA, and its choice among the candidates is still its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import subprocess
@@ -610,6 +614,31 @@ def build_torch_model(s: dict):
 
 
 ANCHORS = ["compile-default", "compile-max-autotune", "compile-reduce-overhead", "eager"]
+AUTOTUNE_SEEDS = "docs/bench/*_inductor_autotune_*.json"    # inductor GEMM timings kept from earlier device runs
+
+
+def seed_autotune(cache_dir: Path, seeds: list[Path]) -> list[str]:
+    """Place each kept inductor GEMM-timing file (``AUTOTUNE_SEEDS``) where inductor looks for it,
+    ``cache_dir/cache/<its system hash>``, unless a file is there already (this machine's own timings win).
+    The hash covers the device name and the Triton and CUDA versions, so inductor reads only a file made on
+    this card model with this software; max-autotune then benchmarks only the GEMMs it lacks. Returns the
+    seeds placed; AndreaError names a seed that is not such a file."""
+    placed = []
+    for f in seeds:
+        try:
+            d = json.loads(f.read_text())
+            h, dev = d["system"]["hash"], d["system"]["device"]["name"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise AndreaError(f"{f}: not an inductor autotune cache file (system.hash, system.device.name) ({e}); "
+                              "remove it or drop --autotune-seed") from None
+        dest = cache_dir / "cache" / h
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_suffix(".tmp")
+            tmp.write_bytes(f.read_bytes())
+            tmp.replace(dest)
+            placed.append(f"{f.name} ({dev})")
+    return placed
 
 
 def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: bool = False) -> dict:
@@ -765,10 +794,17 @@ def main(argv=None) -> int:
                          "run takes its default, auto), same run")
     ap.add_argument("--power", action="store_true",
                     help="also record the SM clock and board power over each engine's timed steps (nvidia-smi)")
+    ap.add_argument("--autotune-seed", action="store_true",
+                    help=f"before max-autotune, place the GEMM timings kept from earlier runs ({AUTOTUNE_SEEDS}) in "
+                         "inductor's cache where it has none: it then benchmarks only the GEMMs they lack")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print per kernel class where our step (and the first compile anchor's) spends its time")
     args = ap.parse_args(argv)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/andrea-inductor")
+    if args.autotune_seed and "compile-max-autotune" in args.anchors:
+        placed = seed_autotune(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]), sorted(ROOT.glob(AUTOTUNE_SEEDS)))
+        print(f"--autotune-seed: placed {', '.join(placed) or 'nothing (each hash has its file already)'} in "
+              f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}/cache", file=sys.stderr, flush=True)
     if args.attn:
         from andrea.cuda import kernels as K
 

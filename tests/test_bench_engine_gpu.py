@@ -297,3 +297,37 @@ def test_release_pool_collects_the_cycles_before_it_frees_the_blocks(eg, monkeyp
     finally:
         gc.enable()
     assert seen == [True]
+
+
+def test_autotune_seed_places_the_kept_timings_under_their_hash_and_keeps_this_machines(eg, tmp_path, monkeypatch):
+    """--autotune-seed: before max-autotune, every committed inductor GEMM-timing file lands in
+    $TORCHINDUCTOR_CACHE_DIR/cache/<its system hash>, byte for byte, where inductor looks it up; a file
+    already there (this machine's own timings) is left alone; without max-autotune nothing is placed."""
+    seeds = sorted(eg.ROOT.glob(eg.AUTOTUNE_SEEDS))
+    kept = {json.loads(f.read_text())["system"]["hash"]: f.read_bytes() for f in seeds}
+    assert len(kept) >= 2                                     # the H200's (session 35) and the H100's (39)
+    cache = tmp_path / "inductor"
+    own = next(iter(kept))
+    (cache / "cache").mkdir(parents=True)
+    (cache / "cache" / own).write_text("{\"this machine\": 1}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    ran = []
+    monkeypatch.setattr(eg, "bench_ours", lambda s, B, steps, warmup, prec: fake_ours(5.0))
+    monkeypatch.setattr(eg, "bench_torch", lambda s, B, steps, warmup, a, profile=False:
+                        ran.append(sorted(p.name for p in (cache / "cache").iterdir())) or dict(fake_ours(6.0), warmup_s=1.0))
+    assert eg.main(["--variants", "andrea-12m:8", "--anchors", "compile-reduce-overhead"]) == 0
+    assert ran == [[own]]                                     # no max-autotune, no seeds
+    assert eg.main(["--variants", "andrea-12m:8", "--anchors", "compile-max-autotune", "--autotune-seed"]) == 0
+    assert ran[-1] == sorted(kept)
+    assert json.loads((cache / "cache" / own).read_text()) == {"this machine": 1}
+    for h, d in kept.items():
+        if h != own:
+            assert (cache / "cache" / h).read_bytes() == d
+
+
+def test_a_seed_that_is_not_an_autotune_file_is_named(eg, tmp_path):
+    bad = tmp_path / "s99_inductor_autotune_x.json"
+    bad.write_text("{\"cache\": {}}")
+    with pytest.raises(eg.AndreaError, match="s99_inductor_autotune_x.json: not an inductor autotune cache file"):
+        eg.seed_autotune(tmp_path / "inductor", [bad])
+    assert not (tmp_path / "inductor").exists()
