@@ -23,6 +23,8 @@ memory: ours = bytes the CuPy pool holds after the step loop (the engine's arena
 workspace included; the cuBLAS handle's own workspace, used by fp32 only, is outside every pool, as for torch); torch = torch.cuda.max_memory_reserved over the
 timed steps (what its caching allocator holds, CUDA-graph pools included; max_memory_allocated
 misses those pools and is kept in the JSON as peak_allocated_bytes).
+``bench/gpu_targets.py`` reads the ``--json`` of three runs (ours records the card's name as ``device``) and
+says which of issue 19's targets each meets.
 Timing: ``--steps`` steps after ``--warmup`` steps (host clock, device drained at both ends),
 random tokens (seeded), the median of three timed windows; engines run one after the
 other (never resident together).
@@ -249,6 +251,14 @@ def engine_args(spec: str) -> tuple[str, dict]:
     return prec, ({"fp8_scaling": scaling} if scaling else {})
 
 
+def device_name() -> str:
+    """The current CUDA device's name, as nvidia-smi gives it ("NVIDIA H100 80GB HBM3")."""
+    import cupy as cp
+
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompute=None, fp8_gelu=None,
                attention=None) -> dict:
     """Our engine's ms/step and peak; ``recompute`` (a frozenset) replaces engine.RECOMPUTE and
@@ -298,6 +308,7 @@ def bench_ours(s: dict, B: int, steps: int, warmup: int, precision: str, recompu
     windows = _windows(step, cp.cuda.Device().synchronize, steps)
     res = {"ms": float(np.median(windows)), "windows_ms": windows, "timed_at": [t0, time.time()],
            "peak_bytes": int(pool.total_bytes()),
+           "device": device_name(),
            "attention": eng.attention,
            "planned_bytes": int(eng.planned_bytes), "pool_used_bytes": int(pool.used_bytes()),
            "n_params": eng.n_params, "loss": None}
