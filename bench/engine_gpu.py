@@ -90,7 +90,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from andrea.errors import AndreaError, exit_main  # noqa: E402
-from andrea.fsutil import atomic_write_json  # noqa: E402
+from andrea.fsutil import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 # the CUDA runtime errors that mean "no GPU here", as CuPy's CUDARuntimeError words them
 NO_DEVICE = ("cudaErrorNoDevice", "cudaErrorInsufficientDriver")
@@ -637,17 +637,15 @@ def seed_autotune(cache_dir: Path, seeds: list[Path]) -> list[str]:
     placed = []
     for f in seeds:
         try:
-            d = json.loads(f.read_text())
+            data = f.read_bytes()
+            d = json.loads(data)
             h, dev = d["system"]["hash"], d["system"]["device"]["name"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise AndreaError(f"{f}: not an inductor autotune cache file (system.hash, system.device.name) ({e}); "
                               "remove it or drop --autotune-seed") from None
         dest = cache_dir / "cache" / h
         if not dest.exists():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_suffix(".tmp")
-            tmp.write_bytes(f.read_bytes())
-            tmp.replace(dest)
+            atomic_write_bytes(dest, data)
             placed.append(f"{f.name} ({dev})")
     return placed
 
