@@ -50,14 +50,11 @@ def check_shape(rec: dict | None, floor: float, mfu_floor: float | None) -> dict
     """One run's figures for one target and what keeps it from counting (``why``: empty when it is met)."""
     if rec is None or rec.get("partial") or "ours" not in rec:
         return {"why": ["not measured" if rec is None else "partial (the run stopped inside it)"]}
-    ours = rec["ours"]
-    modes = [m for m in MODES if m in rec]
+    ours, best = rec["ours"], rec.get("best_compile")          # engine_gpu's fastest compile mode of the run
     why = [f"no {m}" for m in MODES if m not in rec]
     out = {"device": ours.get("device"), "mfu": ours.get("mfu")}
-    if modes:
-        best = min(modes, key=lambda m: rec[m]["ms"])
-        out |= {"best": best, "ratio": rec[best]["ms"] / ours["ms"],
-                "mem": ours["peak_bytes"] / rec[best]["peak_bytes"]}
+    if best:
+        out |= {"best": best, "ratio": rec["ratio_vs_best"], "mem": rec["mem_vs_best"]}
         if out["ratio"] < floor:
             why.append(f"{out['ratio']:.3f}x < {floor:.2f}x against {best}")
         if out["mem"] > 1.0:
