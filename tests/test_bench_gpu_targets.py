@@ -101,3 +101,17 @@ def test_the_committed_session_39_run(gt, capsys):
     lines = {ln.split(" ")[0]: ln for ln in capsys.readouterr().out.splitlines()}
     assert "1.090x < 1.10x against compile-max-autotune" in lines["andrea-480m:B16"]
     assert "1.141x" in lines["andrea-480m:B8"] and "MFU 50.9% < 55%" in lines["andrea-480m:B8"]
+
+
+def test_the_committed_session_40_runs(gt, capsys):
+    """The H200's three runs with every compile mode: the three shapes they covered whole are met; 12M B=64,
+    where two runs stopped inside the shape, and the unmeasured 480M shapes are not."""
+    runs = [str(gt.ROOT / "docs/bench" / f"s40_run{n}_h200.json") for n in (1, 2, 3)]
+    assert gt.main(runs) == 1
+    lines = {ln.split(" ")[0]: ln for ln in capsys.readouterr().out.splitlines()}
+    for key in ("andrea-12m:B8", "andrea-120m:B8", "andrea-120m:B32"):
+        assert lines[key].endswith("->  MET"), lines[key]
+    assert "MFU 50.2%" in lines["andrea-120m:B32"] and "1.111x" in lines["andrea-120m:B32"]
+    assert "partial (the run stopped inside it) (runs 1, 2)" in lines["andrea-12m:B64"]
+    assert "not measured (runs 1, 2, 3)" in lines["andrea-480m:B16"]
+    assert lines["cards:"] == "cards: NVIDIA H200"
