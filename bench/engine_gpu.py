@@ -16,7 +16,8 @@ tokens/s, MFU and peak GPU memory of
   benchmarks Triton GEMM configs for minutes per shape (142 s at 12M B=8, 166 s at 120M B=32 on the
   H200), so give it few shapes per call. Its GEMM timings land in one small JSON file under
   $TORCHINDUCTOR_CACHE_DIR/cache/, which a later fresh machine can reuse (docs/bench/s35_h200.md).
-Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), and
+Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), the latter
+also as the median of paired windows (``paired_ratio``: window i of ours against window i of that mode), and
 peak memory of ours over that mode's. MFU = (6 N + 12 L C T) x tokens / time / 989.5e12 (the
 H100/H200 SXM dense bf16 datasheet rate; N = parameters without the position embedding). Peak
 memory: ours = bytes the CuPy pool holds after the step loop (the engine's arena, cuBLASLt's 32 MiB
@@ -749,11 +750,23 @@ def power_why(x: dict) -> str:
     return f" ({', '.join(why)})" if why else ""
 
 
+def paired_ratio(ours: dict, anchor: dict) -> float | None:
+    """Ours' tokens/s over the anchor's window by window: the median over i of the anchor's window i over ours'
+    window i (``_windows``: each engine times the same number of consecutive windows after its warm-up).
+    None where a record has no windows_ms or the counts differ."""
+    a, o = anchor.get("windows_ms"), ours.get("windows_ms")
+    if not a or not o or len(a) != len(o):
+        return None
+    return float(np.median([x / y for x, y in zip(a, o)]))
+
+
 def ratio_text(r: dict, anchors: list[str], best: str | None) -> str:
     parts = [f"{a}:{r['ours']['tokens_per_s'] / r[a]['tokens_per_s']:.2f}x" for a in anchors]
     if best:
-        parts.append(f"| best={best}: {r['ours']['tokens_per_s'] / r[best]['tokens_per_s']:.2f}x "
-                     f"mem {r['ours']['peak_bytes'] / r[best]['peak_bytes']:.2f}")
+        paired = paired_ratio(r["ours"], r[best])
+        parts.append(f"| best={best}: {r['ours']['tokens_per_s'] / r[best]['tokens_per_s']:.2f}x"
+                     + (f" (paired windows {paired:.2f}x)" if paired is not None else "")
+                     + f" mem {r['ours']['peak_bytes'] / r[best]['peak_bytes']:.2f}")
     return " ".join(parts)
 
 
@@ -922,6 +935,7 @@ def main(argv=None) -> int:
         allres[key] = {"variant": v, "shapes": s, "batch": B, "best_compile": best, **r}
         if best:
             allres[key]["ratio_vs_best"] = r["ours"]["tokens_per_s"] / r[best]["tokens_per_s"]
+            allres[key]["paired_vs_best"] = paired_ratio(r["ours"], r[best])
             allres[key]["mem_vs_best"] = r["ours"]["peak_bytes"] / r[best]["peak_bytes"]
         save()
         for k, x in r.items():

@@ -331,3 +331,22 @@ def test_a_seed_that_is_not_an_autotune_file_is_named(eg, tmp_path):
     with pytest.raises(eg.AndreaError, match="s99_inductor_autotune_x.json: not an inductor autotune cache file"):
         eg.seed_autotune(tmp_path / "inductor", [bad])
     assert not (tmp_path / "inductor").exists()
+
+
+def test_the_fastest_mode_is_also_compared_window_by_window(eg, tmp_path, monkeypatch, capsys):
+    """Beside the ratio of the medians (105 / 90 = 1.167x), the median of window i of the fastest mode over
+    window i of ours: 100/90, 105/100, 110/90 -> 1.111, 1.05, 1.222 -> 1.111x, in the JSON and on the table."""
+    monkeypatch.setattr(eg, "bench_ours", lambda s, B, steps, warmup, prec: {
+        **fake_ours(90.0), "windows_ms": [90.0, 100.0, 90.0]})
+    torch_ms = {"compile-default": [120.0] * 3, "compile-reduce-overhead": [100.0, 105.0, 110.0]}
+    monkeypatch.setattr(eg, "bench_torch", lambda s, B, steps, warmup, a, profile=False: {
+        "ms": float(sorted(torch_ms[a])[1]), "windows_ms": torch_ms[a], "peak_bytes": 2 ** 31, "warmup_s": 1.0})
+    out = tmp_path / "bench.json"
+    assert eg.main(["--variants", "andrea-12m:8", "--anchors", "compile-default", "compile-reduce-overhead",
+                    "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["andrea-12m:B8"]
+    assert r["best_compile"] == "compile-reduce-overhead"
+    assert r["ratio_vs_best"] == pytest.approx(105.0 / 90.0)
+    assert r["paired_vs_best"] == pytest.approx(100.0 / 90.0)
+    assert "best=compile-reduce-overhead: 1.17x (paired windows 1.11x) mem 0.50" in capsys.readouterr().out
+    assert eg.paired_ratio({"windows_ms": [1.0]}, {"ms": 2.0}) is None      # a record without windows: no pairing
