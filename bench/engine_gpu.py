@@ -14,7 +14,8 @@ tokens/s, MFU and peak GPU memory of
   ``max-autotune`` (Triton GEMM autotuning + CUDA graphs) or ``reduce-overhead`` (CUDA graphs),
   and ``eager`` (no compile). Each anchor's compile (warm-up) seconds are printed; max-autotune
   benchmarks Triton GEMM configs for minutes per shape (142 s at 12M B=8, 166 s at 120M B=32 on the
-  H200), so give it few shapes per call. Its GEMM timings land in one small JSON file under
+  H200; with ``--autotune-seed``'s timings 61 s and 144 s, the rest being compiles: docs/bench/s40_h200.md),
+  so give it few shapes per call. Its GEMM timings land in one small JSON file under
   $TORCHINDUCTOR_CACHE_DIR/cache/, which a later fresh machine can reuse (docs/bench/s35_h200.md).
 Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), the latter
 also as the median of paired windows (``paired_ratio``: window i of ours against window i of that mode), and
