@@ -761,13 +761,15 @@ def paired_ratio(ours: dict, anchor: dict) -> float | None:
     return float(np.median([x / y for x, y in zip(a, o)]))
 
 
-def ratio_text(r: dict, anchors: list[str], best: str | None) -> str:
-    parts = [f"{a}:{r['ours']['tokens_per_s'] / r[a]['tokens_per_s']:.2f}x" for a in anchors]
-    if best:
-        paired = paired_ratio(r["ours"], r[best])
-        parts.append(f"| best={best}: {r['ours']['tokens_per_s'] / r[best]['tokens_per_s']:.2f}x"
+def ratio_text(rec: dict, anchors: list[str]) -> str:
+    """Ours' tokens/s over each anchor's, then the figures against the fastest compile mode that ``main``
+    recorded in ``rec`` (ratio_vs_best, paired_vs_best, mem_vs_best)."""
+    parts = [f"{a}:{rec['ours']['tokens_per_s'] / rec[a]['tokens_per_s']:.2f}x" for a in anchors]
+    if rec["best_compile"]:
+        paired = rec["paired_vs_best"]
+        parts.append(f"| best={rec['best_compile']}: {rec['ratio_vs_best']:.2f}x"
                      + (f" (paired windows {paired:.2f}x)" if paired is not None else "")
-                     + f" mem {r['ours']['peak_bytes'] / r[best]['peak_bytes']:.2f}")
+                     + f" mem {rec['mem_vs_best']:.2f}")
     return " ".join(parts)
 
 
@@ -941,7 +943,7 @@ def main(argv=None) -> int:
         save()
         for k, x in r.items():
             rows.append((v, B, k, x["ms"], x["tokens_per_s"], x["mfu"], x["peak_bytes"] / 2 ** 20,
-                         x.get("warmup_s"), ratio_text(r, args.anchors, best) if k == "ours" else ""))
+                         x.get("warmup_s"), ratio_text(allres[key], args.anchors) if k == "ours" else ""))
     print(f"\n{'variant':<12} {'B':>3} {'engine':<24} {'ms/step':>8} {'tokens/s':>10} {'MFU':>6} {'peak MiB':>9} "
           f"{'warm s':>7}  ours vs anchor (tokens/s)")
     for v, B, k, ms, tps, mfu, mib, ws, rat in rows:
