@@ -60,7 +60,7 @@ def check_shape(rec: dict | None, floor: float, mfu_floor: float | None) -> dict
     out = {"device": ours.get("device"), "mfu": ours.get("mfu")}
     if best:
         out |= {"best": best, "ratio": rec["ratio_vs_best"], "mem": rec["mem_vs_best"],
-                "paired": paired_ratio(ours, rec[best])}
+                "paired": paired_ratio(ours, rec[best])}           # from the windows: older files lack paired_vs_best
         if out["ratio"] < floor:
             why.append(f"{out['ratio']:.3f}x < {floor:.2f}x against {best}")
         if out["paired"] is None:
