@@ -196,7 +196,7 @@ def activation_plan(mc: ModelConfig, batch_size: int, policy: PlanPolicy) -> lis
     """Every non-parameter buffer one training step needs, for microbatch (B, T=context): the
     model's saved tensors and activation gradients, declared once for every engine, then the
     backend's scratch (``policy.scratch``)."""
-    B, T, C, H, V, L = batch_size, mc.context, mc.d_model, mc.n_head, mc.vocab_size, mc.n_layer
+    B, T, C, V, L = batch_size, mc.context, mc.d_model, mc.vocab_size, mc.n_layer
     N = B * T
     one = policy.recompute | policy.shared              # one buffer: refilled per layer, or never read back
     Lln = 1 if "ln" in one else L
