@@ -319,10 +319,26 @@ def test_autotune_seed_places_the_kept_timings_under_their_hash_and_keeps_this_m
     assert ran == [[own]]                                     # no max-autotune, no seeds
     assert eg.main(["--variants", "andrea-12m:8", "--anchors", "compile-max-autotune", "--autotune-seed"]) == 0
     assert ran[-1] == sorted(kept)
-    assert json.loads((cache / "cache" / own).read_text()) == {"this machine": 1}
+    assert json.loads((cache / "cache" / own).read_text()) == {"this machine": 1}   # not inductor's: left alone
     for h, d in kept.items():
         if h != own:
             assert (cache / "cache" / h).read_bytes() == d
+
+
+def test_autotune_seed_adds_to_this_machines_file_what_it_lacks(eg, tmp_path):
+    """Where this machine's inductor already wrote a file under the seed's hash, the seed's timings it lacks are
+    added to it (recursing into nested entries) and its own timings stay; a second seeding adds nothing."""
+    seed = tmp_path / "s98_inductor_autotune_x.json"
+    system = {"hash": "abc", "device": {"name": "Card"}}
+    seed.write_text(json.dumps({"system": system, "cache": {"mm A": 0.5, "mm B": 0.7, "op": {"x": 1.0, "y": 2.0}}}))
+    own = tmp_path / "inductor" / "cache" / "abc"
+    own.parent.mkdir(parents=True)
+    own.write_text(json.dumps({"system": system, "cache": {"mm A": 0.4, "op": {"x": 0.9}}}))
+    assert eg.seed_autotune(tmp_path / "inductor", [seed]) == ["2 entries of s98_inductor_autotune_x.json (Card) beside this machine's"]
+    got = json.loads(own.read_text())
+    assert got == {"system": system, "cache": {"mm A": 0.4, "mm B": 0.7, "op": {"x": 0.9, "y": 2.0}}}
+    assert eg.seed_autotune(tmp_path / "inductor", [seed]) == []
+    assert json.loads(own.read_text()) == got
 
 
 def test_a_seed_that_is_not_an_autotune_file_is_named(eg, tmp_path):
