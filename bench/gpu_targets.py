@@ -15,7 +15,6 @@ why. Exit 0 when every target is met, 1 when one is not; a file that cannot be r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from engine_gpu import paired_ratio  # noqa: E402
 
 from andrea.errors import AndreaError, exit_main  # noqa: E402
+from andrea.fsutil import read_json  # noqa: E402
 
 # (variant, batch, floor of ours / fastest compile mode in tokens/s, floor of our MFU or None)
 TARGETS = [("andrea-12m", 8, 1.10, None), ("andrea-12m", 64, 1.10, None),
@@ -38,13 +38,7 @@ def load_run(spec: str) -> dict:
     """{shape key: engine_gpu's record} of one run, from its comma-joined files."""
     run, where = {}, {}
     for name in spec.split(","):
-        try:
-            got = json.loads(Path(name).read_text())
-        except (OSError, ValueError) as e:
-            raise AndreaError(f"{name}: not an engine_gpu.py --json file ({e})") from None
-        if not isinstance(got, dict):
-            raise AndreaError(f"{name}: not an engine_gpu.py --json file (expected an object of shapes)")
-        for key, rec in got.items():
+        for key, rec in read_json(name, "engine_gpu.py --json file").items():
             if key in run:
                 raise AndreaError(f"{key} is in both {where[key]} and {name} of one run; give a run each shape once")
             run[key], where[key] = rec, name

@@ -92,8 +92,13 @@ def test_a_shape_twice_in_one_run_or_an_unreadable_file_is_one_line(gt, tmp_path
         gt.main([f"{a},{a}"])
     bad = tmp_path / "notes.md"
     bad.write_text("# not JSON")
-    with pytest.raises(gt.AndreaError, match="notes.md: not an engine_gpu.py --json file"):
+    with pytest.raises(gt.AndreaError, match="notes.md: engine_gpu.py --json file is not valid JSON"):
         gt.main([str(bad)])
+    with pytest.raises(gt.AndreaError, match="gone.json: engine_gpu.py --json file not found"):
+        gt.main([str(tmp_path / "gone.json")])
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(gt.AndreaError, match="list.json: engine_gpu.py --json file must be a JSON object"):
+        gt.main([str(tmp_path / "list.json")])
 
 
 def test_the_committed_session_39_run(gt, capsys):
