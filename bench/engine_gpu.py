@@ -66,16 +66,16 @@ times is the ratio of these energies, and the one at the lower clock does more w
 for holding the clock down (software power cap, hardware slowdown, thermal, power brake), the share of
 the samples it was active in.
 Inductor's cache goes to $TORCHINDUCTOR_CACHE_DIR (default /tmp/andrea-inductor). ``--autotune-seed``
-first places there the GEMM timings kept in docs/bench/ from earlier device runs (``seed_autotune``; beside
-timings the machine has of its own, which win), so max-autotune benchmarks only the GEMMs they lack; inductor reads only the file made on the same card model
-with the same Triton and CUDA, and its choice among the candidates is still its own.
+first places there what max-autotune tuned on earlier machines of this card, kept in docs/bench/
+(bench/inductor_seed.py: the GEMM timings, and coordinate descent's kernel configs), beside anything the
+machine has of its own, which wins; max-autotune then tunes only what neither holds. Inductor reads only what
+was made on the same card model with the same software, and its choice among the candidates is still its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -92,7 +92,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from andrea.errors import AndreaError, exit_main  # noqa: E402
-from andrea.fsutil import atomic_write_bytes, atomic_write_json  # noqa: E402
+from andrea.fsutil import atomic_write_json  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from inductor_seed import (AUTOTUNE_SEEDS, BEST_CONFIG_SEEDS, DEFAULT_CACHE, seed_autotune,  # noqa: E402
+                           seed_best_configs, this_system)
 
 # the CUDA runtime errors that mean "no GPU here", as CuPy's CUDARuntimeError words them
 NO_DEVICE = ("cudaErrorNoDevice", "cudaErrorInsufficientDriver")
@@ -627,59 +631,6 @@ def build_torch_model(s: dict):
 
 
 ANCHORS = ["compile-default", "compile-max-autotune", "compile-reduce-overhead", "eager"]
-AUTOTUNE_SEEDS = "docs/bench/*_inductor_autotune_*.json"    # inductor GEMM timings kept from earlier device runs
-
-
-def _add_missing(dest: dict, seed: dict) -> int:
-    """Put into ``dest`` every entry of ``seed`` it lacks, recursing where both hold a dict; dest's own values
-    win. Returns how many entries were added."""
-    added = 0
-    for k, v in seed.items():
-        if k not in dest:
-            dest[k] = v
-            added += 1
-        elif isinstance(dest[k], dict) and isinstance(v, dict):
-            added += _add_missing(dest[k], v)
-    return added
-
-
-def seed_autotune(cache_dir: Path, seeds: list[Path]) -> list[str]:
-    """Place each kept inductor GEMM-timing file (``AUTOTUNE_SEEDS``) where inductor looks for it,
-    ``cache_dir/cache/<its system hash>``. Where inductor has a file there already (this machine's own
-    timings), add to its "cache" only the entries it lacks: this machine's own timings win, and a file there
-    that is not such an object is left as it is. The hash covers the device name and the Triton and CUDA
-    versions, so inductor reads only a file made on this card model with this software; max-autotune then
-    benchmarks only the GEMMs neither holds. Returns what was placed or added; AndreaError names a seed that
-    is not such a file."""
-    placed = []
-    for f in seeds:
-        try:
-            data = f.read_bytes()
-            d = json.loads(data)
-            h, dev = d["system"]["hash"], d["system"]["device"]["name"]
-            if not isinstance(d["cache"], dict):
-                raise TypeError("cache is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise AndreaError(f"{f}: not an inductor autotune cache file (system.hash, system.device.name, "
-                              f"cache) ({e}); remove it or drop --autotune-seed") from None
-        dest = cache_dir / "cache" / h
-        if not dest.exists():
-            atomic_write_bytes(dest, data)
-            placed.append(f"{f.name} ({dev})")
-            continue
-        try:
-            own = json.loads(dest.read_bytes())
-        except (OSError, ValueError):
-            continue                                   # not a file we can read as JSON: inductor's to handle
-        if not (isinstance(own, dict) and isinstance(own.get("cache"), dict)):
-            continue
-        added = _add_missing(own["cache"], d["cache"])
-        if added:
-            atomic_write_json(dest, own)
-            placed.append(f"{added} entries of {f.name} ({dev}) beside this machine's")
-    return placed
-
-
 def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: bool = False) -> dict:
     """The torch anchor ``anchor`` (one of ANCHORS) at batch B; with ``profile`` also the CUDA
     kernel time per kernel class of two more steps (torch.profiler), under "breakdown_ms"."""
@@ -848,17 +799,19 @@ def main(argv=None) -> int:
     ap.add_argument("--power", action="store_true",
                     help="also record the SM clock and board power over each engine's timed steps (nvidia-smi)")
     ap.add_argument("--autotune-seed", action="store_true",
-                    help=f"before max-autotune, place the GEMM timings kept from earlier runs ({AUTOTUNE_SEEDS}) in "
-                         "inductor's cache, beside any timings of its own (which win): it then benchmarks only the GEMMs neither "
-                         "holds")
+                    help=f"before max-autotune, place what it tuned on earlier machines of this card ({AUTOTUNE_SEEDS}, "
+                         f"{BEST_CONFIG_SEEDS}) in inductor's cache, beside its own (which wins): it then tunes only "
+                         "what neither holds")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print per kernel class where our step (and the first compile anchor's) spends its time")
     args = ap.parse_args(argv)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/andrea-inductor")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", DEFAULT_CACHE)
     if args.autotune_seed and "compile-max-autotune" in args.anchors:
-        placed = seed_autotune(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]), sorted(ROOT.glob(AUTOTUNE_SEEDS)))
-        print(f"--autotune-seed: placed {', '.join(placed) or 'nothing (this machine holds every kept timing)'} in "
-              f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}/cache", file=sys.stderr, flush=True)
+        cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        placed = seed_autotune(cache, sorted(ROOT.glob(AUTOTUNE_SEEDS)))
+        placed += seed_best_configs(cache, sorted(ROOT.glob(BEST_CONFIG_SEEDS)), this_system())
+        print(f"--autotune-seed: placed {', '.join(placed) or 'nothing (this machine holds all it was kept for it)'}"
+              f" in {cache}", file=sys.stderr, flush=True)
     if args.attn:
         from andrea.cuda import kernels as K
 
