@@ -95,8 +95,7 @@ from andrea.errors import AndreaError, exit_main  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from inductor_seed import (AUTOTUNE_SEEDS, BEST_CONFIG_SEEDS, DEFAULT_CACHE, seed_autotune,  # noqa: E402
-                           seed_best_configs, this_system)
+from inductor_seed import AUTOTUNE_SEEDS, BEST_CONFIG_SEEDS, DEFAULT_CACHE, seed_all  # noqa: E402
 
 # the CUDA runtime errors that mean "no GPU here", as CuPy's CUDARuntimeError words them
 NO_DEVICE = ("cudaErrorNoDevice", "cudaErrorInsufficientDriver")
@@ -808,8 +807,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", DEFAULT_CACHE)
     if args.autotune_seed and "compile-max-autotune" in args.anchors:
         cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-        placed = seed_autotune(cache, sorted(ROOT.glob(AUTOTUNE_SEEDS)))
-        placed += seed_best_configs(cache, sorted(ROOT.glob(BEST_CONFIG_SEEDS)), this_system())
+        placed = seed_all(cache, ROOT, device_name)
         print(f"--autotune-seed: placed {', '.join(placed) or 'nothing (this machine holds all it was kept for it)'}"
               f" in {cache}", file=sys.stderr, flush=True)
     if args.attn:

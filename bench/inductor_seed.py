@@ -13,8 +13,8 @@ Two kinds of kept file, in docs/bench/; each was made on one card model under on
 - ``*_inductor_best_configs_*.json``: coordinate descent's choice for each Triton kernel (max-autotune turns
   coordinate descent on): the ``<xx>/<key>.best_config`` files inductor keeps beside each kernel's source, by
   their path in the cache dir, with the system record (card, versions, hash) of the machine that made them. A
-  key hashes the kernel's source and torch's own, so only that kernel under that torch reads it; the system
-  hash is checked here, as inductor checks it for the GEMM file (``seed_best_configs``).
+  key hashes the kernel's source and torch's own, so only that kernel under that torch reads it; the card is
+  checked here (``seed_best_configs``), as a config tuned on one card model is no measure of another's.
 Inductor's choice among its candidates stays its own: a kept timing or config is what it would have found on a
 machine it had warmed itself, as the second and third runs of a device session are.
 """
@@ -103,21 +103,21 @@ def _kept_path(f: Path, rel) -> PurePosixPath:
     return p
 
 
-def seed_best_configs(cache_dir: Path, bundles: list[Path], system: dict) -> list[str]:
-    """Place the .best_config files of each kept bundle (``BEST_CONFIG_SEEDS``) made on a machine whose system
-    hash is ``system``'s, at their paths under ``cache_dir`` where no file is yet (this machine's own win);
-    a bundle from another card or software is passed over. Returns what was placed; AndreaError names a bundle
-    that is not one."""
+def seed_best_configs(cache_dir: Path, bundles: list[Path], card: str | None) -> list[str]:
+    """Place the .best_config files of each kept bundle (``BEST_CONFIG_SEEDS``) made on a ``card`` (its CUDA
+    device name; None: no device, nothing placed) at their paths under ``cache_dir`` where no file is yet
+    (this machine's own win); a bundle from another card is passed over. Returns what was placed; AndreaError
+    names a bundle that is not one."""
     placed = []
     for f in bundles:
         b = read_json(f, "inductor best-config bundle")
         files, made_on = b.get("files"), b.get("system")
-        if not (isinstance(files, dict) and isinstance(made_on, dict) and "hash" in made_on
+        if not (isinstance(files, dict) and isinstance(made_on, dict) and isinstance(made_on.get("device"), dict)
                 and all(isinstance(t, str) for t in files.values())):
-            raise AndreaError(f"{f}: not an inductor best-config bundle (system.hash, files of text); "
+            raise AndreaError(f"{f}: not an inductor best-config bundle (system.device.name, files of text); "
                               "remove it or drop --autotune-seed")
         paths = [(_kept_path(f, rel), text) for rel, text in files.items()]
-        if made_on["hash"] != system.get("hash"):
+        if card is None or made_on["device"].get("name") != card:
             continue
         n = 0
         for rel, text in paths:
@@ -126,7 +126,16 @@ def seed_best_configs(cache_dir: Path, bundles: list[Path], system: dict) -> lis
                 atomic_write_bytes(dest, text.encode())
                 n += 1
         if n:
-            placed.append(f"{n} kernel configs of {f.name} ({made_on.get('device', {}).get('name')})")
+            placed.append(f"{n} kernel configs of {f.name} ({card})")
+    return placed
+
+
+def seed_all(cache_dir: Path, root: Path, card) -> list[str]:
+    """``seed_autotune`` with every GEMM-timing file kept under ``root``, then ``seed_best_configs`` with every
+    bundle, on the card ``card()`` names (asked only where a bundle is kept). Returns what was placed."""
+    placed = seed_autotune(cache_dir, sorted(root.glob(AUTOTUNE_SEEDS)))
+    if bundles := sorted(root.glob(BEST_CONFIG_SEEDS)):
+        placed += seed_best_configs(cache_dir, bundles, card())
     return placed
 
 

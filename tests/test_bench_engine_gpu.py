@@ -325,30 +325,6 @@ def test_autotune_seed_places_the_kept_timings_under_their_hash_and_keeps_this_m
             assert (cache / "cache" / h).read_bytes() == d
 
 
-def test_autotune_seed_adds_to_this_machines_file_what_it_lacks(eg, tmp_path):
-    """Where this machine's inductor already wrote a file under the seed's hash, the seed's timings it lacks are
-    added to it (recursing into nested entries) and its own timings stay; a second seeding adds nothing."""
-    seed = tmp_path / "s98_inductor_autotune_x.json"
-    system = {"hash": "abc", "device": {"name": "Card"}}
-    seed.write_text(json.dumps({"system": system, "cache": {"mm A": 0.5, "mm B": 0.7, "op": {"x": 1.0, "y": 2.0}}}))
-    own = tmp_path / "inductor" / "cache" / "abc"
-    own.parent.mkdir(parents=True)
-    own.write_text(json.dumps({"system": system, "cache": {"mm A": 0.4, "op": {"x": 0.9}}}))
-    assert eg.seed_autotune(tmp_path / "inductor", [seed]) == ["2 entries of s98_inductor_autotune_x.json (Card) beside this machine's"]
-    got = json.loads(own.read_text())
-    assert got == {"system": system, "cache": {"mm A": 0.4, "mm B": 0.7, "op": {"x": 0.9, "y": 2.0}}}
-    assert eg.seed_autotune(tmp_path / "inductor", [seed]) == []
-    assert json.loads(own.read_text()) == got
-
-
-def test_a_seed_that_is_not_an_autotune_file_is_named(eg, tmp_path):
-    bad = tmp_path / "s99_inductor_autotune_x.json"
-    bad.write_text("{\"cache\": {}}")
-    with pytest.raises(eg.AndreaError, match="s99_inductor_autotune_x.json: not an inductor autotune cache file"):
-        eg.seed_autotune(tmp_path / "inductor", [bad])
-    assert not (tmp_path / "inductor").exists()
-
-
 def test_the_fastest_mode_is_also_compared_window_by_window(eg, tmp_path, monkeypatch, capsys):
     """Beside the ratio of the medians (105 / 90 = 1.167x), the median of window i of the fastest mode over
     window i of ours: 100/90, 105/100, 110/90 -> 1.111, 1.05, 1.222 -> 1.111x, in the JSON and on the table."""
