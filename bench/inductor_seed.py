@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path, PurePosixPath
@@ -167,8 +168,6 @@ def keep(cache_dir: Path, out_dir: Path, system: dict) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    import os
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("keep", help="write this machine's inductor tuning into OUT, one file of each kind")
