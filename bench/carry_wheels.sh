@@ -5,10 +5,7 @@
 # - .whl/deps/: jsonschema and what it needs, which the device image lacks (andrea validates its config).
 #
 #   bash bench/carry_wheels.sh                      # here, where the package registries can be reached
-#   # on the device, before the benchmarks:
-#   pip install -q --no-deps --target /tmp/cfe .whl/nvidia_cudnn_frontend-1.18.0-cp312-*.whl
-#   python3 -c "import jsonschema" 2>/dev/null || pip install -q --no-deps --target /tmp/deps .whl/deps/*.whl
-#   export PYTHONPATH=/tmp/cfe:/tmp/deps:.
+#   # on the device, bench/device_queue.sh installs them under /tmp and sets PYTHONPATH before its jobs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64

@@ -15,8 +15,7 @@ tokens/s, MFU and peak GPU memory of
   and ``eager`` (no compile). Each anchor's compile (warm-up) seconds are printed; max-autotune
   benchmarks Triton GEMM configs for minutes per shape (142 s at 12M B=8, 166 s at 120M B=32 on the
   H200; with ``--autotune-seed``'s timings 61 s and 144 s, the rest being compiles: docs/bench/s40_h200.md),
-  so give it few shapes per call. Its GEMM timings land in one small JSON file under
-  $TORCHINDUCTOR_CACHE_DIR/cache/, which a later fresh machine can reuse (docs/bench/s35_h200.md).
+  so give it few shapes per call; ``--autotune-seed`` (below) reuses what earlier machines tuned.
 Ratios are tokens/s of ours over each anchor and over the FASTEST compile mode run (``best``), the latter
 also as the median of paired windows (``paired_ratio``: window i of ours against window i of that mode), and
 peak memory of ours over that mode's. MFU = (6 N + 12 L C T) x tokens / time / 989.5e12 (the
@@ -630,6 +629,8 @@ def build_torch_model(s: dict):
 
 
 ANCHORS = ["compile-default", "compile-max-autotune", "compile-reduce-overhead", "eager"]
+
+
 def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: bool = False) -> dict:
     """The torch anchor ``anchor`` (one of ANCHORS) at batch B; with ``profile`` also the CUDA
     kernel time per kernel class of two more steps (torch.profiler), under "breakdown_ms"."""
