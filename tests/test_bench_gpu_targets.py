@@ -162,3 +162,17 @@ def test_the_committed_session_41_runs(gt, capsys):
     assert "paired windows 1.098x < 1.10x against compile-max-autotune (run 2)" in b16
     assert "(run 3)" not in b16 and "MFU" not in b16.split("->")[1]
     assert lines["cards:"] == "cards: NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("card, shape, figures", [
+    ("h200", "andrea-12m:B64", ("1.119x (paired 1.123x)", "1.134x (paired 1.132x)", "1.114x (paired 1.116x)")),
+    ("h100", "andrea-480m:B16", ("1.112x (paired 1.113x)", "1.109x (paired 1.109x)", "1.109x (paired 1.109x)")),
+])
+def test_the_committed_session_42_runs(gt, capsys, card, shape, figures):
+    """Session 42's three runs of one shape on one card, every compile mode in each: 12M B=64 on the H200 and
+    480M B=16 on the H100 (with the H100's cuBLASLt choices) meet 1.10x; the shapes they did not run do not."""
+    runs = [str(gt.ROOT / "docs/bench" / f"s42_run{n}_{card}.json") for n in (1, 2, 3)]
+    assert gt.main(runs) == 1
+    lines = {ln.split(" ")[0]: ln for ln in capsys.readouterr().out.splitlines()}
+    assert lines[shape].endswith("->  MET") and all(f in lines[shape] for f in figures), lines[shape]
+    assert all("not measured (runs 1, 2, 3)" in ln for k, ln in lines.items() if k.startswith("andrea") and k != shape)

@@ -60,7 +60,9 @@ entries changed; the step, the tables alternating, 47.19 against 47.41 ms at B=8
 against 91.32 at B=16 (three). Session 27 re-timed the 12M and 120M problems the same way
 (docs/bench/s27_h200.md) and kept the new choices for 12M and 120M B=8 (the step 12.57 against 12.64
 ms at 120M B=8, 19.91 against 20.10 at 12M B=64, alternating) but not for 120M B=32, whose entries stay as
-they were (re-chosen, the step measured 44.12 against 43.96). The
+they were (re-chosen, the step measured 44.12 against 43.96). Session 42 added the H100's 480M B=8 and
+B=16 bf16 choices, timed the same way (the step 50.18 against 50.80 ms at B=8, 96.06 against 96.87 at B=16,
+alternating; docs/bench/s42.md). The
 epilogue (a cublasLtEpilogue_t; default 1 = none), its aux buffer's leading dimension and
 alignment are part of the problem; the aux pointer is set on the problem's descriptor at each call
 (the engine's layers differ only in it). The calls are legal inside a CUDA graph capture (no allocation; the heuristic
