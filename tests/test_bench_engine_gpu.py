@@ -302,7 +302,9 @@ def test_release_pool_collects_the_cycles_before_it_frees_the_blocks(eg, monkeyp
 def test_autotune_seed_places_the_kept_timings_under_their_hash_and_keeps_this_machines(eg, tmp_path, monkeypatch):
     """--autotune-seed: before max-autotune, every committed inductor GEMM-timing file lands in
     $TORCHINDUCTOR_CACHE_DIR/cache/<its system hash>, byte for byte, where inductor looks it up; a file
-    already there (this machine's own timings) is left alone; without max-autotune nothing is placed."""
+    already there (this machine's own timings) is left alone; without max-autotune nothing is placed. The kept
+    kernel-config bundles of this card (asked of the device; here an H100) land at their paths too, another
+    card's do not."""
     seeds = sorted(eg.ROOT.glob(eg.AUTOTUNE_SEEDS))
     kept = {json.loads(f.read_text())["system"]["hash"]: f.read_bytes() for f in seeds}
     assert len(kept) >= 2                                     # the H200's (session 35) and the H100's (39)
@@ -311,11 +313,14 @@ def test_autotune_seed_places_the_kept_timings_under_their_hash_and_keeps_this_m
     (cache / "cache").mkdir(parents=True)
     (cache / "cache" / own).write_text("{\"this machine\": 1}")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    asked = []
+    monkeypatch.setattr(eg, "device_name", lambda: asked.append(1) or "NVIDIA H100 80GB HBM3")
     ran = []
     monkeypatch.setattr(eg, "bench_ours", lambda s, B, steps, warmup, prec: fake_ours(5.0))
     monkeypatch.setattr(eg, "bench_torch", lambda s, B, steps, warmup, a, profile=False:
                         ran.append(sorted(p.name for p in (cache / "cache").iterdir())) or dict(fake_ours(6.0), warmup_s=1.0))
     assert eg.main(["--variants", "andrea-12m:8", "--anchors", "compile-reduce-overhead"]) == 0
+    assert not asked and not list(cache.glob("*/*.best_config"))
     assert ran == [[own]]                                     # no max-autotune, no seeds
     assert eg.main(["--variants", "andrea-12m:8", "--anchors", "compile-max-autotune", "--autotune-seed"]) == 0
     assert ran[-1] == sorted(kept)
@@ -323,6 +328,11 @@ def test_autotune_seed_places_the_kept_timings_under_their_hash_and_keeps_this_m
     for h, d in kept.items():
         if h != own:
             assert (cache / "cache" / h).read_bytes() == d
+    bundles = {json.loads(f.read_text())["system"]["device"]["name"]: json.loads(f.read_text())["files"]
+               for f in sorted(eg.ROOT.glob(eg.BEST_CONFIG_SEEDS))}
+    assert asked and "NVIDIA H100 80GB HBM3" in bundles and len(bundles) >= 2
+    placed = {p.relative_to(cache).as_posix(): p.read_text() for p in cache.glob("*/*.best_config")}
+    assert placed == bundles["NVIDIA H100 80GB HBM3"]
 
 
 def test_the_fastest_mode_is_also_compared_window_by_window(eg, tmp_path, monkeypatch, capsys):
