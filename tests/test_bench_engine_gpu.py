@@ -328,8 +328,8 @@ def test_autotune_seed_places_the_kept_timings_under_their_hash_and_keeps_this_m
     for h, d in kept.items():
         if h != own:
             assert (cache / "cache" / h).read_bytes() == d
-    bundles = {json.loads(f.read_text())["system"]["device"]["name"]: json.loads(f.read_text())["files"]
-               for f in sorted(eg.ROOT.glob(eg.BEST_CONFIG_SEEDS))}
+    bundles = {b["system"]["device"]["name"]: b["files"]
+               for b in (json.loads(f.read_text()) for f in sorted(eg.ROOT.glob(eg.BEST_CONFIG_SEEDS)))}
     assert asked and "NVIDIA H100 80GB HBM3" in bundles and len(bundles) >= 2
     placed = {p.relative_to(cache).as_posix(): p.read_text() for p in cache.glob("*/*.best_config")}
     assert placed == bundles["NVIDIA H100 80GB HBM3"]
