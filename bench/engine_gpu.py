@@ -635,7 +635,9 @@ def bench_torch(s: dict, B: int, steps: int, warmup: int, anchor: str, profile: 
     """The torch anchor ``anchor`` (one of ANCHORS) at batch B; with ``profile`` also the CUDA
     kernel time per kernel class of two more steps (torch.profiler), under "breakdown_ms"."""
     import torch
+    import torch._inductor.config as icfg
 
+    icfg.compile_threads = min(16, os.cpu_count() or 1)
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch._dynamo.reset()
@@ -818,10 +820,6 @@ def main(argv=None) -> int:
         if fwd not in ("mma", "wg") or bwd not in ("mma", "wg", "wgds"):
             ap.error(f"--attn {args.attn}: expected FWD,BWD: FWD mma or wg, BWD mma, wg or wgds")
         K.ATTN_HOPPER.update(fwd=fwd, bwd=bwd)
-    if args.anchors:
-        import torch._inductor.config as icfg
-
-        icfg.compile_threads = min(16, os.cpu_count() or 1)
     compiled = [a for a in args.anchors if a.startswith("compile-")]
     rows, allres = [], {}
     plog = None
