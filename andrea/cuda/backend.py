@@ -63,6 +63,9 @@ class CupyBackend:
         for i in range(n):
             fn(i)
 
+    def zeros(self, shape, dtype):
+        return self.xp.zeros(shape, dtype=dtype)        # CuPy's pool hands out 512-byte aligned blocks
+
     def to_host(self, a) -> np.ndarray:
         return self.xp.asnumpy(a)
 

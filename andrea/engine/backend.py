@@ -18,6 +18,8 @@ which also has ``make_engine(mc, B, precision)``: its own fused engine with the 
     work_elems(B, T, C, H, V) -> int   scratch the ops need
     row_slots(B) -> [(b0, b1), ...]    the engine's batch slices (NumPy: BATCH_SLICES, fixed)
     run_parallel(fn, n)                fn(0), ..., fn(n - 1) at once (or in turn), then return
+    zeros(shape, dtype) -> array       a zeroed array the engine's buffers are carved from (NumPy:
+                                       its first byte on a cache line, ``aligned_zeros``)
     to_host(a) -> numpy.ndarray        (a copy for a device array; the array itself on numpy)
     copy_from_host(dst, src)           dst (device) <- src (host numpy), same shape
     synchronize()                      wait for queued work (no-op on numpy)
@@ -34,6 +36,22 @@ import numpy as np
 
 from andrea.engine import ops_cpu, ops_numpy, pool
 
+# The NumPy engine's buffers start on a 64-byte cache line. NumPy's own allocations start 16 bytes
+# past one, so every row of every buffer straddled a line: each 64-byte vector load of the Numba
+# kernels and of OpenBLAS's packing touched two. Aligned, the tiny step took 2.3-3.4% less time at
+# 1 thread (paired rounds, session 43, docs/bench/s43.md) and every trained bit stayed the same.
+ALIGN = 64
+
+
+def aligned_zeros(shape, dtype, align: int = ALIGN) -> np.ndarray:
+    """np.zeros(shape, dtype) whose first byte lies on an ``align``-byte boundary (a view into a
+    slightly larger zeroed byte buffer, which it keeps alive)."""
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dt).reshape(shape)
+
 
 class NumpyBackend:
     name = "numpy"
@@ -47,7 +65,10 @@ class NumpyBackend:
 
     @staticmethod
     def work_elems(B: int, T: int, C: int, H: int, V: int) -> int:
-        return ops_numpy.work_elems(B, T, C, H, V)
+        """ops_numpy's need, rounded up to whole cache lines of fp32: the next slice's scratch, which
+        follows this one in the flat buffer, then starts on a line too."""
+        line = ALIGN // 4
+        return -(-ops_numpy.work_elems(B, T, C, H, V) // line) * line
 
     @staticmethod
     def row_slots(B: int) -> list[tuple[int, int]]:
@@ -56,6 +77,10 @@ class NumpyBackend:
     @staticmethod
     def run_parallel(fn, n: int) -> None:
         ops_numpy.run_parallel(fn, n)
+
+    @staticmethod
+    def zeros(shape, dtype) -> np.ndarray:
+        return aligned_zeros(shape, dtype)
 
     @staticmethod
     def to_host(a) -> np.ndarray:

@@ -127,7 +127,7 @@ class Engine:
                  n_partials: int = 64, recompute: str = "auto"):
         self.mc, self.B, self.be = mc, int(batch_size), backend
         self.T, self.N = mc.context, self.B * mc.context
-        xp, self.ops = backend.xp, backend.ops
+        self.ops = backend.ops
         self.dtype = np.dtype(dtype)
         self.layout = param_layout(mc)
         self.n_params = self.layout.n_params
@@ -144,10 +144,10 @@ class Engine:
 
         # --- parameters, gradients, Adam moments: four flat buffers
         n = self.n_params
-        self.w = xp.zeros(n, dtype=self.dtype)
-        self.g = xp.zeros(n, dtype=self.dtype)
-        self.m = xp.zeros(n, dtype=self.dtype)
-        self.v = xp.zeros(n, dtype=self.dtype)
+        self.w = backend.zeros(n, self.dtype)
+        self.g = backend.zeros(n, self.dtype)
+        self.m = backend.zeros(n, self.dtype)
+        self.v = backend.zeros(n, self.dtype)
         self.W = {t.name: self.w[t.offset:t.offset + t.size].reshape(t.shape) for t in self.layout.tensors}
         self.G = {t.name: self.g[t.offset:t.offset + t.size].reshape(t.shape) for t in self.layout.tensors}
 
@@ -158,16 +158,16 @@ class Engine:
             items = [b for b in self.plan if b.kind == kind]
             if not items:
                 continue
-            flat = xp.zeros(sum(b.size for b in items), dtype=self.dtype)
+            flat = backend.zeros(sum(b.size for b in items), self.dtype)
             self._flat[kind], off = flat, 0
             for b in items:
                 self.a[b.name] = flat[off:off + b.size].reshape(b.shape)
                 off += b.size
         for b in self.plan:
             if b.kind == "index":
-                self.a[b.name] = xp.zeros(b.shape, dtype=np.int32)
+                self.a[b.name] = backend.zeros(b.shape, np.int32)
             elif b.kind == "stat":
-                self.a[b.name] = xp.zeros(b.shape, dtype=np.float64)
+                self.a[b.name] = backend.zeros(b.shape, np.float64)
         mask = np.triu(np.full((self.T, self.T), -np.inf, dtype=self.dtype), k=1)
         backend.copy_from_host(self.a["mask"], mask)
         self._pad = (np.zeros((self.B, self.T), np.int32), np.zeros((self.B, self.T), np.int32))  # eval_batch
