@@ -43,13 +43,13 @@ from andrea.engine import ops_cpu, ops_numpy, pool
 ALIGN = 64
 
 
-def aligned_zeros(shape, dtype, align: int = ALIGN) -> np.ndarray:
-    """np.zeros(shape, dtype) whose first byte lies on an ``align``-byte boundary (a view into a
+def aligned_zeros(shape, dtype) -> np.ndarray:
+    """np.zeros(shape, dtype) whose first byte lies on an ``ALIGN``-byte boundary (a view into a
     slightly larger zeroed byte buffer, which it keeps alive)."""
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
+    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
     return raw[start:start + nbytes].view(dt).reshape(shape)
 
 
@@ -78,9 +78,7 @@ class NumpyBackend:
     def run_parallel(fn, n: int) -> None:
         ops_numpy.run_parallel(fn, n)
 
-    @staticmethod
-    def zeros(shape, dtype) -> np.ndarray:
-        return aligned_zeros(shape, dtype)
+    zeros = staticmethod(aligned_zeros)
 
     @staticmethod
     def to_host(a) -> np.ndarray:
