@@ -36,10 +36,11 @@ import engine_gpu as eg  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 
-def device_ops(prof) -> list[tuple[int, int, str]]:
-    """(start ns, duration ns, name) of every device operation a torch.profiler run saw (kernels, memsets,
-    copies; its own bookkeeping rows left out), in start order."""
-    ops = [(e.start_ns(), e.duration_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+def device_ops(prof) -> list[tuple[int, int, str, int]]:
+    """(start ns, duration ns, name, stream) of every device operation a torch.profiler run saw (kernels,
+    memsets, copies; its own bookkeeping rows left out), in start order."""
+    ops = [(e.start_ns(), e.duration_ns(), e.name(), int(e.device_resource_id()))
+           for e in prof.profiler.kineto_results.events()
            if e.device_type().name == "CUDA" and not e.name().startswith(("ProfilerStep", "cudaGraph"))]
     return sorted(ops)
 
@@ -62,7 +63,7 @@ def step_gaps(ops: list, first: str = "k_embed_fwd", top: int = 12) -> dict:
         wall.append((seg[-1][0] - seg[0][0]) / 1e6)
         busy.append(sum(o[1] for o in seg[:-1]) / 1e6)
         end, last = seg[0][0] + seg[0][1], seg[0][2]
-        for start, dur, name in seg[1:]:
+        for start, dur, name, *_ in seg[1:]:
             acc = pairs.setdefault((last, name), [0, 0])
             acc[0] += max(0, start - end)
             acc[1] += 1
@@ -72,7 +73,69 @@ def step_gaps(ops: list, first: str = "k_embed_fwd", top: int = 12) -> dict:
     return {"wall_ms": wall, "busy_ms": busy, "idle_ms": sum(r[0] for r in rows), "pairs": rows[:top]}
 
 
-def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: int = 40, gaps: bool = False) -> dict:
+def _covered(lo: int, hi: int, spans: list) -> int:
+    """ns of [lo, hi) that the union of ``spans`` ((start, end) sorted by start) covers."""
+    got, reach = 0, lo
+    for a, b in spans:
+        if b <= reach:
+            continue
+        if a >= hi:
+            break
+        a = max(a, reach)
+        got += min(b, hi) - a
+        reach = min(b, hi)
+    return got
+
+
+def stream_waits(ops: list, first: str = "k_embed_fwd", top: int = 8) -> dict:
+    """Where the engine's stream waits in a step: ``ops`` (``device_ops``, with streams) cut into steps as in
+    ``step_gaps``; the engine's stream is the one ``first`` runs on, every other is a side stream (with
+    OVERLAP_UPDATE: AdamW's). Per step: the engine stream's idle ms (the time between one of its operations'
+    start and the end of all of its operations before it), split into ``beside_ms`` (another stream busy
+    then: the engine stream waiting for the update, or its next kernel not yet placed beside it) and
+    ``device_idle_ms`` (nothing running). ``waits``: that idle time per (engine op before, engine op after)
+    pair with the part beside side work, ms a step, the ``top`` largest; ``side``: each side operation's
+    name with its ms and calls a step."""
+    starts = [i for i, o in enumerate(ops) if o[2].startswith(first)]
+    n = len(starts) - 1
+    out = {"idle_ms": [], "beside_ms": [], "device_idle_ms": [], "waits": [], "side": {}}
+    if n < 1:
+        return out
+    main = ops[starts[0]][3]
+    pairs: dict[tuple[str, str], list] = {}
+    for a, b in zip(starts[:-1], starts[1:]):
+        seg = ops[a:b + 1]
+        side = sorted((o[0], o[0] + o[1]) for o in ops if o[3] != main and o[0] < seg[-1][0]
+                      and o[0] + o[1] > seg[0][0])
+        for o in seg[:-1]:
+            if o[3] != main:
+                acc = out["side"].setdefault(o[2], [0.0, 0.0])
+                acc[0] += o[1] / n / 1e6
+                acc[1] += 1 / n
+        eng = [o for o in seg if o[3] == main]
+        idle = beside = 0
+        end, last = eng[0][0] + eng[0][1], eng[0][2]
+        for start, dur, name, *_ in eng[1:]:
+            gap = max(0, start - end)
+            cov = _covered(end, start, side) if gap else 0
+            idle, beside = idle + gap, beside + cov
+            acc = pairs.setdefault((last, name), [0, 0, 0])
+            acc[0] += gap
+            acc[1] += cov
+            acc[2] += 1
+            if start + dur >= end:
+                end, last = start + dur, name
+        out["idle_ms"].append(idle / 1e6)
+        out["beside_ms"].append(beside / 1e6)
+        out["device_idle_ms"].append((idle - beside) / 1e6)
+    rows = sorted(([t / n / 1e6, c / n / 1e6, k / n, p[0], p[1]] for p, (t, c, k) in pairs.items()),
+                  key=lambda r: -r[1])
+    out["waits"] = rows[:top]
+    return out
+
+
+def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: int = 40, gaps: bool = False,
+            streams: bool = False) -> dict:
     """ms/step and {kernel name: [device ms a step, calls a step]} of one configuration."""
     import cupy as cp
     from torch.profiler import ProfilerActivity
@@ -110,7 +173,9 @@ def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: in
             step()
         cp.cuda.Device().synchronize()
     by = eg.kernel_times(prof, steps)
-    idle = step_gaps(device_ops(prof)) if gaps else None
+    ops = device_ops(prof) if gaps or streams else None
+    idle = step_gaps(ops) if gaps else None
+    waits = stream_waits(ops) if streams else None
     del eng
     eg.release_pool()
     total = sum(v[0] for v in by.values())
@@ -126,6 +191,16 @@ def profile(name: str, B: int, spec: str, steps: int = 3, fp8_gelu=None, top: in
         for t, n, before, after in idle["pairs"]:
             print(f"  {t:8.3f} ms {n:6.1f}x  {before[:50]}  ->  {after[:50]}", flush=True)
         res["gaps"] = idle
+    if waits is not None:
+        r2 = lambda xs: [round(x, 3) for x in xs]                                   # noqa: E731
+        print(f"  engine stream idle ms a step {r2(waits['idle_ms'])}: beside side-stream work "
+              f"{r2(waits['beside_ms'])}, device idle {r2(waits['device_idle_ms'])}; side streams:", flush=True)
+        for k, (t, c) in sorted(waits["side"].items(), key=lambda kv: -kv[1][0])[:4]:
+            print(f"  {t:8.3f} ms {c:6.1f}x  {k[:90]}", flush=True)
+        print("  the engine stream's largest waits beside side work (ms a step, of its idle ms):", flush=True)
+        for t, c, k, before, after in waits["waits"]:
+            print(f"  {c:8.3f} of {t:6.3f} ms {k:5.1f}x  {before[:45]}  ->  {after[:45]}", flush=True)
+        res["streams"] = waits
     return res
 
 
@@ -138,6 +213,8 @@ def main(argv=None) -> int:
                     help="fp8 again with each of these andrea/cuda/fp8.py switches flipped alone")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gaps", action="store_true", help="also the device's idle time between operations a step")
+    ap.add_argument("--streams", action="store_true",
+                    help="also where the engine's stream waits while a side stream (the update) runs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import andrea.cuda.fp8 as k8
@@ -145,14 +222,14 @@ def main(argv=None) -> int:
     out = {}
     for v, B in eg.parse_variants(args.variants, 8):
         for p in args.precision:
-            out[f"{v}:{B}:{p}"] = profile(v, B, p, args.steps, gaps=args.gaps)
+            out[f"{v}:{B}:{p}"] = profile(v, B, p, args.steps, gaps=args.gaps, streams=args.streams)
             if args.fp8_gelu is not None and p.startswith("fp8"):
                 g = frozenset(args.fp8_gelu.split(",")) - {"none", ""}
-                out[f"{v}:{B}:{p}:gelu-{args.fp8_gelu}"] = profile(v, B, p, args.steps, fp8_gelu=g, gaps=args.gaps)
+                out[f"{v}:{B}:{p}:gelu-{args.fp8_gelu}"] = profile(v, B, p, args.steps, fp8_gelu=g, gaps=args.gaps, streams=args.streams)
             for sw in args.fp8_flip if p.startswith("fp8") else ():
                 with eg.patched(k8, **{sw: not getattr(k8, sw)}):
                     print(f"(fp8.{sw} = {getattr(k8, sw)})", flush=True)
-                    out[f"{v}:{B}:{p}:flip-{sw}"] = profile(v, B, p, args.steps, gaps=args.gaps)
+                    out[f"{v}:{B}:{p}:flip-{sw}"] = profile(v, B, p, args.steps, gaps=args.gaps, streams=args.streams)
             if args.json:
                 atomic_write_json(Path(args.json), out)
     return 0
