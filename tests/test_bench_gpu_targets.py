@@ -186,3 +186,14 @@ def test_the_committed_session_43_run(gt, capsys):
     b8 = lines["andrea-480m:B8"]
     assert "1.153x (paired 1.144x) MFU 51.4% mem 0.99" in b8 and b8.endswith("NOT MET (MFU 51.4% < 55% (run 1))"), b8
     assert lines["cards:"] == "cards: NVIDIA H100 80GB HBM3"
+
+
+def test_the_committed_session_44_h200_runs(gt, capsys):
+    """Session 44's three H200 runs of ours alone at 480M B=8 (no device time was left for the anchors): MFU
+    54.8 / 55.2 / 54.8%, so runs 1 and 3 fall under the floor, and without anchors no run can meet 1.10x."""
+    runs = [str(gt.ROOT / "docs/bench" / f"s44_ours{n}_480m8_h200.json") for n in (1, 2, 3)]
+    assert gt.main(runs) == 1
+    lines = {ln.split(" ")[0]: ln for ln in capsys.readouterr().out.splitlines()}
+    b8 = lines["andrea-480m:B8"]
+    assert "no compile-max-autotune (runs 1, 2, 3)" in b8 and b8.endswith("MFU 54.8% < 55% (runs 1, 3))"), b8
+    assert lines["cards:"] == "cards: NVIDIA H200"
