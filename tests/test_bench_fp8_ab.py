@@ -51,18 +51,19 @@ def test_the_median_of_the_paired_rounds_is_printed_and_saved(tmp_path, monkeypa
 
 def test_kernel_profile_flips_each_switch_for_its_own_fp8_profile(tmp_path, monkeypatch):
     """bench/kernel_profile.py --fp8-flip: one more profile per switch, fp8 precisions only, with that
-    andrea/cuda/fp8.py boolean flipped for it alone and restored after."""
+    andrea/cuda/fp8.py boolean flipped for it alone and restored after; --gaps and --streams reach each."""
     kp = load_script("bench/kernel_profile.py")
     import andrea.cuda.fp8 as k8
 
     before = k8.HPRE_E4M3
     seen = []
-    monkeypatch.setattr(kp, "profile", lambda v, B, p, steps, fp8_gelu=None, gaps=False:
-                        seen.append((p, k8.HPRE_E4M3, gaps)) or {})
+    monkeypatch.setattr(kp, "profile", lambda v, B, p, steps, fp8_gelu=None, gaps=False, streams=False:
+                        seen.append((p, k8.HPRE_E4M3, gaps, streams)) or {})
     out = tmp_path / "k.json"
     assert kp.main(["--variants", "andrea-12m:8", "--precision", "bf16", "fp8:delayed", "--fp8-flip", "HPRE_E4M3",
-                    "--json", str(out), "--gaps"]) == 0
-    assert seen == [("bf16", before, True), ("fp8:delayed", before, True), ("fp8:delayed", not before, True)]
+                    "--json", str(out), "--gaps", "--streams"]) == 0
+    assert seen == [("bf16", before, True, True), ("fp8:delayed", before, True, True),
+                    ("fp8:delayed", not before, True, True)]
     assert k8.HPRE_E4M3 == before
     assert sorted(json.loads(out.read_text())) == ["andrea-12m:8:bf16", "andrea-12m:8:fp8:delayed",
                                                    "andrea-12m:8:fp8:delayed:flip-HPRE_E4M3"]
