@@ -6,6 +6,8 @@
 #   bash bench/device_queue.sh TAG DEADLINE_S JOB...      # JOB = VARIANT:BATCH@NAME, e.g. andrea-480m:8@m8r1
 #   bash bench/device_queue.sh c1 570 andrea-12m:64@b64r1 andrea-480m:8@m8r1
 #
+# - with REQUIRE_CARD set (a part of the card's name, e.g. H200), stops at once on any other card, before
+#   anything is installed or run: a call that asked for a card and got another costs only the machine's start;
 # - installs the carried wheels (cuDNN's frontend; jsonschema where the image lacks it) under /tmp;
 # - prints the card, driver, power limit, maximum SM clock, torch and CuPy;
 # - runs each job as `engine_gpu.py --variants VARIANT:BATCH --precision bf16 --autotune-seed --power
@@ -21,6 +23,11 @@ shift 2
 t0=$(date +%s)
 work=${QUEUE_DIR:-/tmp/queue}/$tag
 mkdir -p "$work"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+if [ -n "${REQUIRE_CARD:-}" ] && [[ "$card" != *"$REQUIRE_CARD"* ]]; then
+  echo "$card is not the card REQUIRE_CARD names ($REQUIRE_CARD): nothing run"
+  exit 0
+fi
 pip install -q --no-deps --target /tmp/cfe .whl/nvidia_cudnn_frontend-*.whl 2>&1 | grep -v WARNING
 python3 -c "import jsonschema" 2>/dev/null || pip install -q --no-deps --target /tmp/deps .whl/deps/*.whl 2>&1 | grep -v WARNING
 export PYTHONPATH=/tmp/cfe:/tmp/deps:. TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor
