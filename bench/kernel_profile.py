@@ -49,30 +49,43 @@ def device_ops(prof) -> list[tuple[int, int, str, int]]:
     return sorted(ops)
 
 
-def step_gaps(ops: list, first: str = "k_embed_fwd", top: int = 12) -> dict:
-    """Where the device idles in a step: ``ops`` (``device_ops``) cut into steps at each operation whose
-    name starts with ``first`` (the step's first kernel; the last step, which has no next start, is left
-    out). Per step: wall ms (its first operation's start to the next step's) and busy ms (its operations'
-    durations). Idle: the time between an operation's start and the end of everything before it (0 when
-    they overlap), per (name before, name after) pair, in ms a step and operations a step, the ``top``
-    largest; ``idle_ms`` is the whole idle time a step."""
+def step_segments(ops: list, first: str) -> list[list]:
+    """``ops`` cut into steps at each operation whose name starts with ``first`` (the step's first kernel):
+    each step's operations followed by the next step's first one (the last step, which has no next start,
+    is left out)."""
     starts = [i for i, o in enumerate(ops) if o[2].startswith(first)]
-    n = len(starts) - 1
+    return [ops[a:b + 1] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def idle_before(seg: list):
+    """For each operation of ``seg`` after its first: (the end of everything before it, its start, the name
+    of the operation that ended last before it, its name); idle where the start is later than that end."""
+    end, last = seg[0][0] + seg[0][1], seg[0][2]
+    for start, dur, name, *_ in seg[1:]:
+        yield end, start, last, name
+        if start + dur >= end:
+            end, last = start + dur, name
+
+
+def step_gaps(ops: list, first: str = "k_embed_fwd", top: int = 12) -> dict:
+    """Where the device idles in a step: ``ops`` (``device_ops``) cut into steps (``step_segments``). Per
+    step: wall ms (its first operation's start to the next step's) and busy ms (its operations' durations).
+    Idle: the time between an operation's start and the end of everything before it (0 when they overlap),
+    per (name before, name after) pair, in ms a step and operations a step, the ``top`` largest; ``idle_ms``
+    is the whole idle time a step."""
+    segs = step_segments(ops, first)
+    n = len(segs)
     if n < 1:
         return {"wall_ms": [], "busy_ms": [], "idle_ms": 0.0, "pairs": []}
     pairs: dict[tuple[str, str], list] = {}
     wall, busy = [], []
-    for a, b in zip(starts[:-1], starts[1:]):
-        seg = ops[a:b + 1]                                  # the step and the next step's first operation
+    for seg in segs:
         wall.append((seg[-1][0] - seg[0][0]) / 1e6)
         busy.append(sum(o[1] for o in seg[:-1]) / 1e6)
-        end, last = seg[0][0] + seg[0][1], seg[0][2]
-        for start, dur, name, *_ in seg[1:]:
+        for end, start, last, name in idle_before(seg):
             acc = pairs.setdefault((last, name), [0, 0])
             acc[0] += max(0, start - end)
             acc[1] += 1
-            if start + dur >= end:
-                end, last = start + dur, name
     rows = sorted(([t / n / 1e6, c / n, k[0], k[1]] for k, (t, c) in pairs.items()), key=lambda r: -r[0])
     return {"wall_ms": wall, "busy_ms": busy, "idle_ms": sum(r[0] for r in rows), "pairs": rows[:top]}
 
@@ -92,34 +105,30 @@ def _covered(lo: int, hi: int, spans: list) -> int:
 
 
 def stream_waits(ops: list, first: str = "k_embed_fwd", top: int = 8) -> dict:
-    """Where the engine's stream waits in a step: ``ops`` (``device_ops``, with streams) cut into steps as in
-    ``step_gaps``; the engine's stream is the one ``first`` runs on, every other is a side stream (with
+    """Where the engine's stream waits in a step: ``ops`` (``device_ops``, with streams) cut into steps
+    (``step_segments``); the engine's stream is the one ``first`` runs on, every other is a side stream (with
     OVERLAP_UPDATE: AdamW's). Per step: the engine stream's idle ms (the time between one of its operations'
     start and the end of all of its operations before it), split into ``beside_ms`` (another stream busy
     then: the engine stream waiting for the update, or its next kernel not yet placed beside it) and
     ``device_idle_ms`` (nothing running). ``waits``: that idle time per (engine op before, engine op after)
     pair with the part beside side work, ms a step, the ``top`` largest; ``side``: each side operation's
     name with its ms and calls a step."""
-    starts = [i for i, o in enumerate(ops) if o[2].startswith(first)]
-    n = len(starts) - 1
+    segs = step_segments(ops, first)
+    n = len(segs)
     out = {"idle_ms": [], "beside_ms": [], "device_idle_ms": [], "waits": [], "side": {}}
     if n < 1:
         return out
-    main = ops[starts[0]][3]
+    main = segs[0][0][3]
+    side = sorted((o[0], o[0] + o[1]) for o in ops if o[3] != main)
     pairs: dict[tuple[str, str], list] = {}
-    for a, b in zip(starts[:-1], starts[1:]):
-        seg = ops[a:b + 1]
-        side = sorted((o[0], o[0] + o[1]) for o in ops if o[3] != main and o[0] < seg[-1][0]
-                      and o[0] + o[1] > seg[0][0])
+    for seg in segs:
         for o in seg[:-1]:
             if o[3] != main:
                 acc = out["side"].setdefault(o[2], [0.0, 0.0])
                 acc[0] += o[1] / n / 1e6
                 acc[1] += 1 / n
-        eng = [o for o in seg if o[3] == main]
         idle = beside = 0
-        end, last = eng[0][0] + eng[0][1], eng[0][2]
-        for start, dur, name, *_ in eng[1:]:
+        for end, start, last, name in idle_before([o for o in seg if o[3] == main]):
             gap = max(0, start - end)
             cov = _covered(end, start, side) if gap else 0
             idle, beside = idle + gap, beside + cov
@@ -127,8 +136,6 @@ def stream_waits(ops: list, first: str = "k_embed_fwd", top: int = 8) -> dict:
             acc[0] += gap
             acc[1] += cov
             acc[2] += 1
-            if start + dur >= end:
-                end, last = start + dur, name
         out["idle_ms"].append(idle / 1e6)
         out["beside_ms"].append(beside / 1e6)
         out["device_idle_ms"].append((idle - beside) / 1e6)
