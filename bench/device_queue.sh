@@ -23,15 +23,15 @@ shift 2
 t0=$(date +%s)
 work=${QUEUE_DIR:-/tmp/queue}/$tag
 mkdir -p "$work"
-card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-if [ -n "${REQUIRE_CARD:-}" ] && [[ "$card" != *"$REQUIRE_CARD"* ]]; then
+card=$(nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader | head -1)
+if [ -n "${REQUIRE_CARD:-}" ] && [[ "${card%%,*}" != *"$REQUIRE_CARD"* ]]; then
   echo "$card is not the card REQUIRE_CARD names ($REQUIRE_CARD): nothing run"
   exit 0
 fi
 pip install -q --no-deps --target /tmp/cfe .whl/nvidia_cudnn_frontend-*.whl 2>&1 | grep -v WARNING
 python3 -c "import jsonschema" 2>/dev/null || pip install -q --no-deps --target /tmp/deps .whl/deps/*.whl 2>&1 | grep -v WARNING
 export PYTHONPATH=/tmp/cfe:/tmp/deps:. TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor
-nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv,noheader
+echo "$card"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 for job in "$@"; do
   shapes=${job%@*} name=${job#*@}
