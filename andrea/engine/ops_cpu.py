@@ -48,7 +48,7 @@ from andrea.engine.ops_numpy import (  # noqa: F401 - re-exported: the ops this 
 # contract: FMAs; nsz: no signed-zero care. No reassoc (nor arcp/afn): a reassociation flag lets
 # LLVM's backend reorder sums by its scheduling model, and the code compiled in-process and the
 # code loaded from the cache then rounded differently (the loss softmax did: one ulp); the row
-# sums that must vectorize do so through explicit lanes (_sum8, _dot8). No nnan/ninf.
+# sums run as 8 independent chains instead (_sum8, _dot8). No nnan/ninf.
 _JIT = dict(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "nsz"})
 # Rows per GEMM -> kernel -> GEMM chain in the MLP and the loss. 1024 = a whole tiny batch slice:
 # 256-row blocks (the chain's intermediates in L2) measured 2.8% slower per step (paired, 30
@@ -134,8 +134,10 @@ def _exp_shift_sum(dst, src, shift, scr):
 
 @numba.njit(**_JIT)
 def _sum8(v):
-    """sum(v) of a 1-D v in 8 interleaved partial sums, combined pairwise: one fixed order,
-    which LLVM vectorizes without reassociating (each lane is its own chain)."""
+    """sum(v) of a 1-D v in 8 interleaved partial sums, combined pairwise: one fixed order, and
+    8 independent chains the core runs side by side. They stay scalar: Numba leaves LLVM's SLP
+    vectorizer off (NUMBA_SLP_VECTORIZE), and with it on the engine's bits were the same and its
+    step no faster (docs/bench/s45.md)."""
     F = v.shape[0]
     dt = v.dtype.type
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = dt(0.0)
