@@ -1,0 +1,26 @@
+"""Scratch (session 45): k_mm_dgelu's diagnostic builds (MM_DIAG) timed with events, or launched twice each under ncu."""
+import sys
+import cupy as cp
+from andrea.cuda import kernels as K
+K.MM_DGELU["MM_DIAG"] = 0
+once = sys.argv[1] == "once"
+M, N, Kd = 8192, 6144, 1536
+rng = cp.random.default_rng(0)
+def bf(shape):
+    return (rng.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+a, b, x = bf((M, Kd)), bf((N, Kd)), bf((M, N))
+d = cp.zeros((M, N), cp.uint16)
+ks = {cfg: K.MmDgelu(tuple(s for s in cfg.split(",") if s)) for cfg in sys.argv[2:]}
+for cfg, k in ks.items():
+    if once:
+        k(d, a, b, x); k(d, a, b, x); cp.cuda.Device().synchronize(); continue
+for r in range(0 if once else 3):
+    for cfg, k in ks.items():
+        for _ in range(200):
+            k(d, a, b, x)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        for _ in range(100):
+            k(d, a, b, x)
+        e1.record(); e1.synchronize()
+        print(f"round {r} {cfg:40s} {cp.cuda.get_elapsed_time(e0, e1) / 100 * 1000:8.1f} us", flush=True)
