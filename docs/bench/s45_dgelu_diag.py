@@ -1,4 +1,14 @@
-"""Scratch (session 45): k_mm_dgelu's diagnostic builds (MM_DIAG) timed with events, or launched twice each under ncu."""
+"""Scratch driver of session 45 (docs/bench/s45.md): k_mm_dgelu's diagnostic builds at 480M B=8's proj dgrad
+(8192 x 6144 x 1536), timed with CUDA events (3 rounds of 100 calls after 200), or launched twice each for ncu.
+On an H100/H200 with docs/bench/s45_scratch_mm_dgelu_diag.diff applied (it adds MM_DIAG and MM_XPF):
+
+    PYTHONPATH=. python3 docs/bench/s45_dgelu_diag.py time MM_CLUSTER=2,MM_LDSM=1 MM_CLUSTER=2,MM_LDSM=1,MM_DIAG=4
+    ncu -k k_mm_dgelu --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,... --csv \
+        python3 docs/bench/s45_dgelu_diag.py once MM_CLUSTER=2,MM_LDSM=1 ...
+
+The two defines are added to kernels.MM_DGELU here so mm_dgelu_config takes them. With ``time``, the builds
+without MM_DIAG are also checked to give the same bytes as the first one named.
+"""
 import sys
 import cupy as cp
 from andrea.cuda import kernels as K
