@@ -1,19 +1,17 @@
 """Scratch driver of session 45 (docs/bench/s45.md): k_mm_dgelu's diagnostic builds at 480M B=8's proj dgrad
 (8192 x 6144 x 1536), timed with CUDA events (3 rounds of 100 calls after 200), or launched twice each for ncu.
-On an H100/H200 with docs/bench/s45_scratch_mm_dgelu_diag.diff applied (it adds MM_DIAG and MM_XPF):
+On an H100/H200 with docs/bench/s45_scratch_mm_dgelu_diag.diff applied (it adds MM_DIAG, MM_XPF and MM_XREG to
+mm_dgelu.cu, the kernel's X pointer argument and the three defines to kernels.py):
 
     PYTHONPATH=. python3 docs/bench/s45_dgelu_diag.py time MM_CLUSTER=2,MM_LDSM=1 MM_CLUSTER=2,MM_LDSM=1,MM_DIAG=4
     ncu -k k_mm_dgelu --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,... --csv \
         python3 docs/bench/s45_dgelu_diag.py once MM_CLUSTER=2,MM_LDSM=1 ...
 
-The two defines are added to kernels.MM_DGELU here so mm_dgelu_config takes them. With ``time``, the builds
-without MM_DIAG are also checked to give the same bytes as the first one named.
+With ``time``, the builds without MM_DIAG are also checked to give the same bytes as the first one named.
 """
 import sys
 import cupy as cp
 from andrea.cuda import kernels as K
-K.MM_DGELU["MM_DIAG"] = 0
-K.MM_DGELU["MM_XPF"] = 0
 once = sys.argv[1] == "once"
 M, N, Kd = 8192, 6144, 1536
 rng = cp.random.default_rng(0)
