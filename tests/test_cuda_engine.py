@@ -250,6 +250,32 @@ def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, accum,
     assert all(x.tobytes() == y.tobytes() for x, y in zip(whole[1:], resumed[1:]))
 
 
+HALVES = (("ln1", ("ln1",), ("attn.w_qkv", "attn.w_o")), ("ln2", ("ln2",), ("mlp.w_fc", "mlp.w_proj")))
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_the_update_in_two_pieces_a_block_keeps_every_byte(graph, monkeypatch):
+    """UPDATE_BLOCK_PIECES as two pieces a block (the MLP's weights waited for at ln2): six steps and an
+    evaluation forward queued right after them give the same StepResults, loss and w, m, v bytes as the update
+    in one launch after the backward."""
+    import andrea.cuda.engine as ce
+    from andrea.cuda.backend import make_backend
+
+    def run(overlap, pieces):
+        monkeypatch.setattr(ce, "OVERLAP_UPDATE", overlap)
+        monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", pieces)
+        eng = make_backend().make_engine(MC, B, precision="bf16", cuda_graph=graph, grad_accum=1)
+        if overlap:
+            assert len(eng._upd.pieces) == 2 + 2 * MC.n_layer
+        eng.init_weights(0)
+        res = [eng.train_step([batch(300 + t)], 3e-3, t, HP) for t in range(1, 7)]
+        loss = eng.forward(*batch(999))
+        return repr([(r.loss, r.grad_norm, r.ok) for r in res]), loss, [x.tobytes() for x in eng.state_host()]
+
+    committed = ce.UPDATE_BLOCK_PIECES
+    assert run(True, HALVES) == run(False, committed)
+
+
 @pytest.mark.parametrize("graph", [True, False])
 def test_the_engine_stream_at_high_priority_keeps_every_byte(graph, monkeypatch):
     """STREAM_PRIORITY: the engine's stream (the graphs launch into it) at the device's greatest priority, the

@@ -28,6 +28,33 @@ def test_the_updates_pieces_cover_every_parameter_once_in_the_order_the_forward_
     assert pieces[0][0] == [(0, (mc.vocab_size + mc.context) * C)]
 
 
+def test_a_block_split_in_two_pieces_waits_at_each_layernorm_and_still_covers_every_parameter_once(monkeypatch):
+    """UPDATE_BLOCK_PIECES as two pieces a block: attention's weights with ln1, the MLP's with ln2, each opened by
+    its LayerNorm's g; a table whose spans are not contiguous in the layout is refused by name."""
+    import pytest
+
+    import andrea.cuda.engine as ce
+    from andrea.engine.model import ModelConfig, param_layout
+    from andrea.errors import AndreaError
+
+    mc = ModelConfig(vocab_size=300, d_model=64, n_head=2, n_layer=3, context=128)
+    lay, C = param_layout(mc), mc.d_model
+    monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", (("ln1", ("ln1",), ("attn.w_qkv", "attn.w_o")),
+                                                    ("ln2", ("ln2",), ("mlp.w_fc", "mlp.w_proj"))))
+    pieces = ce.update_pieces(lay, mc.n_layer)
+    assert [opens for _, opens in pieces] == ["wte"] + [f"h.{l}.ln{i}.g" for l in range(3) for i in (1, 2)] + ["lnf.g"]
+    flat = sorted(r for rs, _ in pieces for r in rs)
+    assert flat[0][0] == 0 and flat[-1][1] == lay.n_params and all(a[1] == b[0] for a, b in zip(flat, flat[1:]))
+    for l in range(mc.n_layer):
+        (att, ln1), (mlp, ln2) = pieces[1 + 2 * l][0], pieces[2 + 2 * l][0]
+        assert att == (lay.by_name[f"h.{l}.attn.w_qkv"].offset, lay.by_name[f"h.{l}.mlp.w_fc"].offset)
+        assert mlp[1] - mlp[0] == 8 * C * C and ln1 == (lay.by_name[f"h.{l}.ln1.g"].offset, lay.by_name[f"h.{l}.ln2.g"].offset)
+        assert ln2[1] - ln2[0] == 2 * C
+    monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", (("ln1", ("ln1", "ln2"), ("attn.w_qkv", "mlp.w_fc")),))
+    with pytest.raises(AndreaError, match="mlp.w_fc starts at element"):
+        ce.update_pieces(lay, mc.n_layer)
+
+
 def test_the_norms_partial_sums_take_every_range_in_flat_order(monkeypatch):
     """norm_slots: a range's blocks are one per NORM_CHUNK elements (1 to NORM_BLOCKS); the slots follow the
     ranges' flat order whatever the pieces' order; the arena sizes norm_part for them only with OVERLAP_NORM."""

@@ -113,6 +113,11 @@ OWN_DGELU_DEFINES: tuple[str, ...] = ()
 # 0.30 ms off 480M B=8 (47.55 -> 47.25), 0.10 ms off 480M B=16 and 0.40 ms off 120M B=32 (bench/engine_ab.py,
 # docs/bench/s33_h200.md).
 OVERLAP_UPDATE = True
+# OVERLAP_UPDATE's pieces of one block, in the forward's order: each (the LayerNorm whose forward waits for the
+# piece, the LayerNorms stepped in it, its matmul weights). One piece a block (committed), or two
+# ((("ln1", ("ln1",), ("attn.w_qkv", "attn.w_o")), ("ln2", ("ln2",), ("mlp.w_fc", "mlp.w_proj"))): the block's
+# attention may start once a third of its weights are stepped). Only where the forward waits: the same bytes.
+UPDATE_BLOCK_PIECES = (("ln1", ("ln1", "ln2"), recipe.MATMUL_WEIGHTS),)
 # One GPU, not fp8: the gradient norm's partial sums are taken piece by piece (update_pieces' pieces: lnf,
 # then each block's matmul weights and LayerNorms) on a stream of their own as soon as the backward has
 # finished the piece (lnf's after its LayerNorm backward, a block's after its ln1 backward), beside the rest
@@ -622,12 +627,13 @@ def stream_priority(world: int) -> int | None:
 def update_pieces(layout, n_layer: int) -> list:
     """OVERLAP_UPDATE's pieces of the flat parameters in the order the forward reads them, each (its flat
     [lo, hi) ranges, the parameter whose first read in the forward waits for it): wte and wpe (the
-    embedding), then each block's matmul weights and LayerNorms (its ln1), then lnf (the head). They cover
+    embedding), then each block's UPDATE_BLOCK_PIECES, then lnf (the head). They cover
     every parameter once; AndreaError if the layout says otherwise."""
     pieces = [([(0, layout.by_name["h.0.attn.w_qkv"].offset)], "wte")]
-    for l, mats in enumerate(block_weight_spans(layout, n_layer)):
-        lns = contiguous_span(layout, [f"h.{l}.ln1.g", f"h.{l}.ln1.b", f"h.{l}.ln2.g", f"h.{l}.ln2.b"])
-        pieces.append(([mats, lns], f"h.{l}.ln1.g"))
+    for l in range(n_layer):
+        for opens, norms, mats in UPDATE_BLOCK_PIECES:         # each: its matmul weights, then its LayerNorms
+            pieces.append(([contiguous_span(layout, [f"h.{l}.{k}" for k in mats]),
+                            contiguous_span(layout, [f"h.{l}.{n}.{p}" for n in norms for p in "gb"])], f"h.{l}.{opens}.g"))
     pieces.append(([contiguous_span(layout, ["lnf.g", "lnf.b"])], "lnf.g"))
     covered = sorted(r for rs, _ in pieces for r in rs)
     if covered[0][0] != 0 or covered[-1][1] != layout.n_params or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
