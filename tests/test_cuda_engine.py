@@ -250,30 +250,30 @@ def test_the_update_beside_the_next_forward_keeps_every_byte(prec, graph, accum,
     assert all(x.tobytes() == y.tobytes() for x, y in zip(whole[1:], resumed[1:]))
 
 
-HALVES = (("ln1", ("ln1",), ("attn.w_qkv", "attn.w_o")), ("ln2", ("ln2",), ("mlp.w_fc", "mlp.w_proj")))
-
-
-@pytest.mark.parametrize("graph", [True, False])
-def test_the_update_in_two_pieces_a_block_keeps_every_byte(graph, monkeypatch):
-    """UPDATE_BLOCK_PIECES as two pieces a block (the MLP's weights waited for at ln2): six steps and an
-    evaluation forward queued right after them give the same StepResults, loss and w, m, v bytes as the update
-    in one launch after the backward."""
+@pytest.mark.parametrize("per_block,graph", [(2, True), (4, True), (4, False)])
+def test_the_update_in_finer_pieces_keeps_every_byte(per_block, graph, monkeypatch):
+    """UPDATE_BLOCK_PIECES as two pieces a block (the MLP's weights waited for at ln2) or one a matrix (the
+    attention-out and proj weights waited for at their GEMMs, through the bf16 copies they read): six steps and
+    an evaluation forward queued right after them give the same StepResults, loss and w, m, v bytes as the
+    update in one launch after the backward."""
     import andrea.cuda.engine as ce
     from andrea.cuda.backend import make_backend
+    from test_cuda_overlap_plan import HALVES, QUARTERS
 
     def run(overlap, pieces):
         monkeypatch.setattr(ce, "OVERLAP_UPDATE", overlap)
         monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", pieces)
         eng = make_backend().make_engine(MC, B, precision="bf16", cuda_graph=graph, grad_accum=1)
         if overlap:
-            assert len(eng._upd.pieces) == 2 + 2 * MC.n_layer
+            assert len(eng._upd.pieces) == 2 + per_block * MC.n_layer
+            assert f"AdamW in {2 + per_block * MC.n_layer} pieces" in eng.describe()
         eng.init_weights(0)
         res = [eng.train_step([batch(300 + t)], 3e-3, t, HP) for t in range(1, 7)]
         loss = eng.forward(*batch(999))
         return repr([(r.loss, r.grad_norm, r.ok) for r in res]), loss, [x.tobytes() for x in eng.state_host()]
 
     committed = ce.UPDATE_BLOCK_PIECES
-    assert run(True, HALVES) == run(False, committed)
+    assert run(True, HALVES if per_block == 2 else QUARTERS) == run(False, committed)
 
 
 @pytest.mark.parametrize("graph", [True, False])

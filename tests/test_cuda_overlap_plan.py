@@ -28,9 +28,17 @@ def test_the_updates_pieces_cover_every_parameter_once_in_the_order_the_forward_
     assert pieces[0][0] == [(0, (mc.vocab_size + mc.context) * C)]
 
 
-def test_a_block_split_in_two_pieces_waits_at_each_layernorm_and_still_covers_every_parameter_once(monkeypatch):
-    """UPDATE_BLOCK_PIECES as two pieces a block: attention's weights with ln1, the MLP's with ln2, each opened by
-    its LayerNorm's g; a table whose spans are not contiguous in the layout is refused by name."""
+HALVES = (("ln1.g", (("attn.w_qkv", "attn.w_o"), ("ln1.g", "ln1.b"))),
+          ("ln2.g", (("mlp.w_fc", "mlp.w_proj"), ("ln2.g", "ln2.b"))))
+QUARTERS = (("ln1.g", (("attn.w_qkv",), ("ln1.g", "ln1.b"))), ("attn.w_o", (("attn.w_o",),)),
+            ("ln2.g", (("mlp.w_fc",), ("ln2.g", "ln2.b"))), ("mlp.w_proj", (("mlp.w_proj",),)))
+
+
+def test_finer_pieces_a_block_wait_where_the_forward_first_reads_them_and_still_cover_every_parameter_once(
+        monkeypatch):
+    """UPDATE_BLOCK_PIECES as two pieces a block (attention's weights with ln1, the MLP's with ln2) or one a
+    matrix: each opened by its own tensor, in the forward's order; every parameter stepped once. A table whose
+    run is not contiguous in the layout is refused by name; OVERLAP_NORM refuses a piece no LayerNorm opens."""
     import pytest
 
     import andrea.cuda.engine as ce
@@ -39,18 +47,24 @@ def test_a_block_split_in_two_pieces_waits_at_each_layernorm_and_still_covers_ev
 
     mc = ModelConfig(vocab_size=300, d_model=64, n_head=2, n_layer=3, context=128)
     lay, C = param_layout(mc), mc.d_model
-    monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", (("ln1", ("ln1",), ("attn.w_qkv", "attn.w_o")),
-                                                    ("ln2", ("ln2",), ("mlp.w_fc", "mlp.w_proj"))))
-    pieces = ce.update_pieces(lay, mc.n_layer)
-    assert [opens for _, opens in pieces] == ["wte"] + [f"h.{l}.ln{i}.g" for l in range(3) for i in (1, 2)] + ["lnf.g"]
-    flat = sorted(r for rs, _ in pieces for r in rs)
-    assert flat[0][0] == 0 and flat[-1][1] == lay.n_params and all(a[1] == b[0] for a, b in zip(flat, flat[1:]))
-    for l in range(mc.n_layer):
-        (att, ln1), (mlp, ln2) = pieces[1 + 2 * l][0], pieces[2 + 2 * l][0]
-        assert att == (lay.by_name[f"h.{l}.attn.w_qkv"].offset, lay.by_name[f"h.{l}.mlp.w_fc"].offset)
-        assert mlp[1] - mlp[0] == 8 * C * C and ln1 == (lay.by_name[f"h.{l}.ln1.g"].offset, lay.by_name[f"h.{l}.ln2.g"].offset)
-        assert ln2[1] - ln2[0] == 2 * C
-    monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", (("ln1", ("ln1", "ln2"), ("attn.w_qkv", "mlp.w_fc")),))
+    at = lambda name: lay.by_name[name].offset                         # noqa: E731
+    for table, per_block in ((HALVES, 2), (QUARTERS, 4)):
+        monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", table)
+        pieces = ce.update_pieces(lay, mc.n_layer)
+        assert [opens for _, opens in pieces] == ["wte"] + [f"h.{l}.{o}" for l in range(3) for o, _ in table] + ["lnf.g"]
+        flat = sorted(r for rs, _ in pieces for r in rs)
+        assert flat[0][0] == 0 and flat[-1][1] == lay.n_params and all(a[1] == b[0] for a, b in zip(flat, flat[1:]))
+        for l in range(mc.n_layer):
+            block = pieces[1 + per_block * l:1 + per_block * (l + 1)]
+            assert block[0][0] == [(at(f"h.{l}.attn.w_qkv"), at(f"h.{l}.attn.w_o" if per_block == 4 else f"h.{l}.mlp.w_fc")),
+                                   (at(f"h.{l}.ln1.g"), at(f"h.{l}.ln2.g"))]
+            assert block[-1][0][0][1] - block[-1][0][0][0] == (4 if per_block == 4 else 8) * C * C
+        if per_block == 2:                   # each piece ends at a LayerNorm backward: OVERLAP_NORM takes it
+            assert len(ce.norm_slots(pieces)[0]) == len(pieces)
+        else:
+            with pytest.raises(AndreaError, match="not by h.0.attn.w_o; turn one of them off"):
+                ce.norm_slots(pieces)
+    monkeypatch.setattr(ce, "UPDATE_BLOCK_PIECES", (("ln1.g", (("attn.w_qkv", "mlp.w_fc"),)),))
     with pytest.raises(AndreaError, match="mlp.w_fc starts at element"):
         ce.update_pieces(lay, mc.n_layer)
 

@@ -113,11 +113,13 @@ OWN_DGELU_DEFINES: tuple[str, ...] = ()
 # 0.30 ms off 480M B=8 (47.55 -> 47.25), 0.10 ms off 480M B=16 and 0.40 ms off 120M B=32 (bench/engine_ab.py,
 # docs/bench/s33_h200.md).
 OVERLAP_UPDATE = True
-# OVERLAP_UPDATE's pieces of one block, in the forward's order: each (the LayerNorm whose forward waits for the
-# piece, the LayerNorms stepped in it, its matmul weights). One piece a block (committed), or two
-# ((("ln1", ("ln1",), ("attn.w_qkv", "attn.w_o")), ("ln2", ("ln2",), ("mlp.w_fc", "mlp.w_proj"))): the block's
-# attention may start once a third of its weights are stepped). Only where the forward waits: the same bytes.
-UPDATE_BLOCK_PIECES = (("ln1", ("ln1", "ln2"), recipe.MATMUL_WEIGHTS),)
+# OVERLAP_UPDATE's pieces of one block, in the forward's order: each (the tensor whose first read in the forward
+# waits for the piece, the piece's tensors as runs that lie one after the other in the flat layout). One piece a
+# block, waited for at ln1 (committed). Finer pieces let the block's first kernels start while the rest of its
+# update runs: two, (("ln1.g", (("attn.w_qkv", "attn.w_o"), ("ln1.g", "ln1.b"))), ("ln2.g", (("mlp.w_fc",
+# "mlp.w_proj"), ("ln2.g", "ln2.b")))), or one a matrix, the attention-out and proj weights waited for at their
+# GEMMs. Only where the forward waits changes: the same bytes. OVERLAP_NORM needs each opened by a LayerNorm.
+UPDATE_BLOCK_PIECES = (("ln1.g", (recipe.MATMUL_WEIGHTS, ("ln1.g", "ln1.b", "ln2.g", "ln2.b"))),)
 # One GPU, not fp8: the gradient norm's partial sums are taken piece by piece (update_pieces' pieces: lnf,
 # then each block's matmul weights and LayerNorms) on a stream of their own as soon as the backward has
 # finished the piece (lnf's after its LayerNorm backward, a block's after its ln1 backward), beside the rest
@@ -347,6 +349,7 @@ class FastOps:
         k_residual_layernorm_fwd(self.p, xo, out, mean, rstd, a, b, g, beta, N, C)
 
     def attn_qkv_forward(self, qkv, x, w_qkv):
+        self._await_update(w_qkv)
         self._mm(qkv, x, w_qkv, tag="qkv fwd")
 
     def attn_qkv_backward(self, dx, dw_qkv, dqkv, x, w_qkv, work):
@@ -402,6 +405,7 @@ class FastOps:
                    impl=impl)
 
     def attn_out_forward(self, out, y, w_o):
+        self._await_update(w_o)
         self._mm(out, y, w_o, tag="attn-out fwd")
 
     def attn_out_backward(self, dy, dw_o, dout, y, w_o, work):
@@ -414,11 +418,13 @@ class FastOps:
     def mlp_forward(self, out, h_pre, h_act, x, w_fc, w_proj):
         """Fused (bf16/fp16/fp8): one GEMM writes h_act = gelu(x w_fc) and h_pre = x w_fc, both rounded
         from the fp32 accumulator (h_act is gelu of the unrounded product, not of h_pre)."""
+        self._await_update(w_fc)
         if self.fused:
             self._mm(h_act, x, w_fc, epilogue=EPILOGUE_GELU_AUX, aux=h_pre, tag="fc fwd+gelu")
         else:
             self._mm(h_pre, x, w_fc, tag="fc fwd")
             k_gelu_fwd(self.p, h_act, h_pre, h_pre.size)
+        self._await_update(w_proj)
         self._mm(out, h_act, w_proj, tag="proj fwd")
 
     def mlp_backward(self, dx, dw_fc, dw_proj, dout, x, h_pre, h_act, w_fc, w_proj, work):
@@ -631,9 +637,8 @@ def update_pieces(layout, n_layer: int) -> list:
     every parameter once; AndreaError if the layout says otherwise."""
     pieces = [([(0, layout.by_name["h.0.attn.w_qkv"].offset)], "wte")]
     for l in range(n_layer):
-        for opens, norms, mats in UPDATE_BLOCK_PIECES:         # each: its matmul weights, then its LayerNorms
-            pieces.append(([contiguous_span(layout, [f"h.{l}.{k}" for k in mats]),
-                            contiguous_span(layout, [f"h.{l}.{n}.{p}" for n in norms for p in "gb"])], f"h.{l}.{opens}.g"))
+        for opens, runs in UPDATE_BLOCK_PIECES:
+            pieces.append(([contiguous_span(layout, [f"h.{l}.{t}" for t in run]) for run in runs], f"h.{l}.{opens}"))
     pieces.append(([contiguous_span(layout, ["lnf.g", "lnf.b"])], "lnf.g"))
     covered = sorted(r for rs, _ in pieces for r in rs)
     if covered[0][0] != 0 or covered[-1][1] != layout.n_params or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
@@ -645,7 +650,11 @@ def norm_slots(pieces) -> tuple[list, int]:
     """OVERLAP_NORM's partial sums: for each piece of ``update_pieces``, its ranges as (lo, hi, first slot,
     blocks), a range's k_grad_norm_partial blocks being one per NORM_CHUNK elements (1 to NORM_BLOCKS); the
     slots laid out in the flat order of the ranges, whatever order the backward finishes them in. And the
-    number of slots."""
+    number of slots. AndreaError for a piece no LayerNorm backward ends."""
+    for _, opens in pieces:
+        if opens != "wte" and not opens.endswith(("ln1.g", "ln2.g", "lnf.g")):
+            raise AndreaError(f"cupy engine: OVERLAP_NORM needs each of UPDATE_BLOCK_PIECES' pieces opened by a "
+                              f"LayerNorm's g (its backward ends the piece), not by {opens}; turn one of them off")
     at, slot = {}, 0
     for lo, hi in sorted(r for rs, _ in pieces for r in rs):
         blocks = min(NORM_BLOCKS, max(1, -(-(hi - lo) // NORM_CHUNK)))
@@ -811,7 +820,7 @@ class GpuEngine:
                 f"{' + CUDA graph' if self.use_graph else ''}\n"
                 + (f"{self.dnn.describe()}\n" if self.dnn is not None else "")
                 + (f"proj dgrad + gelu': mm_dgelu.cu {self.ops.dgelu.cfg} (OWN_DGELU)\n" if self.ops.dgelu else "")
-                + ("optimizer: AdamW piece by piece beside the next forward (OVERLAP_UPDATE)\n"
+                + (f"optimizer: AdamW in {len(self._upd.pieces)} pieces beside the next forward (OVERLAP_UPDATE)\n"
                    if self._upd is not None else "")
                 + ("gradient norm: piece by piece beside the backward (OVERLAP_NORM)\n" if self._norm is not None else "")
                 + (f"engine stream priority {self.stream.priority} (STREAM_PRIORITY)\n"
@@ -1162,7 +1171,8 @@ class GpuEngine:
         (FastOps.update_waits)."""
         pieces = [(ranges, xp.cuda.Event(disable_timing=True), opens)
                   for ranges, opens in update_pieces(self.layout, self.mc.n_layer)]
-        self.ops.update_waits = {self.W[opens].data.ptr: e for _, e, opens in pieces}
+        # the fp32 master (LayerNorms; every tensor in fp32) and the 16-bit copy the GEMMs read
+        self.ops.update_waits = {v[opens].data.ptr: e for _, e, opens in pieces for v in (self.W, self.WL)}
         return SimpleNamespace(stream=xp.cuda.Stream(non_blocking=True), pieces=[(rs, e) for rs, e, _ in pieces],
                                after_norm=xp.cuda.Event(disable_timing=True), done=pieces[-1][1])
 
@@ -1178,7 +1188,7 @@ class GpuEngine:
         for (_, opens), rs in zip(pieces, ranges):
             if opens == "wte":                       # its gradient is final after the embedding backward only
                 plan.last = tuple(rs)
-            else:                                    # lnf.g / h.l.ln1.g: its LayerNorm backward ends the piece
+            else:                                    # lnf.g / h.l.ln1.g / h.l.ln2.g: its LayerNorm backward ends it
                 hooks[self.G[opens].data.ptr] = (lambda rs=rs, ev=xp.cuda.Event(disable_timing=True):
                                                  self._norm_piece(rs, ev))
         self.ops.norm_hooks = hooks
