@@ -116,9 +116,9 @@ OVERLAP_UPDATE = True
 # OVERLAP_UPDATE's pieces of one block, in the forward's order: each (the tensor whose first read in the forward
 # waits for the piece, the piece's tensors as runs that lie one after the other in the flat layout). One piece a
 # block, waited for at ln1 (committed). Finer pieces let the block's first kernels start while the rest of its
-# update runs: two, (("ln1.g", (("attn.w_qkv", "attn.w_o"), ("ln1.g", "ln1.b"))), ("ln2.g", (("mlp.w_fc",
-# "mlp.w_proj"), ("ln2.g", "ln2.b")))), or one a matrix, the attention-out and proj weights waited for at their
-# GEMMs. Only where the forward waits changes: the same bytes. OVERLAP_NORM needs each opened by a LayerNorm.
+# update runs: HALVES (attention's weights with ln1, the MLP's with ln2) and QUARTERS (one a matrix, waited for at
+# its GEMM) in tests/test_cuda_overlap_plan.py, A/B'd as engine_ab flips (docs/bench/s46.md). Only where the
+# forward waits changes: the same bytes. OVERLAP_NORM needs each piece opened by a LayerNorm.
 UPDATE_BLOCK_PIECES = (("ln1.g", (recipe.MATMUL_WEIGHTS, ("ln1.g", "ln1.b", "ln2.g", "ln2.b"))),)
 # One GPU, not fp8: the gradient norm's partial sums are taken piece by piece (update_pieces' pieces: lnf,
 # then each block's matmul weights and LayerNorms) on a stream of their own as soon as the backward has
