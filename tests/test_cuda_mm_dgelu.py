@@ -23,7 +23,8 @@ from andrea.errors import AndreaError
 CU = Path(K.__file__).with_name("mm_dgelu.cu")
 VARIANTS = [(), ("MM_CLUSTER=2",), ("MM_BN=192", "MM_STAGES=4"), ("MM_BN=192", "MM_STAGES=4", "MM_CLUSTER=2"),
             ("MM_LDSM=1",), ("MM_LDSM=1", "MM_CLUSTER=2", "MM_BN=192", "MM_STAGES=4"),
-            ("MM_CLUSTER=2", "MM_CLUSTER_N=2"), ("MM_CLUSTER_N=2", "MM_BN=192", "MM_STAGES=4")]
+            ("MM_CLUSTER=2", "MM_CLUSTER_N=2"), ("MM_CLUSTER_N=2", "MM_BN=192", "MM_STAGES=4"),
+            ("MM_XREG=1",), ("MM_XREG=1", "MM_LDSM=1", "MM_CLUSTER=2"), ("MM_XREG=1", "MM_BN=192", "MM_STAGES=4")]
 EPS, TOL = 2.0 ** -7, 1e-3        # one bf16 unit of the value, and the fp32 sums' error near zero
 
 
@@ -45,8 +46,9 @@ def test_the_launcher_holds_the_files_defaults_and_sizes():
     (("MM_STAGES=three",), "must be an integer"),
     (("MM_BN=128",), "wgmma for (256, 192) only"),
     (("MM_CLUSTER=4",), "MM_CLUSTER and MM_CLUSTER_N are 1 or 2"),
-    (("MM_LDSM=2",), "MM_LDSM and MM_HANG 0 or 1"),
-    (("MM_HANG=2",), "MM_LDSM and MM_HANG 0 or 1"),
+    (("MM_LDSM=2",), "MM_LDSM, MM_XREG and MM_HANG 0 or 1"),
+    (("MM_XREG=2",), "MM_LDSM, MM_XREG and MM_HANG 0 or 1"),
+    (("MM_HANG=2",), "MM_LDSM, MM_XREG and MM_HANG 0 or 1"),
     (("MM_STAGES=4",), "take fewer MM_STAGES or MM_BN=192"),     # 4 x 48 KB + 64 KB > 227 KB
 ])
 def test_a_variant_the_kernel_cannot_build_is_refused_by_name(defines, what):

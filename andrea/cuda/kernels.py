@@ -644,7 +644,7 @@ def k_adamw(prec, w, g, m, v, wlow, n, hp, gstate, n_decay, use_gstate, part=Non
 #     mm = MmDgelu(("MM_CLUSTER=2",)); mm(d, a, b, x)        # d, a, b, x cupy uint16
 
 MM_DGELU = {"MM_BN": 256, "MM_STAGES": 3, "MM_CLUSTER": 1, "MM_CLUSTER_N": 1, "MM_GROUP": 8, "MM_LDSM": 0,
-            "MM_WATCHDOG": 4_000_000_000, "MM_HANG": 0}          # mm_dgelu.cu's #ifndef values
+            "MM_XREG": 0, "MM_WATCHDOG": 4_000_000_000, "MM_HANG": 0}          # mm_dgelu.cu's #ifndef values
 MM_BN_BUILT = (256, 192)              # the wgmma shapes the file spells out (WG_SS_N256, WG_SS_N192)
 MM_BM, MM_BK, MM_THREADS = 128, 64, 384
 SMEM_LIMIT = 232448                # sm_90's opt-in dynamic shared memory a block (227 KB)
@@ -669,10 +669,10 @@ def mm_dgelu_config(defines: tuple[str, ...] = ()) -> dict[str, int]:
     if cfg["MM_BN"] not in MM_BN_BUILT:
         raise AndreaError(f"mm_dgelu variant: MM_BN={cfg['MM_BN']}, the kernel has wgmma for {MM_BN_BUILT} only")
     flags_ok = (cfg["MM_CLUSTER"] in (1, 2) and cfg["MM_CLUSTER_N"] in (1, 2) and cfg["MM_LDSM"] in (0, 1)
-                and cfg["MM_HANG"] in (0, 1))
+                and cfg["MM_XREG"] in (0, 1) and cfg["MM_HANG"] in (0, 1))
     if not flags_ok or min(cfg["MM_STAGES"] - 2, cfg["MM_GROUP"] - 1, cfg["MM_WATCHDOG"] - 1) < 0:
         raise AndreaError(f"mm_dgelu variant {cfg}: MM_CLUSTER and MM_CLUSTER_N are 1 or 2, MM_STAGES at least 2, "
-                          f"MM_GROUP at least 1, MM_LDSM and MM_HANG 0 or 1, MM_WATCHDOG at least 1")
+                          f"MM_GROUP at least 1, MM_LDSM, MM_XREG and MM_HANG 0 or 1, MM_WATCHDOG at least 1")
     if mm_dgelu_smem(cfg) > SMEM_LIMIT:
         raise AndreaError(f"mm_dgelu variant {cfg}: needs {mm_dgelu_smem(cfg)} bytes of shared memory, more than "
                           f"the {SMEM_LIMIT} a block can have; take fewer MM_STAGES or MM_BN=192")
@@ -844,5 +844,5 @@ class MmDgelu:
                               f"multiple of {MM_BM * self.cfg['MM_CLUSTER']}, "
                               f"N of {self.cfg['MM_BN'] * self.cfg['MM_CLUSTER_N']}, K of {MM_BK}")
         n = mm_dgelu_grid(M, N, self.cfg, self.slots if ctas is None else int(ctas))
-        self.fn((n,), (MM_THREADS,), (self.maps(d, a, b, x, M, N, K), np.int32(M), np.int32(N), np.int32(K)),
+        self.fn((n,), (MM_THREADS,), (self.maps(d, a, b, x, M, N, K), np.int32(M), np.int32(N), np.int32(K), x),
                 shared_mem=self.smem)

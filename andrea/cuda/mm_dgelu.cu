@@ -36,6 +36,8 @@
 //   MM_CLUSTER_N 1 | 2, along N, sharing A (2 x 2 clusters read a quarter less again);
 //   MM_GROUP     unit rows a group of the schedule, for L2 reuse;
 //   MM_LDSM      1: the epilogue moves g and D with ldmatrix / stmatrix (8 values an instruction, not 2);
+//   MM_XREG      1: the gelu' warps read X's tile from global memory into registers and write only g into
+//                xbuf (no TMA load of X into shared memory, no in-place pass over it);
 //   MM_WATCHDOG  the ns after which a barrier wait traps (4 s);
 //   MM_HANG      1: the producer issues no load, so the consumers' first wait never ends, as a broken
 //                barrier's would (tests only: with a small MM_WATCHDOG the launch must fail, not hang).
@@ -57,6 +59,9 @@
 #endif
 #ifndef MM_LDSM
 #define MM_LDSM 0
+#endif
+#ifndef MM_XREG
+#define MM_XREG 0
 #endif
 #ifndef MM_WATCHDOG
 #define MM_WATCHDOG 4000000000
@@ -235,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS, 1)
 #if MM_CS > 1
 __cluster_dims__(MM_CS, 1, 1)
 #endif
-k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
+k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K, const uint4* __restrict__ xg) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const unsigned raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;  // 128B swizzle: 1024-aligned tiles
     const unsigned sA = base, sB = sA + MM_STAGES * MM_A_BYTES, sX = sB + MM_STAGES * MM_B_BYTES;
@@ -313,12 +318,33 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
                     bulk_commit();
                     bulk_wait_read();
                 }
+#if MM_XREG
+                mbar_arrive(XFULL);  // xbuf is free for this tile's g: the gelu' warps read X themselves
+#else
                 mbar_expect_tx(XFULL, MM_X_BYTES);
                 for (int b = 0; b < MM_BN / 64; ++b) tma_load(sX + b * (MM_BM * 128), maps + 2, XFULL, n0 + 64 * b, m0);
+#endif
             }
             pm0 = m0;
             pn0 = n0;
             mbar_wait(XFULL, j & 1);
+#if MM_XREG
+            // X's tile from global memory, 16 bytes a load, row by row; g goes where TMA's 128-byte swizzle
+            // would have put X: box k / 8 (64 columns each), row r, chunk (k % 8) ^ (r % 8)
+            constexpr int CPR = MM_BN / 8;  // 16-byte chunks a tile row
+            const uint4* const xt = xg + ((size_t)m0 * (size_t)N + (size_t)n0) / 8;
+            const size_t rowc = (size_t)N / 8;
+#pragma unroll 4
+            for (int c = gt; c < MM_BM * CPR; c += MM_GELU_THREADS) {
+                const int r = c / CPR, k = c % CPR;
+                uint4 v = __ldg(xt + (size_t)r * rowc + k);
+                v.x = gelu_grad_pair(v.x);
+                v.y = gelu_grad_pair(v.y);
+                v.z = gelu_grad_pair(v.z);
+                v.w = gelu_grad_pair(v.w);
+                *reinterpret_cast<uint4*>(xbuf + (k >> 3) * (MM_BM * 128) + r * 128 + (((k & 7) ^ (r & 7)) << 4)) = v;
+            }
+#else
             uint4* const xv = reinterpret_cast<uint4*>(xbuf);  // in place, position by position: no swizzle needed
             for (int c = gt; c < MM_X_BYTES / 16; c += MM_GELU_THREADS) {
                 uint4 v = xv[c];
@@ -328,6 +354,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K) {
                 v.w = gelu_grad_pair(v.w);
                 xv[c] = v;
             }
+#endif
             mbar_arrive(GREADY);
         }
         if (gt == 0 && j > 0) {
