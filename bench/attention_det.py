@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from step_rounds import add_step_args, alternate, anchor_of, print_step, step_ab  # noqa: E402
+from step_rounds import add_step_args, alternate, anchor_of, power_log_of, print_step, step_ab  # noqa: E402
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
@@ -84,13 +84,13 @@ def alone(s: dict, B: int, rounds: int, sustain_ms: float, reps: int, repeats: i
     return res
 
 
-def step(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None) -> dict:
+def step(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str | None, plog=None) -> dict:
     """The engine's bf16 step (train.attention=cudnn) under each setting, alternating; the anchor once;
-    ratios of tokens/s and MFU against it."""
+    ratios of tokens/s and MFU against it (``plog``: step_ab's)."""
     import andrea.cuda.cudnn_attention as ca
 
     settings = {n: (lambda det=det: eg.patched(ca, DETERMINISTIC=det)) for n, det in SETTINGS.items()}
-    return step_ab(s, B, rounds, steps, warmup, anchor, settings, attention="cudnn")
+    return step_ab(s, B, rounds, steps, warmup, anchor, settings, plog, attention="cudnn")
 
 
 def main(argv=None) -> int:
@@ -105,25 +105,29 @@ def main(argv=None) -> int:
     add_step_args(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    anchor = anchor_of(args)
+    anchor, plog = anchor_of(args), (None if args.no_step else power_log_of(args))
     out = {}
-    for v, B in eg.parse_variants(args.variants, args.batch):
-        s, key = eg.variant_shapes(v), f"{v}:B{B}"
-        out[key] = {"alone": alone(s, B, args.rounds, args.sustain_ms, args.reps, args.repeats)}
-        a = out[key]["alone"]
-        print(f"{key} alone: " + ", ".join(
-            f"{n} {a[n]['us']:.1f} us (same bytes over {a[n]['repeats']}: {'yes' if a[n]['same_bytes'] else 'NO'})"
-            for n in SETTINGS) + f"; {a['det_minus_default_us']:.1f} us a layer, "
-            f"{a['det_minus_default_ms_a_step']:.2f} ms a step over {s['L']} layers; dqkv differs by up to "
-            f"{a['max_abs_diff']:.3g} (largest |dqkv| {a['max_abs_deterministic']:.3g})", flush=True)
-        if args.json:
-            atomic_write_json(Path(args.json), out)
-        if args.no_step:
-            continue
-        out[key]["step"] = step(s, B, args.rounds, args.steps, args.warmup, anchor)
-        print_step(key, out[key]["step"], SETTINGS)
-        if args.json:
-            atomic_write_json(Path(args.json), out)
+    try:
+        for v, B in eg.parse_variants(args.variants, args.batch):
+            s, key = eg.variant_shapes(v), f"{v}:B{B}"
+            out[key] = {"alone": alone(s, B, args.rounds, args.sustain_ms, args.reps, args.repeats)}
+            a = out[key]["alone"]
+            print(f"{key} alone: " + ", ".join(
+                f"{n} {a[n]['us']:.1f} us (same bytes over {a[n]['repeats']}: {'yes' if a[n]['same_bytes'] else 'NO'})"
+                for n in SETTINGS) + f"; {a['det_minus_default_us']:.1f} us a layer, "
+                f"{a['det_minus_default_ms_a_step']:.2f} ms a step over {s['L']} layers; dqkv differs by up to "
+                f"{a['max_abs_diff']:.3g} (largest |dqkv| {a['max_abs_deterministic']:.3g})", flush=True)
+            if args.json:
+                atomic_write_json(Path(args.json), out)
+            if args.no_step:
+                continue
+            out[key]["step"] = step(s, B, args.rounds, args.steps, args.warmup, anchor, plog)
+            print_step(key, out[key]["step"], SETTINGS)
+            if args.json:
+                atomic_write_json(Path(args.json), out)
+    finally:
+        if plog:
+            plog.close()
     return 0
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from step_rounds import add_step_args, alternate, anchor_of, print_step, step_ab  # noqa: E402
+from step_rounds import add_step_args, alternate, anchor_of, power_log_of, print_step, step_ab  # noqa: E402
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
 from andrea.errors import AndreaError  # noqa: E402
@@ -144,15 +144,15 @@ def report(key: str, res: dict) -> str:
 
 
 def step(s: dict, B: int, configs: dict[str, tuple[str, ...]], passed, rounds: int, steps: int, warmup: int,
-         anchor: str | None) -> dict:
+         anchor: str | None, plog=None) -> dict:
     """The training step with cuBLASLt's DGELU (``lt_dgelu``) and with each config in ``passed`` (names that
-    passed their check alone) through engine.OWN_DGELU, alternating; the anchor once."""
+    passed their check alone) through engine.OWN_DGELU, alternating; the anchor once (``plog``: step_ab's)."""
     import andrea.cuda.engine as ce
 
     settings = {"lt_dgelu": lambda: eg.patched(ce, OWN_DGELU=False)}
     for n in passed:
         settings[n] = (lambda d=configs[n]: eg.patched(ce, OWN_DGELU=True, OWN_DGELU_DEFINES=d))
-    return step_ab(s, B, rounds, steps, warmup, anchor, settings)
+    return step_ab(s, B, rounds, steps, warmup, anchor, settings, plog)
 
 
 def main(argv=None) -> int:
@@ -173,21 +173,25 @@ def main(argv=None) -> int:
     except AndreaError as e:
         print(f"dgelu_gemm: {e}", file=sys.stderr)
         return 2
-    anchor = anchor_of(args)
+    anchor, plog = anchor_of(args), (power_log_of(args) if args.step else None)
     out = {}
-    for v, B in eg.parse_variants(args.variants, args.batch):
-        key, s = f"{v}:B{B}", eg.variant_shapes(v)
-        out[key] = {"alone": shape(s, B, configs, args.rounds, args.sustain_ms, args.reps)}
-        print(report(key, out[key]["alone"]), flush=True)
-        if args.json:
-            atomic_write_json(Path(args.json), out)
-        if not args.step:
-            continue
-        passed = [n for n in configs if out[key]["alone"].get(n, {}).get("ok")]
-        out[key]["step"] = step(s, B, configs, passed, args.rounds, args.steps, args.warmup, anchor)
-        print_step(key, out[key]["step"], ["lt_dgelu", *passed])
-        if args.json:
-            atomic_write_json(Path(args.json), out)
+    try:
+        for v, B in eg.parse_variants(args.variants, args.batch):
+            key, s = f"{v}:B{B}", eg.variant_shapes(v)
+            out[key] = {"alone": shape(s, B, configs, args.rounds, args.sustain_ms, args.reps)}
+            print(report(key, out[key]["alone"]), flush=True)
+            if args.json:
+                atomic_write_json(Path(args.json), out)
+            if not args.step:
+                continue
+            passed = [n for n in configs if out[key]["alone"].get(n, {}).get("ok")]
+            out[key]["step"] = step(s, B, configs, passed, args.rounds, args.steps, args.warmup, anchor, plog)
+            print_step(key, out[key]["step"], ["lt_dgelu", *passed])
+            if args.json:
+                atomic_write_json(Path(args.json), out)
+    finally:
+        if plog:
+            plog.close()
     return 0
 
 

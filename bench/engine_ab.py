@@ -11,7 +11,8 @@ algorithm table, such as one ``bench/lt_algos.py --write-table`` wrote) and VALU
 checked before any GPU work. Per variant and batch: ``engine_gpu.bench_ours``
 (one microbatch a step, CUDA graph) under each arm, ``--rounds`` rounds with the order reversed every
 other round, the median; then the ``--anchor`` (``none``: no anchor). Printed: each arm's ms, MFU and ratio
-of tokens/s to the anchor. ``--json`` is written after every shape.
+of tokens/s to the anchor; with ``--power`` also its SM clock and J a step (``step_rounds``: at the card's
+power cap, a switch that saves energy shows as clock). ``--json`` is written after every shape.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_gpu as eg  # noqa: E402
-from step_rounds import add_step_args, anchor_of, print_step, step_ab  # noqa: E402
+from step_rounds import add_step_args, anchor_of, power_log_of, print_step, step_ab  # noqa: E402
 
 from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
@@ -96,14 +97,18 @@ def main(argv=None) -> int:
     except AndreaError as e:
         print(f"engine_ab: {e}", file=sys.stderr)
         return 2
-    anchor = anchor_of(args)
+    anchor, plog = anchor_of(args), power_log_of(args)
     settings, out = settings_of(flips), {}
-    for v, B in eg.parse_variants(args.variants, args.batch):
-        key = f"{v}:B{B}"
-        out[key] = step_ab(eg.variant_shapes(v), B, args.rounds, args.steps, args.warmup, anchor, settings)
-        print_step(key, out[key], list(settings))
-        if args.json:
-            atomic_write_json(Path(args.json), out)
+    try:
+        for v, B in eg.parse_variants(args.variants, args.batch):
+            key = f"{v}:B{B}"
+            out[key] = step_ab(eg.variant_shapes(v), B, args.rounds, args.steps, args.warmup, anchor, settings, plog)
+            print_step(key, out[key], list(settings))
+            if args.json:
+                atomic_write_json(Path(args.json), out)
+    finally:
+        if plog:
+            plog.close()
     return 0
 
 

@@ -723,6 +723,23 @@ def parse_variants(items: list[str], batch: int) -> list[tuple[str, int]]:
     return out
 
 
+def open_power_log() -> PowerLog | None:
+    """A PowerLog (``--power``), or None with one line on stderr where nvidia-smi cannot run."""
+    try:
+        return PowerLog()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"--power: nvidia-smi cannot run ({e}); no clock or power figures", file=sys.stderr)
+        return None
+
+
+def power_of(plog: PowerLog, x: dict) -> dict | None:
+    """PowerLog's figures over a timed result's own steps (``x["timed_at"]``) and its energy a step (board
+    power x step time: at the power limit the ratio of the energies is the ratio of the speeds); None
+    where no sample fell in that window."""
+    pw = plog.between(*x["timed_at"])
+    return pw and {**pw, "joules_per_step": pw["power_w"] * x["ms"] / 1e3}
+
+
 def power_why(x: dict) -> str:
     """' (61 C, sw power cap 80%)': the temperature and the share of samples each slowdown reason was
     active in, where PowerLog had them."""
@@ -822,12 +839,7 @@ def main(argv=None) -> int:
         K.ATTN_HOPPER.update(fwd=fwd, bwd=bwd)
     compiled = [a for a in args.anchors if a.startswith("compile-")]
     rows, allres = [], {}
-    plog = None
-    if args.power:
-        try:
-            plog = PowerLog()
-        except (OSError, subprocess.TimeoutExpired) as e:
-            print(f"--power: nvidia-smi cannot run ({e}); no clock or power figures", file=sys.stderr)
+    plog = open_power_log() if args.power else None
 
     def save(key=None, partial=None) -> None:
         """--json after every measurement (a figure survives a later step's timeout or crash);
@@ -906,9 +918,8 @@ def main(argv=None) -> int:
         for x in r.values():
             x["tokens_per_s"] = tok / (x["ms"] / 1e3)
             x["mfu"] = fpt * x["tokens_per_s"] / PEAK_BF16
-            if plog and (pw := plog.between(*x["timed_at"])):
-                # at the power limit the ratio of the energies is the ratio of the speeds
-                x.update(pw, joules_per_step=pw["power_w"] * x["ms"] / 1e3)
+            if plog and (pw := power_of(plog, x)):
+                x.update(pw)
         if plog:
             print(f"{key}: SM MHz / board W / J a step over the timed steps: " + ", ".join(
                 f"{k} {x['sm_mhz']:.0f} / {x['power_w']:.0f} / {x['joules_per_step']:.2f}{power_why(x)}"
