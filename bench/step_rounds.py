@@ -77,10 +77,9 @@ def step_ab(s: dict, B: int, rounds: int, steps: int, warmup: int, anchor: str |
     fpt = eg.flops_per_token(s, n_params[0])
     for x in res.values():
         x["mfu"] = fpt * B * s["T"] / (x["ms"] / 1e3) / eg.PEAK_BF16
-    for n, got in power.items():
-        if plog:
-            res[n]["power_rounds"] = got
-        if got := [p for p in got if p]:
+    for n, per_round in power.items() if plog else ():
+        res[n]["power_rounds"] = per_round
+        if got := [p for p in per_round if p]:
             res[n].update({k: statistics.median(p[k] for p in got) for k in POWER_KEYS})
     if anchor:
         a = eg.bench_torch(s, B, steps, warmup, anchor)
