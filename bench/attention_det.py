@@ -105,9 +105,8 @@ def main(argv=None) -> int:
     add_step_args(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    anchor, plog = anchor_of(args), (None if args.no_step else power_log_of(args))
-    out = {}
-    try:
+    anchor, out = anchor_of(args), {}
+    with power_log_of(args, when=not args.no_step) as plog:
         for v, B in eg.parse_variants(args.variants, args.batch):
             s, key = eg.variant_shapes(v), f"{v}:B{B}"
             out[key] = {"alone": alone(s, B, args.rounds, args.sustain_ms, args.reps, args.repeats)}
@@ -125,9 +124,6 @@ def main(argv=None) -> int:
             print_step(key, out[key]["step"], SETTINGS)
             if args.json:
                 atomic_write_json(Path(args.json), out)
-    finally:
-        if plog:
-            plog.close()
     return 0
 
 

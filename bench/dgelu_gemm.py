@@ -173,9 +173,8 @@ def main(argv=None) -> int:
     except AndreaError as e:
         print(f"dgelu_gemm: {e}", file=sys.stderr)
         return 2
-    anchor, plog = anchor_of(args), (power_log_of(args) if args.step else None)
-    out = {}
-    try:
+    anchor, out = anchor_of(args), {}
+    with power_log_of(args, when=args.step) as plog:
         for v, B in eg.parse_variants(args.variants, args.batch):
             key, s = f"{v}:B{B}", eg.variant_shapes(v)
             out[key] = {"alone": shape(s, B, configs, args.rounds, args.sustain_ms, args.reps)}
@@ -189,9 +188,6 @@ def main(argv=None) -> int:
             print_step(key, out[key]["step"], ["lt_dgelu", *passed])
             if args.json:
                 atomic_write_json(Path(args.json), out)
-    finally:
-        if plog:
-            plog.close()
     return 0
 
 

@@ -97,18 +97,14 @@ def main(argv=None) -> int:
     except AndreaError as e:
         print(f"engine_ab: {e}", file=sys.stderr)
         return 2
-    anchor, plog = anchor_of(args), power_log_of(args)
-    settings, out = settings_of(flips), {}
-    try:
+    anchor, settings, out = anchor_of(args), settings_of(flips), {}
+    with power_log_of(args) as plog:
         for v, B in eg.parse_variants(args.variants, args.batch):
             key = f"{v}:B{B}"
             out[key] = step_ab(eg.variant_shapes(v), B, args.rounds, args.steps, args.warmup, anchor, settings, plog)
             print_step(key, out[key], list(settings))
             if args.json:
                 atomic_write_json(Path(args.json), out)
-    finally:
-        if plog:
-            plog.close()
     return 0
 
 

@@ -13,6 +13,7 @@ clock back, and the ms alone do not say why.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -47,10 +48,17 @@ def anchor_of(args) -> str | None:
     return None if args.anchor == "none" else args.anchor
 
 
-def power_log_of(args):
-    """engine_gpu's PowerLog where --power asks for one (None otherwise, or where nvidia-smi cannot run):
-    step_ab's ``plog``; the caller closes it."""
-    return eg.open_power_log() if args.power else None
+@contextlib.contextmanager
+def power_log_of(args, when: bool = True):
+    """``with power_log_of(args) as plog``: engine_gpu's PowerLog where --power asks for one and ``when``
+    (the bench runs the step), None otherwise or where nvidia-smi cannot run; closed on the way out.
+    step_ab's ``plog``."""
+    plog = eg.open_power_log() if args.power and when else None
+    try:
+        yield plog
+    finally:
+        if plog:
+            plog.close()
 
 
 POWER_KEYS = ("sm_mhz", "power_w", "joules_per_step")
