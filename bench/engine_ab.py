@@ -40,9 +40,10 @@ COMMITTED = "committed"
 def modules() -> dict:
     """The modules a flip may set, by the prefix that names them ("": andrea.cuda.engine)."""
     import andrea.cuda.cublaslt as ltm
+    import andrea.cuda.cudnn_attention as cam
     import andrea.cuda.engine as ce
 
-    return {"": ce, "cublaslt.": ltm}
+    return {"": ce, "cublaslt.": ltm, "cudnn_attention.": cam}
 
 
 def parse_flip(item: str) -> dict:
@@ -50,12 +51,14 @@ def parse_flip(item: str) -> dict:
     names a setting the module does not have or a value that is not a literal."""
     mods = modules()
     out = {}
-    for part in re.split(r",(?=(?:cublaslt\.)?[A-Z_][A-Z0-9_]*=)", item):
+    for part in re.split(r",(?=(?:[a-z_]+\.)?[A-Z_][A-Z0-9_]*=)", item):
         name, eq, text = part.partition("=")
-        pre = "cublaslt." if name.startswith("cublaslt.") else ""
+        pre = name[:name.index(".") + 1] if "." in name else ""
         bare = name[len(pre):]
-        if not eq or not re.fullmatch(r"[A-Z][A-Z0-9_]*", bare) or not hasattr(mods[pre], bare):
-            where = "andrea/cuda/cublaslt.py" if pre else "andrea/cuda/engine.py (cublaslt.NAME: andrea/cuda/cublaslt.py)"
+        if not eq or pre not in mods or not re.fullmatch(r"[A-Z][A-Z0-9_]*", bare) or not hasattr(mods[pre], bare):
+            where = (f"andrea/cuda/{pre[:-1]}.py" if pre in mods and pre else
+                     "andrea/cuda/engine.py (cublaslt.NAME: andrea/cuda/cublaslt.py, cudnn_attention.NAME: "
+                     "andrea/cuda/cudnn_attention.py)")
             raise AndreaError(f"--flip {item!r}: {bare!r} is not an upper-case setting of {where}")
         try:
             out[name] = ast.literal_eval(text)

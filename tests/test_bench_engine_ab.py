@@ -50,6 +50,22 @@ def test_a_flip_may_set_cublaslt_and_every_setting_is_put_back(ab):
         ab.parse_flip("CHOICES='/tmp/t.json'")
 
 
+def test_a_flip_may_name_cudnn_attentions_plan_and_only_modules_it_knows(ab):
+    """cudnn_attention.NAME sets andrea.cuda.cudnn_attention's NAME (the plan its graphs build), put back
+    after the block; a prefix that names no module the bench flips is refused in one line."""
+    import andrea.cuda.cudnn_attention as ca
+
+    got = ab.parse_flip("cudnn_attention.BWD_PLAN='eng4_k9=2',OVERLAP_UPDATE=False")
+    assert got == {"cudnn_attention.BWD_PLAN": "eng4_k9=2", "OVERLAP_UPDATE": False}
+    with ab.flipped(got):
+        assert ca.BWD_PLAN == "eng4_k9=2"
+    assert ca.BWD_PLAN is None
+    with pytest.raises(AndreaError, match="'NO_SUCH' is not an upper-case setting of andrea/cuda/cudnn_attention.py"):
+        ab.parse_flip("cudnn_attention.NO_SUCH=1")
+    with pytest.raises(AndreaError, match="'BWD_PLAN' is not an upper-case setting of andrea/cuda/engine.py"):
+        ab.parse_flip("torch.BWD_PLAN=None")
+
+
 def test_a_bad_flip_stops_before_any_gpu_work(ab, capsys):
     assert ab.main(["--flip", "FUSE_GELU=maybe"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

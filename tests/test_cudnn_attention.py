@@ -23,8 +23,10 @@ def test_pick_chunk_takes_the_largest_divisor_whose_workspace_fits():
 
 @pytest.fixture
 def fake_cudnn(monkeypatch):
-    """A stand-in cudnn module: graphs record their tensors and every execute's pointers."""
-    calls = []
+    """A stand-in cudnn module: graphs record their tensors and every execute's pointers (and, in
+    ``.plans``, whether it was a backward, the plan it ran and the heuristic modes it asked)."""
+    calls = type("Calls", (list,), {})()
+    calls.plans = plans_run = []
 
     class T:
         def __init__(self, name, dim=None, stride=None):
@@ -45,8 +47,10 @@ def fake_cudnn(monkeypatch):
             return self
 
     class G:
+        plans = ("eng_first", "eng_other")                # what the fake heuristics offer, in order
+
         def __init__(self, **kw):
-            self.det, self.B = None, None
+            self.det, self.B, self.plan, self.modes = None, None, None, None
 
         def tensor(self, name, dim, stride, data_type):
             self.B = dim[0]
@@ -60,20 +64,33 @@ def fake_cudnn(monkeypatch):
             self.det = use_deterministic_algorithm
             return T("dq"), T("dk"), T("dv")
 
-        validate = build_operation_graph = check_support = build_plans = lambda self: None
+        validate = build_operation_graph = check_support = lambda self: None
 
-        def create_execution_plans(self, _):
-            pass
+        def create_execution_plans(self, modes):
+            self.modes = modes
+
+        def get_execution_plan_count(self):
+            return len(self.plans)
+
+        def get_plan_name_at_index(self, i):
+            return self.plans[i]
+
+        def build_plan_at_index(self, i):
+            self.plan = self.plans[i]
+
+        def build_plans(self):
+            self.plan = self.plans[0]
 
         def get_workspace_size(self):
             return 256 if self.det is None else 1000 * self.B
 
         def execute(self, pack, ws, handle):
             calls.append(({t.name: p for t, p in pack.items()}, ws, self.det))
+            plans_run.append((self.det is not None, self.plan, tuple(self.modes)))
 
     class M:
         data_type = type("dt", (), {"BFLOAT16": 1, "FLOAT": 2})
-        heur_mode = type("hm", (), {"A": 0, "FALLBACK": 1})
+        heur_mode = type("hm", (), {"A": "A", "B": "B", "FALLBACK": "F"})
         diagonal_alignment = type("da", (), {"TOP_LEFT": 0})
         pygraph = G
 
@@ -135,6 +152,28 @@ def test_the_bench_only_switch_is_read_once_when_the_graphs_are_built(fake_cudnn
     plain.backward(dqkv, dy, y, lse, qkv, scratch)
     assert [d for _, _, d in fake_cudnn] == [False] * 3 + [True]    # 1 + 2 calls of chunk 2, then one
     assert "NON-DETERMINISTIC" in other.describe() and "NON-" not in plain.describe()
+
+
+def test_a_named_plan_is_built_where_cudnn_offers_it_and_described(fake_cudnn, monkeypatch):
+    """BWD_PLAN names the backward's plan (read at construction); the forward keeps cuDNN's first and
+    asks only heuristics A and the fallback; a name cuDNN does not offer falls back to its first, and
+    describe() says which plan each graph built."""
+    B, T, C, H = 4, 8, 16, 2
+    qkv, dqkv, y, dy, lse = (Buf(p) for p in (10_000, 20_000, 30_000, 40_000, 50_000))
+    monkeypatch.setattr(ca, "BWD_PLAN", "eng_other")
+    named = ca.CudnnAttention(B, T, C, H, room=8000)
+    monkeypatch.setattr(ca, "BWD_PLAN", "eng_gone")
+    gone = ca.CudnnAttention(B, T, C, H, room=8000)
+    monkeypatch.setattr(ca, "BWD_PLAN", None)
+    for att in (named, gone):
+        att.forward(y, lse, qkv, Buf(60_000, 8000))
+        att.backward(dqkv, dy, y, lse, qkv, Buf(60_000, 8000))
+    assert fake_cudnn.plans == [(False, "eng_first", ("A", "F")), (True, "eng_other", ("A", "B", "F")),
+                         (False, "eng_first", ("A", "F")), (True, "eng_first", ("A", "B", "F"))]
+    assert named.describe().endswith("backward plan eng_other") and "forward plan" not in named.describe()
+    assert gone.describe().endswith("backward plan eng_first (cuDNN's first: eng_gone is not offered here)")
+    plain = ca.CudnnAttention(B, T, C, H, room=8000)
+    assert "plan" not in plain.describe()
 
 
 def test_a_scratch_too_small_for_one_sequence_is_refused_in_one_line(fake_cudnn):

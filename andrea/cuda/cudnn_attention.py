@@ -62,6 +62,11 @@ def unavailable() -> str | None:
 
 
 DETERMINISTIC = True    # cuDNN's deterministic backward; False (bench/attention_det.py only): its default, dQ by atomics
+# The execution plan each graph runs, by cuDNN's name for it (bench/attention_plans.py times every plan cuDNN's
+# heuristics offer and checks that it repeats its bytes): None = the first plan of heuristics mode A, as cuDNN
+# picks. A named plan this cuDNN does not offer falls back to that first one; describe() names what was built.
+FWD_PLAN: str | None = None
+BWD_PLAN: str | None = None
 
 
 def _current_stream() -> int:
@@ -111,6 +116,8 @@ class CudnnAttention:
         self.cudnn, self.B, self.T, self.C, self.H = m, B, T, C, H
         self.scale = 1.0 / math.sqrt(C // H)
         self.deterministic = DETERMINISTIC            # as the backward graphs are built
+        self.want = {False: FWD_PLAN, True: BWD_PLAN}  # the plans asked for, read once like DETERMINISTIC
+        self.built = {}                               # backward -> the name of the plan built (None: unnamed)
         self.handle = m.create_handle()
         self.fwd = self._graph(B, backward=False)
         if self.fwd[1] > room:
@@ -137,8 +144,10 @@ class CudnnAttention:
     def describe(self) -> str:
         v = self.cudnn.backend_version()
         kind = "deterministic" if self.deterministic else "NON-DETERMINISTIC (atomic dQ)"
+        plans = "".join(f", {what} plan {self.built[b]}" for b, what in ((False, "forward"), (True, "backward"))
+                        if self.built.get(b))
         return (f"attention: cuDNN {v // 10000}.{v // 100 % 100}.{v % 100} SDPA, {kind} backward "
-                f"over {self.chunk} to {self.B} of {self.B} sequences a call, as the free bytes fit")
+                f"over {self.chunk} to {self.B} of {self.B} sequences a call, as the free bytes fit{plans}")
 
     def _graph(self, B: int, backward: bool):
         """(graph, workspace bytes, tensors in execute order) of the forward or backward over B sequences."""
@@ -166,10 +175,27 @@ class CudnnAttention:
             tensors = (q, k, v, o, do, lse, dq, dk, dv)
         g.validate()
         g.build_operation_graph()
-        g.create_execution_plans([m.heur_mode.A, m.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
+        self._build(g, backward)
         return g, int(g.get_workspace_size()), tensors
+
+    def _build(self, g, backward: bool) -> None:
+        """Builds ``g``'s plan: the one named in FWD_PLAN / BWD_PLAN (at construction) where cuDNN's
+        heuristics A, B or its fallback offer it, else the first of mode A's; records its name."""
+        m, want = self.cudnn, self.want[backward]
+        if want is None:
+            g.create_execution_plans([m.heur_mode.A, m.heur_mode.FALLBACK])
+            g.check_support()
+            g.build_plans()
+            return
+        g.create_execution_plans([m.heur_mode.A, m.heur_mode.B, m.heur_mode.FALLBACK])
+        g.check_support()
+        names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+        if want in names:
+            g.build_plan_at_index(names.index(want))
+            self.built[backward] = want
+        else:
+            g.build_plans()
+            self.built[backward] = f"{names[0] if names else '?'} (cuDNN's first: {want} is not offered here)"
 
     def _run(self, graph, ptrs, scratch) -> None:
         g, _, tensors = graph
