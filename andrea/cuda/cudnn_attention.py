@@ -151,6 +151,21 @@ class CudnnAttention:
 
     def _graph(self, B: int, backward: bool):
         """(graph, workspace bytes, tensors in execute order) of the forward or backward over B sequences."""
+        g, tensors = self._ops(B, backward)
+        self._build(g, backward)
+        return g, int(g.get_workspace_size()), tensors
+
+    def offered(self, backward: bool) -> list[str]:
+        """The plans cuDNN's heuristics A, B and its fallback offer for the forward or backward graph over the
+        whole batch, by name, in their order: what FWD_PLAN / BWD_PLAN may name (bench/attention_plans.py)."""
+        m = self.cudnn
+        g, _ = self._ops(self.B, backward)
+        g.create_execution_plans([m.heur_mode.A, m.heur_mode.B, m.heur_mode.FALLBACK])
+        g.check_support()
+        return [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+
+    def _ops(self, B: int, backward: bool):
+        """(graph, tensors in execute order) of the forward or backward over B sequences, no plan yet."""
         m, T, C, H = self.cudnn, self.T, self.C, self.H
         D, bf, fl = C // H, m.data_type.BFLOAT16, m.data_type.FLOAT
         dim = [B, H, T, D]
@@ -175,8 +190,7 @@ class CudnnAttention:
             tensors = (q, k, v, o, do, lse, dq, dk, dv)
         g.validate()
         g.build_operation_graph()
-        self._build(g, backward)
-        return g, int(g.get_workspace_size()), tensors
+        return g, tensors
 
     def _build(self, g, backward: bool) -> None:
         """Builds ``g``'s plan: the one named in FWD_PLAN / BWD_PLAN (at construction) where cuDNN's
@@ -190,12 +204,16 @@ class CudnnAttention:
         g.create_execution_plans([m.heur_mode.A, m.heur_mode.B, m.heur_mode.FALLBACK])
         g.check_support()
         names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+        why = "is not offered here"
         if want in names:
-            g.build_plan_at_index(names.index(want))
-            self.built[backward] = want
-        else:
-            g.build_plans()
-            self.built[backward] = f"{names[0] if names else '?'} (cuDNN's first: {want} is not offered here)"
+            try:
+                g.build_plan_at_index(names.index(want))
+                self.built[backward] = want
+                return
+            except Exception as e:  # noqa: BLE001 - offered, but cuDNN cannot build it for this graph
+                why = f"did not build: {str(e).splitlines()[0][:120]}"
+        g.build_plans()
+        self.built[backward] = f"{names[0] if names else '?'} (cuDNN's first: {want} {why})"
 
     def _run(self, graph, ptrs, scratch) -> None:
         g, _, tensors = graph
