@@ -10,7 +10,9 @@ runs on the same random bf16 qkv and dy (the backward on the committed forward's
 plan: whether it built, whether ``--repeats`` calls leave the same output bytes (the engine's runs must
 repeat theirs), its largest difference from the committed plan's output, and its us a call (median of
 ``--rounds`` rounds of ``engine_gpu.sustained_ms`` after ``--sustain-ms`` back to back: the power-capped
-steady state a step runs in). Printed: one line a plan, fastest last. The step's figure of a plan is
+steady state a step runs in). The backward is also timed in chunks of fewer sequences a call (rows
+"chunk c": the committed plan over a scratch that fits c sequences' workspace, as the engine runs a layer
+where its free bytes are fewer). Printed: one line a plan, fastest last. The step's figure of a plan is
 ``bench/engine_ab.py --flip "cudnn_attention.BWD_PLAN='NAME'"``. ``--json`` is written after each variant.
 """
 
@@ -64,9 +66,9 @@ def one_variant(name: str, B: int, a) -> dict:
     y0, lse0 = y.copy(), lse.copy()
     out = {"describe": committed.describe(), "B": B, "T": T, "C": C, "H": H}
 
-    def run(att, backward: bool):
+    def run(att, backward: bool, room=scratch):
         if backward:
-            att.backward(dqkv, dy, y0, lse0, qkv, scratch)
+            att.backward(dqkv, dy, y0, lse0, qkv, room)
         else:
             att.forward(y, lse, qkv, scratch)
         return dqkv if backward else y
@@ -74,10 +76,16 @@ def one_variant(name: str, B: int, a) -> dict:
     for kind, (var, backward) in PASSES.items():
         ref = run(committed, backward).copy()
         rows = []
-        for plan in [None] + committed.offered(backward):
+        chunks = [c for c in range(B - 1, 0, -1) if B % c == 0] if backward else []
+        for plan in [None] + committed.offered(backward) + [f"chunk {c}" for c in chunks]:
             row = {"plan": plan or "committed"}
-            with eg.patched(ca, **{var: plan}):
-                att = ca.CudnnAttention(B, T, C, H, room=1 << 40)
+            room = scratch
+            if plan is not None and plan.startswith("chunk "):   # the committed plan, c sequences a call
+                room = scratch[:committed._ws(int(plan[6:]))]
+                att, plan = committed, None
+            else:
+                with eg.patched(ca, **{var: plan}):
+                    att = ca.CudnnAttention(B, T, C, H, room=1 << 40)
             built = att.built.get(backward)
             if plan is not None and built != plan:
                 row["error"] = built
@@ -87,12 +95,13 @@ def one_variant(name: str, B: int, a) -> dict:
             outs = []
             for _ in range(a.repeats):
                 (dqkv if backward else y).fill(0xFFFF)       # NaN bits: a plan that leaves bytes unwritten shows
-                outs.append(run(att, backward).copy())
+                outs.append(run(att, backward, room).copy())
             row["same_bytes"] = all(bool((o == outs[0]).all()) for o in outs[1:])
             row["same_as_committed"] = bool((outs[0] == ref).all())
             diff = np.abs(bf16_to_f32(cp.asnumpy(outs[0])) - bf16_to_f32(cp.asnumpy(ref)))
             row["max_abs_diff"] = float(np.nan_to_num(diff, nan=np.inf).max())
-            us = [1e3 * eg.sustained_ms(lambda: run(att, backward), a.reps, a.sustain_ms) for _ in range(a.rounds)]
+            us = [1e3 * eg.sustained_ms(lambda: run(att, backward, room), a.reps, a.sustain_ms)
+                  for _ in range(a.rounds)]
             row["us"], row["us_rounds"] = statistics.median(us), us
             rows.append(row)
         base = rows[0]["us"]

@@ -56,4 +56,6 @@ def test_every_offered_plan_of_the_tiny_profile_runs_and_the_committed_one_repea
         assert rest, f"cuDNN offered no {kind} plan"
         for row in rest:       # each either built and ran, or says why not
             assert ("us" in row and row["max_abs_diff"] < 0.1) or row["error"]
+    chunk = [r for r in got["backward"] if r["plan"] == "chunk 1"]
+    assert len(chunk) == 1 and chunk[0]["same_as_committed"]       # one sequence a call: the same bytes
     assert ca.FWD_PLAN is None and ca.BWD_PLAN is None              # put back after each plan
