@@ -38,3 +38,19 @@ def fake_device_clock(monkeypatch, calls: list[int], ms_per_call: float = 0.5) -
     cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: ms_per_call * (b.n - a.n))
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
     return cuda
+
+
+def cupy_with_cudnn():
+    """CuPy, where it finds a CUDA device and cuDNN's frontend loads; else the test is skipped, saying why
+    (the GPU tests of cuDNN's attention and of the benches over it)."""
+    import pytest
+
+    from andrea.cuda import cudnn_attention as ca
+    from andrea.cuda.loader import cupy_or_none
+
+    cp = cupy_or_none()
+    if cp is None:
+        pytest.skip("CuPy cannot be imported or finds no CUDA device")
+    if ca.unavailable() is not None:
+        pytest.skip(f"cuDNN's frontend cannot be loaded ({ca.unavailable()})")
+    return cp

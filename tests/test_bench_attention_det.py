@@ -12,7 +12,7 @@ import json
 import pytest
 
 from andrea.cuda import cudnn_attention as ca
-from script_helpers import load_script
+from script_helpers import cupy_with_cudnn, load_script
 
 
 @pytest.fixture()
@@ -68,12 +68,7 @@ def test_json_keeps_the_backward_figures_when_the_step_dies(det, monkeypatch, tm
 
 @pytest.mark.gpu
 def test_one_small_layer_under_both_settings(det):
-    from andrea.cuda.loader import cupy_or_none
-
-    if cupy_or_none() is None:
-        pytest.skip("CuPy cannot be imported or finds no CUDA device")
-    if ca.unavailable() is not None:
-        pytest.skip(f"cuDNN's frontend cannot be loaded ({ca.unavailable()})")
+    cupy_with_cudnn()
     B, T, H = 2, 256, 2
     s = {"T": T, "C": 64 * H, "H": H, "L": 2}
     r = det.alone(s, B, 1, 0.0, 2, 3)

@@ -13,7 +13,7 @@ import pytest
 
 from andrea.cuda import cudnn_attention as ca
 from andrea.errors import AndreaError
-from script_helpers import load_script
+from script_helpers import cupy_with_cudnn, load_script
 
 
 @pytest.fixture()
@@ -41,12 +41,7 @@ def test_a_bad_spec_is_one_line_on_stderr_and_exit_2(plans, capsys):
 
 @pytest.mark.gpu
 def test_every_offered_plan_of_the_tiny_profile_runs_and_the_committed_one_repeats(plans):
-    from andrea.cuda.loader import cupy_or_none
-
-    if cupy_or_none() is None:
-        pytest.skip("CuPy cannot be imported or finds no CUDA device")
-    if ca.unavailable() is not None:
-        pytest.skip(f"cuDNN's frontend cannot be loaded ({ca.unavailable()})")
+    cupy_with_cudnn()
     a = types.SimpleNamespace(repeats=2, rounds=1, reps=2, sustain_ms=0.0)
     got = plans.one_variant("tiny", 2, a)
     for kind in ("forward", "backward"):

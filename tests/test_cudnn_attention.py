@@ -11,6 +11,7 @@ import pytest
 
 from andrea.cuda import cudnn_attention as ca
 from andrea.errors import AndreaError
+from script_helpers import cupy_with_cudnn
 
 
 def test_pick_chunk_takes_the_largest_divisor_whose_workspace_fits():
@@ -227,15 +228,7 @@ def test_train_attention_is_optional_and_checked_by_the_schema():
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-def _gpu():
-    from andrea.cuda.loader import cupy_or_none
-
-    cp = cupy_or_none()
-    if cp is None:
-        pytest.skip("CuPy cannot be imported or finds no CUDA device")
-    if ca.unavailable() is not None:
-        pytest.skip(f"cuDNN's frontend cannot be loaded ({ca.unavailable()})")
-    return cp
+_gpu = cupy_with_cudnn
 
 
 def _bf16(cp, x):
