@@ -20,7 +20,6 @@ def test_pick_chunk_takes_the_largest_divisor_whose_workspace_fits():
     assert ca.pick_chunk(8, ws, 250) == 2
     assert ca.pick_chunk(6, ws, 450) == 3          # 4 fits but does not divide 6
     assert ca.pick_chunk(8, ws, 99) is None
-    assert ca.pick_chunk(8, ws, 10_000, most=3) == 2 and ca.pick_chunk(8, ws, 10_000, most=8) == 8
 
 
 @pytest.fixture
@@ -176,16 +175,6 @@ def test_a_named_plan_is_built_where_cudnn_offers_it_and_described(fake_cudnn, m
     assert gone.describe().endswith("backward plan eng_first (cuDNN's first: eng_gone is not offered here)")
     plain = ca.CudnnAttention(B, T, C, H, room=8000)
     assert "plan" not in plain.describe()
-
-
-def test_bwd_max_seqs_caps_the_sequences_a_backward_call_takes(fake_cudnn, monkeypatch):
-    B, T, C, H = 4, 8, 16, 2
-    monkeypatch.setattr(ca, "BWD_MAX_SEQS", 2)
-    att = ca.CudnnAttention(B, T, C, H, room=1 << 30)            # room for all four: two calls of two
-    monkeypatch.setattr(ca, "BWD_MAX_SEQS", None)
-    qkv, dqkv, y, dy, lse = (Buf(p) for p in (10_000, 20_000, 30_000, 40_000, 50_000))
-    att.backward(dqkv, dy, y, lse, qkv, Buf(60_000, 1 << 30))
-    assert att.chunk == 2 and [p["q"] for p, _, _ in fake_cudnn] == [10_000, 10_000 + 2 * T * 3 * C * 2]
 
 
 def test_a_scratch_too_small_for_one_sequence_is_refused_in_one_line(fake_cudnn):

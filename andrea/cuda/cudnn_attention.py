@@ -67,10 +67,6 @@ DETERMINISTIC = True    # cuDNN's deterministic backward; False (bench/attention
 # picks. A named plan this cuDNN does not offer falls back to that first one; describe() names what was built.
 FWD_PLAN: str | None = None
 BWD_PLAN: str | None = None
-# The most sequences one backward call takes (None: as many as the scratch fits). Fewer a call keeps the
-# deterministic backward's dS workspace (H T^2 2 bytes a sequence) nearer the L2 cache; bench/attention_plans.py
-# times each chunk alone, engine_ab.py in the step (flip cudnn_attention.BWD_MAX_SEQS=N).
-BWD_MAX_SEQS: int | None = None
 
 
 def _current_stream() -> int:
@@ -80,10 +76,10 @@ def _current_stream() -> int:
     return cp.cuda.get_current_stream().ptr
 
 
-def pick_chunk(B: int, ws_of, room: int, most: int | None = None) -> int | None:
-    """The largest divisor c of B (at most ``most``) whose backward workspace ``ws_of(c)`` fits ``room``
-    bytes; None if not even one sequence's does."""
-    for c in sorted((d for d in range(1, min(B, most or B) + 1) if B % d == 0), reverse=True):
+def pick_chunk(B: int, ws_of, room: int) -> int | None:
+    """The largest divisor c of B whose backward workspace ``ws_of(c)`` fits ``room`` bytes; None if
+    not even one sequence's does."""
+    for c in sorted((d for d in range(1, B + 1) if B % d == 0), reverse=True):
         if ws_of(c) <= room:
             return c
     return None
@@ -121,7 +117,6 @@ class CudnnAttention:
         self.scale = 1.0 / math.sqrt(C // H)
         self.deterministic = DETERMINISTIC            # as the backward graphs are built
         self.want = {False: FWD_PLAN, True: BWD_PLAN}  # the plans asked for, read once like DETERMINISTIC
-        self.most = BWD_MAX_SEQS
         self.built = {}                               # backward -> the name of the plan built (None: unnamed)
         self.handle = m.create_handle()
         self.fwd = self._graph(B, backward=False)
@@ -143,7 +138,7 @@ class CudnnAttention:
         """Sequences a backward call over ``room`` scratch bytes takes (built on first use: the engine's
         eager pass runs before its CUDA graph capture)."""
         if room not in self._chunks:
-            self._chunks[room] = pick_chunk(self.B, self._ws, room, self.most)
+            self._chunks[room] = pick_chunk(self.B, self._ws, room)
         return self._chunks[room]
 
     def describe(self) -> str:
