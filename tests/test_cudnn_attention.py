@@ -48,7 +48,7 @@ def fake_cudnn(monkeypatch):
             return self
 
     class G:
-        plans = ("eng_first", "eng_other")                # what the fake heuristics offer, in order
+        plans = ("eng_first", "eng_other", "eng_first")   # what the fake heuristics A, B offer, in order
 
         def __init__(self, **kw):
             self.det, self.B, self.plan, self.modes = None, None, None, None
@@ -175,6 +175,7 @@ def test_a_named_plan_is_built_where_cudnn_offers_it_and_described(fake_cudnn, m
     assert gone.describe().endswith("backward plan eng_first (cuDNN's first: eng_gone is not offered here)")
     plain = ca.CudnnAttention(B, T, C, H, room=8000)
     assert "plan" not in plain.describe()
+    assert plain.offered(True) == plain.offered(False) == ["eng_first", "eng_other"]     # each once, in order
 
 
 def test_a_scratch_too_small_for_one_sequence_is_refused_in_one_line(fake_cudnn):

@@ -157,12 +157,14 @@ class CudnnAttention:
 
     def offered(self, backward: bool) -> list[str]:
         """The plans cuDNN's heuristics A, B and its fallback offer for the forward or backward graph over the
-        whole batch, by name, in their order: what FWD_PLAN / BWD_PLAN may name (bench/attention_plans.py)."""
+        whole batch, by name, each once, in their order: what FWD_PLAN / BWD_PLAN may name
+        (bench/attention_plans.py)."""
         m = self.cudnn
         g, _ = self._ops(self.B, backward)
         g.create_execution_plans([m.heur_mode.A, m.heur_mode.B, m.heur_mode.FALLBACK])
         g.check_support()
-        return [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+        names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+        return list(dict.fromkeys(names))           # heuristics A and B offer some of the same plans
 
     def _ops(self, B: int, backward: bool):
         """(graph, tensors in execute order) of the forward or backward over B sequences, no plan yet."""
