@@ -65,8 +65,9 @@ DETERMINISTIC = True    # cuDNN's deterministic backward; False (bench/attention
 # The execution plan each graph runs, by cuDNN's name for it (bench/attention_plans.py times every plan cuDNN's
 # heuristics offer and checks that it repeats its bytes): None = the first plan of heuristics mode A, as cuDNN
 # picks. A named plan this cuDNN does not offer falls back to that first one; describe() names what was built.
-# cuDNN 9.19 on an H100 at 480M B=8 (docs/bench/s48.md): the first is the fastest of each pass (forward eng2
-# 84 us, the others 1.01-2.24x; deterministic backward eng6 344 us, eng7 1.56x), so both stay None.
+# cuDNN 9.19 on an H100 at 480M B=8 (docs/bench/s48.md): the first is the fastest of each pass (forward
+# eng2_k24=7, 84 us, against 1.93-2.24x for eng1's four; deterministic backward eng6_k24=26, 344 us, against
+# 1.56x for eng7), so both stay None.
 FWD_PLAN: str | None = None
 BWD_PLAN: str | None = None
 
