@@ -7,7 +7,9 @@ alternating rounds of one process, and the torch anchor once: what a switch of a
 
 Each --flip is one arm: comma-separated NAME=VALUE, NAME an upper-case setting of andrea.cuda.engine (or,
 as cublaslt.NAME, of andrea.cuda.cublaslt: ``"cublaslt.CHOICES='t.json'"`` runs the engine on another
-algorithm table, such as one ``bench/lt_algos.py --write-table`` wrote) and VALUE a Python literal; both are
+algorithm table, such as one ``bench/lt_algos.py --write-table`` wrote; as cudnn_attention.NAME, of
+andrea.cuda.cudnn_attention: ``"cudnn_attention.BWD_PLAN='eng7_k24=26'"`` another plan of its backward,
+one ``bench/attention_plans.py`` lists) and VALUE a Python literal; both are
 checked before any GPU work. Per variant and batch: ``engine_gpu.bench_ours``
 (one microbatch a step, CUDA graph) under each arm, ``--rounds`` rounds with the order reversed every
 other round, the median; then the ``--anchor`` (``none``: no anchor). Printed: each arm's ms, MFU and ratio
@@ -47,8 +49,8 @@ def modules() -> dict:
 
 
 def parse_flip(item: str) -> dict:
-    """{NAME: value} of one --flip item (NAME as given: ``cublaslt.`` names andrea.cuda.cublaslt's); AndreaError
-    names a setting the module does not have or a value that is not a literal."""
+    """{NAME: value} of one --flip item (NAME as given: ``cublaslt.`` / ``cudnn_attention.`` name those modules'
+    settings); AndreaError names a setting the module does not have or a value that is not a literal."""
     mods = modules()
     out = {}
     for part in re.split(r",(?=(?:[a-z_]+\.)?[A-Z_][A-Z0-9_]*=)", item):
