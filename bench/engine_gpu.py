@@ -712,14 +712,20 @@ def kernel_times(prof, steps: int) -> dict[str, list]:
 
 
 def parse_variants(items: list[str], batch: int) -> list[tuple[str, int]]:
-    """``name`` -> [(name, batch)]; ``name:8,64`` -> [(name, 8), (name, 64)]."""
+    """``name`` -> [(name, batch)]; ``name:8,64`` -> [(name, 8), (name, 64)]. AndreaError (one line, before any
+    GPU work) names an item whose batches are not integers of 1 or more, or that has no params/profile/NAME.yaml."""
     out = []
     for it in items:
         name, _, bs = it.partition(":")
         try:
-            out += [(name, int(b)) for b in bs.split(",")] if bs else [(name, batch)]
+            got = [(name, int(b)) for b in bs.split(",")] if bs else [(name, batch)]
         except ValueError:
-            raise SystemExit(f"--variants {it}: batches after ':' must be integers, e.g. andrea-12m:8,64") from None
+            got = [(name, 0)]
+        if min(b for _, b in got) < 1:
+            raise AndreaError(f"--variants {it}: batches after ':' must be integers of 1 or more, e.g. andrea-12m:8,64")
+        if not (ROOT / "params" / "profile" / f"{name}.yaml").is_file():
+            raise AndreaError(f"--variants {it}: no profile params/profile/{name}.yaml")
+        out += got
     return out
 
 

@@ -73,4 +73,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    eg.exit_gpu_main(main, "fp8_ab")

@@ -25,6 +25,17 @@ def fake_ours(ms: float) -> dict:
             "pool_used_bytes": 2 ** 30}
 
 
+def test_variants_parse_to_profiles_and_batches_and_a_bad_one_is_refused(eg):
+    from andrea.errors import AndreaError
+
+    assert eg.parse_variants(["andrea-12m:8,64", "andrea-480m"], 16) == [
+        ("andrea-12m", 8), ("andrea-12m", 64), ("andrea-480m", 16)]
+    for item, why in (("andrea-12m:8,x", "must be integers of 1 or more"), ("andrea-12m:0", "of 1 or more"),
+                      ("andrea-9t:8", "no profile params/profile/andrea-9t.yaml")):
+        with pytest.raises(AndreaError, match=why):
+            eg.parse_variants([item], 8)
+
+
 def test_json_keeps_the_figures_measured_before_a_later_one_dies(eg, tmp_path, monkeypatch):
     def ours(s, B, steps, warmup, prec):
         if prec == "fp8":
