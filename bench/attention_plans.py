@@ -32,20 +32,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import engine_gpu as eg  # noqa: E402
 
 from andrea.engine.fp8_numpy import bf16_to_f32  # noqa: E402
-from andrea.errors import AndreaError  # noqa: E402
 from andrea.fsutil import atomic_write_json  # noqa: E402
 
 PASSES = {"forward": ("FWD_PLAN", False), "backward": ("BWD_PLAN", True)}
-
-
-def parse_variant(spec: str) -> tuple[str, int]:
-    """("andrea-480m", 8) of "andrea-480m:8"; AndreaError names a spec without ':B' or an unknown profile."""
-    name, _, b = spec.partition(":")
-    if not b.isdigit() or int(b) < 1:
-        raise AndreaError(f"--variants {spec!r}: expected NAME:B, B a batch of 1 or more (andrea-480m:8)")
-    if not (ROOT / "params" / "profile" / f"{name}.yaml").is_file():
-        raise AndreaError(f"--variants {spec!r}: no profile params/profile/{name}.yaml")
-    return name, int(b)
 
 
 def one_variant(name: str, B: int, a) -> dict:
@@ -66,44 +55,41 @@ def one_variant(name: str, B: int, a) -> dict:
     y0, lse0 = y.copy(), lse.copy()
     out = {"describe": committed.describe(), "B": B, "T": T, "C": C, "H": H}
 
-    def run(att, backward: bool, room=scratch):
+    def run(att, backward: bool, room):
         if backward:
             att.backward(dqkv, dy, y0, lse0, qkv, room)
         else:
-            att.forward(y, lse, qkv, scratch)
+            att.forward(y, lse, qkv, room)
         return dqkv if backward else y
 
+    def measure(row: dict, att, backward: bool, room, ref) -> dict:
+        """``row`` with the bytes checks and the us a call of ``att`` over ``room``."""
+        outs = []
+        for _ in range(a.repeats):
+            (dqkv if backward else y).fill(0xFFFF)       # NaN bits: a plan that leaves bytes unwritten shows
+            outs.append(run(att, backward, room).copy())
+        row["same_bytes"] = all(bool((o == outs[0]).all()) for o in outs[1:])
+        row["same_as_committed"] = bool((outs[0] == ref).all())
+        diff = np.abs(bf16_to_f32(cp.asnumpy(outs[0])) - bf16_to_f32(cp.asnumpy(ref)))
+        row["max_abs_diff"] = float(np.nan_to_num(diff, nan=np.inf).max())
+        us = [1e3 * eg.sustained_ms(lambda: run(att, backward, room), a.reps, a.sustain_ms) for _ in range(a.rounds)]
+        row["us"], row["us_rounds"] = statistics.median(us), us
+        return row
+
     for kind, (var, backward) in PASSES.items():
-        ref = run(committed, backward).copy()
-        rows = []
-        chunks = [c for c in range(B - 1, 0, -1) if B % c == 0] if backward else []
-        for plan in [None] + committed.offered(backward) + [f"chunk {c}" for c in chunks]:
-            row = {"plan": plan or "committed"}
-            room = scratch
-            if plan is not None and plan.startswith("chunk "):   # the committed plan, c sequences a call
-                room = scratch[:committed._ws(int(plan[6:]))]
-                att, plan = committed, None
+        ref = run(committed, backward, scratch).copy()
+        rows = [measure({"plan": "committed"}, committed, backward, scratch, ref)]
+        for plan in committed.offered(backward):
+            with eg.patched(ca, **{var: plan}):
+                att = ca.CudnnAttention(B, T, C, H, room=1 << 40)
+            if att.built.get(backward) != plan:               # offered, but not built: say why
+                rows.append({"plan": plan, "error": att.built.get(backward)})
+                print(f"  {kind} {plan}: {rows[-1]['error']}", flush=True)
             else:
-                with eg.patched(ca, **{var: plan}):
-                    att = ca.CudnnAttention(B, T, C, H, room=1 << 40)
-            built = att.built.get(backward)
-            if plan is not None and built != plan:
-                row["error"] = built
-                rows.append(row)
-                print(f"  {kind} {plan}: {built}", flush=True)
-                continue
-            outs = []
-            for _ in range(a.repeats):
-                (dqkv if backward else y).fill(0xFFFF)       # NaN bits: a plan that leaves bytes unwritten shows
-                outs.append(run(att, backward, room).copy())
-            row["same_bytes"] = all(bool((o == outs[0]).all()) for o in outs[1:])
-            row["same_as_committed"] = bool((outs[0] == ref).all())
-            diff = np.abs(bf16_to_f32(cp.asnumpy(outs[0])) - bf16_to_f32(cp.asnumpy(ref)))
-            row["max_abs_diff"] = float(np.nan_to_num(diff, nan=np.inf).max())
-            us = [1e3 * eg.sustained_ms(lambda: run(att, backward, room), a.reps, a.sustain_ms)
-                  for _ in range(a.rounds)]
-            row["us"], row["us_rounds"] = statistics.median(us), us
-            rows.append(row)
+                rows.append(measure({"plan": plan}, att, backward, scratch, ref))
+        for c in range(B - 1, 0, -1) if backward else ():   # the committed plan, c sequences a call
+            if B % c == 0:
+                rows.append(measure({"plan": f"chunk {c}"}, committed, backward, scratch[:committed._ws(c)], ref))
         base = rows[0]["us"]
         for row in sorted((r for r in rows if "us" in r), key=lambda r: -r["us"]):
             print(f"  {kind} {row['plan']}: {row['us']:.1f} us ({row['us'] / base:.3f}x committed), same bytes "
@@ -115,14 +101,15 @@ def one_variant(name: str, B: int, a) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", nargs="+", default=["andrea-480m:8"], help="NAME:B, e.g. andrea-480m:8")
+    ap.add_argument("--variants", nargs="+", default=["andrea-480m:8"], help="NAME or NAME:B,B (engine_gpu's)")
+    ap.add_argument("--batch", type=int, default=8, help="batch of a variant named without ':B'")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds a plan (median)")
     ap.add_argument("--sustain-ms", type=float, default=200.0)
     ap.add_argument("--reps", type=int, default=20, help="timed calls a round (at least)")
     ap.add_argument("--repeats", type=int, default=3, help="calls compared for their bytes")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    specs = [parse_variant(v) for v in a.variants]          # refused before any GPU work
+    specs = eg.parse_variants(a.variants, a.batch)           # refused before any GPU work
     res = {}
     for name, B in specs:
         print(f"{name} B={B}", flush=True)
