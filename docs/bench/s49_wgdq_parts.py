@@ -33,8 +33,8 @@ def runner(mod):
     def call():
         z((K.blocks(B * H * T),), (256,), (y, dy, K.i32(C), dvec, K.i32(B), K.i32(T), K.i32(H), K.i32(D), sem, K.i32(nsem)))
         f((8, B * H), (256,), (K.ptr(qkv), K.ptr(qkv, C), K.ptr(qkv, 2 * C), K.i32(3 * C), dy, K.i32(C), lse2, dvec,
-              K.ptr(dqkv), K.ptr(dqkv, C), K.ptr(dqkv, 2 * C), K.i32(T), K.i32(H), K.np.float32(np.log2(np.e) / 8),
-              K.np.float32(1 / 8), K.i32(0), K.ptr(ds), sem))
+              K.ptr(dqkv), K.ptr(dqkv, C), K.ptr(dqkv, 2 * C), K.i32(T), K.i32(H), np.float32(np.log2(np.e) / 8),
+              np.float32(1 / 8), K.i32(0), K.ptr(ds), sem))
     return call
 arms = {}
 for x in [0] + [int(a) for a in sys.argv[1:]]:
@@ -42,7 +42,6 @@ for x in [0] + [int(a) for a in sys.argv[1:]]:
     mod.compile()
     arms[f"DQX={x}"] = runner(mod)
     print("built", x, flush=True)
-ref = None
 for n, f in arms.items():
     f(); f()
 cp.cuda.Device().synchronize()
