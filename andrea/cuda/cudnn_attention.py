@@ -162,12 +162,15 @@ class CudnnAttention:
         """The plans cuDNN's heuristics A, B and its fallback offer for the forward or backward graph over the
         whole batch, by name, each once, in their order: what FWD_PLAN / BWD_PLAN may name
         (bench/attention_plans.py)."""
+        names = self._offer(self._ops(self.B, backward)[0])
+        return list(dict.fromkeys(names))           # heuristics A and B offer some of the same plans
+
+    def _offer(self, g) -> list[str]:
+        """Asks heuristics A, B and the fallback for ``g``'s plans; their names in the order offered."""
         m = self.cudnn
-        g, _ = self._ops(self.B, backward)
         g.create_execution_plans([m.heur_mode.A, m.heur_mode.B, m.heur_mode.FALLBACK])
         g.check_support()
-        names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
-        return list(dict.fromkeys(names))           # heuristics A and B offer some of the same plans
+        return [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
 
     def _ops(self, B: int, backward: bool):
         """(graph, tensors in execute order) of the forward or backward over B sequences, no plan yet."""
@@ -206,9 +209,7 @@ class CudnnAttention:
             g.check_support()
             g.build_plans()
             return
-        g.create_execution_plans([m.heur_mode.A, m.heur_mode.B, m.heur_mode.FALLBACK])
-        g.check_support()
-        names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+        names = self._offer(g)
         why = "is not offered here"
         if want in names:
             try:
