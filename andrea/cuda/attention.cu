@@ -1560,4 +1560,151 @@ ATTN_WGDS_INST(bf16, true, 64, 1, 64, 128) ATTN_WGDS_INST(bf16, true, 64, 2, 128
 ATTN_WGDS_INST(f16, false, 32, 1, 64, 128) ATTN_WGDS_INST(f16, false, 32, 2, 128, 256)
 ATTN_WGDS_INST(f16, false, 64, 1, 64, 128) ATTN_WGDS_INST(f16, false, 64, 2, 128, 256)
 
+// ---------------------------------------------------------------------------------------------
+// "wgt": attn_bwd_dkv_wg<..., DS = true> fed by the copy engine (TMA) through a ring of ATTN_NS stages
+// instead of cp.async double buffers: the same products in the same order on the same operands, so the
+// same dK, dV and dS bytes, but no copy loop in the warps and no block-wide barrier a tile (each warp
+// waits only for the stage it reads, and gives it back with one arrival). Thread 0 issues the loads,
+// ATTN_NS - 2 tiles ahead, into the stage its warps gave back two tiles before (so it seldom waits).
+// A stage: the query tile q and dy tile (64 x D each, 16-byte chunk (r, c8) at element (c8 64 + r) 8:
+// one TMA box of 8 columns x 64 rows a chunk column, which is a column of 8 core matrices), then the
+// tile's 64 lse2 and 64 dvec values. maps (kernels.attn_tma_maps): [0] qkv as (B, Tn, ld) 16-bit,
+// [1] dy as (B, Tn, ldy), boxes 8 x 64 x 1 (rows >= Tn of a sequence come in as zeros); [2] lse2 and
+// [3] dvec as flat fp32 vectors, boxes of 64 (past Tn: the next head's values, masked like the zeros).
+#ifndef ATTN_NS
+#define ATTN_NS 4
+#endif
+#define ATTN_WATCHDOG 4000000000ull
+
+// k16 slice kk of X^T (X = tile [64 rows][D], k = d) and of X (k = rows 16 kk ..) in the chunk-column layout
+__device__ __forceinline__ unsigned long long desc_xt_cc(const u16* tile, int kk) {
+    return wg_desc(tile + kk * 1024, 1024, 128);
+}
+__device__ __forceinline__ unsigned long long desc_x_cc(const u16* tile, int kk) {
+    return wg_desc(tile + kk * 128, 128, 1024);
+}
+
+template <int D>
+constexpr int attn_tma_stage() { return 2 * 64 * D * 2 + 2 * 64 * 4; }
+
+template <bool BF, int D, int WG>
+__device__ void attn_bwd_dkv_tma(const TmaDesc* __restrict__ maps, const u16* __restrict__ k,
+                                 const u16* __restrict__ v, int ld, u16* __restrict__ dk, u16* __restrict__ dv,
+                                 int Tn, int H, float sl2, float scale, int accumulate, u16* __restrict__ ds,
+                                 int bh0, u16* __restrict__ ds2, int n1) {
+    constexpr int KS = D / 16, ND = D / 8, TILE = 64 * D * 2, STAGE = attn_tma_stage<D>(), NS = ATTN_NS;
+    static_assert(NS >= 3, "ATTN_NS: the loads run NS - 2 tiles ahead");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    const unsigned sbase = smem_u32(sm), bars = sbase + NS * STAGE;  // full[s] at bars + 8 s, empty[s] after them
+    const int tid = threadIdx.x, wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
+              t4 = lane & 3;
+    const int kt = blockIdx.x, bh = bh0 + blockIdx.y, b = bh / H, h = bh % H;
+    const long long rb = (long long)b * Tn;
+    const int k0 = kt * 64 * WG + wgi * 64, ka0 = k0 + warp * 16 + g, ka1 = ka0 + 8;
+    const int ntiles = (Tn + 63) / 64, qt0 = kt * WG, n = ntiles - qt0;
+    if (tid == 0) {
+        for (int s = 0; s < NS; ++s) {
+            mbar_init(bars + 8 * s, 1);
+            mbar_init(bars + 8 * (NS + s), 4 * WG);  // one arrival per warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    auto produce = [&](int i) {  // tile qt0 + i into stage i % NS, once its previous tile's warps gave it back
+        const int s = i % NS, q0 = (qt0 + i) * 64;
+        if (i >= NS) mbar_wait(bars + 8 * (NS + s), ((i / NS) - 1) & 1, ATTN_WATCHDOG);
+        const unsigned full = bars + 8 * s, dst = sbase + s * STAGE;
+        mbar_expect_tx(full, STAGE);
+#pragma unroll
+        for (int c8 = 0; c8 < ND; ++c8) {
+            tma_load3(dst + c8 * 1024, maps, full, h * D + c8 * 8, q0, b);
+            tma_load3(dst + TILE + c8 * 1024, maps + 1, full, h * D + c8 * 8, q0, b);
+        }
+        tma_load1(dst + 2 * TILE, maps + 2, full, bh * Tn + q0);
+        tma_load1(dst + 2 * TILE + 256, maps + 3, full, bh * Tn + q0);
+    };
+    if (tid == 0)
+        for (int i = 0; i < NS - 2 && i < n; ++i) produce(i);
+    __syncwarp();  // warp 0 whole again before its first wgmma (.aligned)
+    unsigned ka[KS][4], va[KS][4];
+    load_afrag<D>(k + h * D, rb, ka0, ka1, Tn, ld, t4, ka);
+    load_afrag<D>(v + h * D, rb, ka0, ka1, Tn, ld, t4, va);
+    float dka[ND * 4], dva[ND * 4];
+#pragma unroll
+    for (int i = 0; i < ND * 4; ++i) dka[i] = dva[i] = 0.0f;
+    u16* dsh = ds_head(ds, ds2, n1, blockIdx.y, ntiles);
+    for (int i = 0; i < n; ++i) {
+        if (tid == 0 && i + NS - 2 < n) produce(i + NS - 2);
+        __syncwarp();
+        const int s = i % NS, qt = qt0 + i, q0 = qt * 64;
+        const unsigned empty = bars + 8 * (NS + s);
+        if (q0 + 63 < k0) {  // every query of this tile precedes every key of this warpgroup
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty);
+            continue;
+        }
+        mbar_wait(bars + 8 * s, (i / NS) & 1, ATTN_WATCHDOG);
+        const u16* Qs = reinterpret_cast<const u16*>(sm + s * STAGE);
+        const u16* Os = reinterpret_cast<const u16*>(sm + s * STAGE + TILE);
+        const float* Ls = reinterpret_cast<const float*>(sm + s * STAGE + 2 * TILE);
+        const float* Es = Ls + 64;
+        float sv[32], dp[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(sv, ka[kk], desc_xt_cc(Qs, kk), kk);   // S^T = K Q^T
+        wg_commit();
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(dp, va[kk], desc_xt_cc(Os, kk), kk);  // dP^T = V dy^T
+        wg_commit();
+        wg_wait<1>();
+        wg_regs<32>(sv);
+        auto probs = [&](auto masked) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int c = (j >> 2) * 8 + 2 * t4 + (j & 1), qq = q0 + c;
+                const float e = exp2f(fmaf(sv[j], sl2, -Ls[c]));
+                if constexpr (decltype(masked)::value) sv[j] = (qq >= ((j & 2) ? ka1 : ka0) && qq < Tn) ? e : 0.0f;
+                else sv[j] = e;
+            }
+        };
+        if (q0 < k0 + 63 || q0 + 64 > Tn) probs(Flag<true>{});
+        else probs(Flag<false>{});
+        unsigned pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&sv[8 * kk], &sv[8 * kk + 4], pa[kk]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dva, pa[kk], desc_x_cc(Os, kk), 1);  // dV += P^T dy
+        wg_commit();
+        wg_wait<1>();
+        wg_regs<32>(dp);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) dp[j] = sv[j] * (dp[j] - Es[(j >> 2) * 8 + 2 * t4 + (j & 1)]);  // dS^T
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&dp[8 * kk], &dp[8 * kk + 4], sa[kk]);
+        ds_store_t(dsh + (long long)(qt * (qt + 1) / 2 + k0 / 64) * 4096, sa, warp, g, t4);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dka, sa[kk], desc_x_cc(Qs, kk), 1);  // dK += dS^T Q
+        wg_commit_wait();
+        wg_regs<ND * 4>(dva);
+        wg_regs<ND * 4>(dka);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty);  // this warp's last read of the stage is done
+    }
+    store_rows<BF, ND>(dk, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, accumulate);
+    store_rows<BF, ND>(dv, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, accumulate);
+}
+#define ATTN_WGT_INST(SUF, BF, D, P, BM, NT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkvt_wg_##SUF##_d##D##_r##BM(                \
+        const TmaDesc* maps, const u16* k, const u16* v, int ld, u16* dk, u16* dv, int Tn, int H, float sl2, \
+        float scale, int accumulate, u16* ds, int bh0, u16* ds2, int n1) {                                   \
+        attn_bwd_dkv_tma<BF, D, P>(maps, k, v, ld, dk, dv, Tn, H, sl2, scale, accumulate, ds, bh0, ds2, n1);  \
+    }
+ATTN_WGT_INST(bf16, true, 32, 1, 64, 128) ATTN_WGT_INST(bf16, true, 32, 2, 128, 256)
+ATTN_WGT_INST(bf16, true, 64, 1, 64, 128) ATTN_WGT_INST(bf16, true, 64, 2, 128, 256)
+ATTN_WGT_INST(f16, false, 32, 1, 64, 128) ATTN_WGT_INST(f16, false, 32, 2, 128, 256)
+ATTN_WGT_INST(f16, false, 64, 1, 64, 128) ATTN_WGT_INST(f16, false, 64, 2, 128, 256)
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

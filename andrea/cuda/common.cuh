@@ -160,3 +160,55 @@ __device__ __forceinline__ void adamw_pinned(float& w, float g, float& m, float&
     if (decay) w = __fmul_rn(w, __fmaf_rn(-lr, wd, 1.0f));
     w = __fmaf_rn(-step, __fdiv_rn(m, __fmaf_rn(__fsqrt_rn(v), isb2, eps)), w);
 }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper's copy engine and its barriers (sm_90a: mm_dgelu.cu's GEMM and attention.cu's "wgt" backward).
+// CUtensorMap's storage (cuda.h is not needed under NVRTC): 128 opaque bytes the host encodes
+// (kernels.encode_map).
+struct __align__(64) TmaDesc { unsigned long long v[16]; };
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// until the phase of parity `parity` has completed. A wait that never ends (a barrier count or phase gone
+// wrong) traps once it has lasted limit_ns by the global timer (read every 1024 polls: a try_wait may
+// itself suspend for a while), so the launch fails with an error where it would hang the process; no wait
+// of a working launch comes near the 4 s the kernels pass.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity, unsigned long long limit_ns) {
+    unsigned done, polls = 0;
+    unsigned long long t0 = 0;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if (!done && (++polls & 1023u) == 0) {
+            unsigned long long now;
+            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+            if (t0 == 0) t0 = now;
+            else if (now - t0 > limit_ns) __trap();
+        }
+    } while (!done);
+}
+
+// TMA: the box at coordinates (c0 innermost, c1, c2) of the map's tensor into shared memory at dst,
+// completing on bar (1, 2 or 3 dimensions)
+__device__ __forceinline__ void tma_load1(unsigned dst, const TmaDesc* map, unsigned bar, int c0) {
+    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];\n"
+                 ::"r"(dst), "l"(map), "r"(bar), "r"(c0) : "memory");
+}
+__device__ __forceinline__ void tma_load(unsigned dst, const TmaDesc* map, unsigned bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+                 ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void tma_load3(unsigned dst, const TmaDesc* map, unsigned bar, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+                 ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+#endif
