@@ -1561,22 +1561,42 @@ ATTN_WGDS_INST(f16, false, 32, 1, 64, 128) ATTN_WGDS_INST(f16, false, 32, 2, 128
 ATTN_WGDS_INST(f16, false, 64, 1, 64, 128) ATTN_WGDS_INST(f16, false, 64, 2, 128, 256)
 
 // ---------------------------------------------------------------------------------------------
-// "wgt": attn_bwd_dkv_wg<..., DS = true> fed by the copy engine (TMA) through a ring of ATTN_NS stages
-// instead of cp.async double buffers: the same products in the same order on the same operands, so the
-// same dK, dV and dS bytes, but no copy loop in the warps and no block-wide barrier a tile (each warp
-// waits only for the stage it reads, and gives it back with one arrival). Thread 0 issues the loads,
-// ATTN_NS - 2 tiles ahead, into the stage its warps gave back two tiles before (so it seldom waits).
-// A stage: the query tile q and dy tile (64 x D each, 16-byte chunk (r, c8) at element (c8 64 + r) 8:
-// one TMA box of 8 columns x 64 rows a chunk column, which is a column of 8 core matrices), then the
-// tile's 64 lse2 and 64 dvec values. maps (kernels.attn_tma_maps): [0] qkv as (B, Tn, ld) 16-bit,
-// [1] dy as (B, Tn, ldy), boxes 8 x 64 x 1 (rows >= Tn of a sequence come in as zeros); [2] lse2 and
-// [3] dvec as flat fp32 vectors, boxes of 64 (past Tn: the next head's values, masked like the zeros).
+// "wgt": the dK/dV kernel of "wgds" (same products in the same order on the same operands, so the same
+// dK, dV and dS bytes) restructured as FlashAttention-3 orders a warpgroup's work:
+//   - the copy engine (TMA) loads each query tile's q and dy rows, lse2 and dvec into a ring of ATTN_NS
+//     stages (mbarriers full / empty; thread 0 issues, ATTN_NS - 2 tiles ahead); no copy loop in the
+//     warps and no block-wide barrier: a warp waits only for the stage it reads and gives it back with
+//     one arrival once the products that read it are done;
+//   - K and V rows come into shared memory once (wgmma's A from shared memory: 32 registers a thread
+//     freed for the next point);
+//   - the next tile's S^T = K Q^T and dP^T = V dy^T go to the tensor cores before this tile's softmax
+//     and dS are computed, so they run under it (two register sets for S and dP, used in turn);
+//     dV += P^T dy and dK += dS^T Q follow as one group, waited for at the next tile.
+// A stage: the q tile and the dy tile (64 x D each, 16-byte chunk (r, c8) at element (c8 64 + r) 8: one
+// TMA box of 8 columns x 64 rows a chunk column, which is a column of 8 core matrices), then the tile's
+// 64 lse2 and 64 dvec values. K and V tiles: the same layout. maps (kernels.attn_tma_maps): [0] qkv as
+// (B, Tn, ld) 16-bit, [1] dy as (B, Tn, ldy), boxes 8 x 64 x 1 (rows >= Tn of a sequence come in as
+// zeros); [2] lse2 and [3] dvec as flat fp32 vectors, boxes of 64 (past Tn: the next head's values,
+// masked like the zeros).
 #ifndef ATTN_NS
 #define ATTN_NS 4
 #endif
 #define ATTN_WATCHDOG 4000000000ull
 
-// k16 slice kk of X^T (X = tile [64 rows][D], k = d) and of X (k = rows 16 kk ..) in the chunk-column layout
+#define WG_MMA_SS_N64(TY)                                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                        \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                       \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+                 : "l"(da), "l"(db), "r"(acc))
+// d (64 x 64 fp32 a warpgroup) (+)= A (64 x 16, K-major in shared memory) x B^T (B 64 x 16, K-major)
+template <bool BF>
+__device__ __forceinline__ void wgmma_ss64(float* d, unsigned long long da, unsigned long long db, int acc) {
+    if constexpr (BF) WG_MMA_SS_N64("bf16"); else WG_MMA_SS_N64("f16");
+}
+
+// k16 slice kk of X^T (X = tile [64 rows][D], k = d) and of X (k = rows 16 kk ..) in the chunk-column
+// layout; the first is also the A operand (rows = M) of a K-major X
 __device__ __forceinline__ unsigned long long desc_xt_cc(const u16* tile, int kk) {
     return wg_desc(tile + kk * 1024, 1024, 128);
 }
@@ -1588,18 +1608,19 @@ template <int D>
 constexpr int attn_tma_stage() { return 2 * 64 * D * 2 + 2 * 64 * 4; }
 
 template <bool BF, int D, int WG>
-__device__ void attn_bwd_dkv_tma(const TmaDesc* __restrict__ maps, const u16* __restrict__ k,
-                                 const u16* __restrict__ v, int ld, u16* __restrict__ dk, u16* __restrict__ dv,
-                                 int Tn, int H, float sl2, float scale, int accumulate, u16* __restrict__ ds,
-                                 int bh0, u16* __restrict__ ds2, int n1) {
+__device__ void attn_bwd_dkv_tma(const TmaDesc* __restrict__ maps, int ld, u16* __restrict__ dk,
+                                 u16* __restrict__ dv, int Tn, int H, float sl2, float scale, int accumulate,
+                                 u16* __restrict__ ds, int bh0, u16* __restrict__ ds2, int n1) {
     constexpr int KS = D / 16, ND = D / 8, TILE = 64 * D * 2, STAGE = attn_tma_stage<D>(), NS = ATTN_NS;
     static_assert(NS >= 3, "ATTN_NS: the loads run NS - 2 tiles ahead");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023u)) & 1023u);
-    const unsigned sbase = smem_u32(sm), bars = sbase + NS * STAGE;  // full[s] at bars + 8 s, empty[s] after them
+    // NS stages, then K and V tiles of each warpgroup, then full[NS], empty[NS] and kv (8 bytes each)
+    const unsigned sbase = smem_u32(sm), kvbase = sbase + NS * STAGE, bars = kvbase + WG * 2 * TILE;
+    const unsigned kvbar = bars + 16 * NS;
     const int tid = threadIdx.x, wgi = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2,
               t4 = lane & 3;
-    const int kt = blockIdx.x, bh = bh0 + blockIdx.y, b = bh / H, h = bh % H;
+    const int kt = blockIdx.x, bh = bh0 + blockIdx.y, b = bh / H, h = bh % H, C = ld / 3;
     const long long rb = (long long)b * Tn;
     const int k0 = kt * 64 * WG + wgi * 64, ka0 = k0 + warp * 16 + g, ka1 = ka0 + 8;
     const int ntiles = (Tn + 63) / 64, qt0 = kt * WG, n = ntiles - qt0;
@@ -1608,6 +1629,7 @@ __device__ void attn_bwd_dkv_tma(const TmaDesc* __restrict__ maps, const u16* __
             mbar_init(bars + 8 * s, 1);
             mbar_init(bars + 8 * (NS + s), 4 * WG);  // one arrival per warp
         }
+        mbar_init(kvbar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -1624,87 +1646,129 @@ __device__ void attn_bwd_dkv_tma(const TmaDesc* __restrict__ maps, const u16* __
         tma_load1(dst + 2 * TILE, maps + 2, full, bh * Tn + q0);
         tma_load1(dst + 2 * TILE + 256, maps + 3, full, bh * Tn + q0);
     };
-    if (tid == 0)
+    if (tid == 0) {
+        mbar_expect_tx(kvbar, WG * 2 * TILE);
+        for (int w = 0; w < WG; ++w)
+#pragma unroll
+            for (int c8 = 0; c8 < ND; ++c8) {
+                const int r = kt * 64 * WG + w * 64;
+                tma_load3(kvbase + 2 * w * TILE + c8 * 1024, maps, kvbar, C + h * D + c8 * 8, r, b);
+                tma_load3(kvbase + (2 * w + 1) * TILE + c8 * 1024, maps, kvbar, 2 * C + h * D + c8 * 8, r, b);
+            }
         for (int i = 0; i < NS - 2 && i < n; ++i) produce(i);
+    }
     __syncwarp();  // warp 0 whole again before its first wgmma (.aligned)
-    unsigned ka[KS][4], va[KS][4];
-    load_afrag<D>(k + h * D, rb, ka0, ka1, Tn, ld, t4, ka);
-    load_afrag<D>(v + h * D, rb, ka0, ka1, Tn, ld, t4, va);
+    const u16* Ks = reinterpret_cast<const u16*>(sm + NS * STAGE + 2 * wgi * TILE);
+    const u16* Vs = Ks + TILE / 2;
+    u16* dsh = ds_head(ds, ds2, n1, blockIdx.y, ntiles);
+    auto release = [&](int i) {  // this warp's last read of tile i's stage is done
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bars + 8 * (NS + i % NS));
+    };
+    int i0 = 0;  // tiles whose queries all precede this warpgroup's keys: nothing to do but give them back
+    while (i0 < n && (qt0 + i0) * 64 + 63 < k0) release(i0++);
+    auto stage_of = [&](int i) { return sm + (i % NS) * STAGE; };
+    auto full_wait = [&](int i) { mbar_wait(bars + 8 * (i % NS), (i / NS) & 1, ATTN_WATCHDOG); };
+    auto product_s = [&](float* s, int i) {  // S^T = K Q^T of tile i into s (its stage full)
+        const u16* Qs = reinterpret_cast<const u16*>(stage_of(i));
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_ss64<BF>(s, desc_xt_cc(Ks, kk), desc_xt_cc(Qs, kk), kk);
+    };
+    auto product_dp = [&](float* d, int i) {  // dP^T = V dy^T of tile i into d
+        const u16* Os = reinterpret_cast<const u16*>(stage_of(i) + TILE);
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) wgmma_ss64<BF>(d, desc_xt_cc(Vs, kk), desc_xt_cc(Os, kk), kk);
+    };
     float dka[ND * 4], dva[ND * 4];
 #pragma unroll
-    for (int i = 0; i < ND * 4; ++i) dka[i] = dva[i] = 0.0f;
-    u16* dsh = ds_head(ds, ds2, n1, blockIdx.y, ntiles);
-    for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < ND * 4; ++j) dka[j] = dva[j] = 0.0f;
+    mbar_wait(kvbar, 0, ATTN_WATCHDOG);
+    float s0[32], s1[32], dd[32];
+    if (i0 < n) {
+        full_wait(i0);
+        wg_fence();
+        product_s(s0, i0);
+        product_dp(dd, i0);
+        wg_commit_wait();
+    }
+    // Tile i, its S^T (sc) and dP^T (dd) done: the next tile's S^T goes into sn before this tile's P and
+    // dS are computed (reading sc and dd, writing only the 16-bit fragments pa and sa), its dP^T into dd
+    // after them, then dV and dK of this tile; all of it waited for after dS is stored (no product in
+    // flight across a branch: ptxas would serialize them, C7519).
+    auto step = [&](float* sc, float* sn, int i, auto more_) {
+        constexpr bool more = decltype(more_)::value;  // a next tile (its products inside a branch: C7519)
+        wg_regs<32>(sc);
+        wg_regs<32>(dd);
+        wg_regs<ND * 4>(dva);
+        wg_regs<ND * 4>(dka);
+        if (i > i0) release(i - 1);
         if (tid == 0 && i + NS - 2 < n) produce(i + NS - 2);
         __syncwarp();
-        const int s = i % NS, qt = qt0 + i, q0 = qt * 64;
-        const unsigned empty = bars + 8 * (NS + s);
-        if (q0 + 63 < k0) {  // every query of this tile precedes every key of this warpgroup
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty);
-            continue;
+        if constexpr (more) {
+            full_wait(i + 1);
+            wg_fence();
+            product_s(sn, i + 1);
+            wg_commit();
         }
-        mbar_wait(bars + 8 * s, (i / NS) & 1, ATTN_WATCHDOG);
-        const u16* Qs = reinterpret_cast<const u16*>(sm + s * STAGE);
-        const u16* Os = reinterpret_cast<const u16*>(sm + s * STAGE + TILE);
-        const float* Ls = reinterpret_cast<const float*>(sm + s * STAGE + 2 * TILE);
+        const unsigned char* st = stage_of(i);
+        const u16* Qs = reinterpret_cast<const u16*>(st);
+        const u16* Os = reinterpret_cast<const u16*>(st + TILE);
+        const float* Ls = reinterpret_cast<const float*>(st + 2 * TILE);
         const float* Es = Ls + 64;
-        float sv[32], dp[32];
-        wg_fence();
+        const int qt = qt0 + i, q0 = qt * 64;
+        unsigned pa[4][4], sa[4][4];
+        auto probs = [&](auto masked) {  // P^T and dS^T = P^T (dP^T - D_i); only a tile crossing the diagonal or Tn is masked
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(sv, ka[kk], desc_xt_cc(Qs, kk), kk);   // S^T = K Q^T
-        wg_commit();
+            for (int kk = 0; kk < 4; ++kk) {
+                float p[8], d[8];
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) wgmma_rs<BF, 64, 0>(dp, va[kk], desc_xt_cc(Os, kk), kk);  // dP^T = V dy^T
-        wg_commit();
-        wg_wait<1>();
-        wg_regs<32>(sv);
-        auto probs = [&](auto masked) {
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                const int c = (j >> 2) * 8 + 2 * t4 + (j & 1), qq = q0 + c;
-                const float e = exp2f(fmaf(sv[j], sl2, -Ls[c]));
-                if constexpr (decltype(masked)::value) sv[j] = (qq >= ((j & 2) ? ka1 : ka0) && qq < Tn) ? e : 0.0f;
-                else sv[j] = e;
+                for (int e = 0; e < 8; ++e) {
+                    const int j = 8 * kk + e, c = (j >> 2) * 8 + 2 * t4 + (j & 1), qq = q0 + c;
+                    const float x = exp2f(fmaf(sc[j], sl2, -Ls[c]));
+                    if constexpr (decltype(masked)::value) p[e] = (qq >= ((j & 2) ? ka1 : ka0) && qq < Tn) ? x : 0.0f;
+                    else p[e] = x;
+                    d[e] = p[e] * (dd[j] - Es[c]);
+                }
+                c_to_afrag<BF>(&p[0], &p[4], pa[kk]);
+                c_to_afrag<BF>(&d[0], &d[4], sa[kk]);
             }
         };
         if (q0 < k0 + 63 || q0 + 64 > Tn) probs(Flag<true>{});
         else probs(Flag<false>{});
-        unsigned pa[4][4], sa[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&sv[8 * kk], &sv[8 * kk + 4], pa[kk]);
         wg_fence();
+        if constexpr (more) product_dp(dd, i + 1);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dva, pa[kk], desc_x_cc(Os, kk), 1);  // dV += P^T dy
-        wg_commit();
-        wg_wait<1>();
-        wg_regs<32>(dp);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) dp[j] = sv[j] * (dp[j] - Es[(j >> 2) * 8 + 2 * t4 + (j & 1)]);  // dS^T
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&dp[8 * kk], &dp[8 * kk + 4], sa[kk]);
-        ds_store_t(dsh + (long long)(qt * (qt + 1) / 2 + k0 / 64) * 4096, sa, warp, g, t4);
-        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dka, sa[kk], desc_x_cc(Qs, kk), 1);  // dK += dS^T Q
-        wg_commit_wait();
-        wg_regs<ND * 4>(dva);
-        wg_regs<ND * 4>(dka);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty);  // this warp's last read of the stage is done
+        wg_commit();
+        ds_store_t(dsh + (long long)(qt * (qt + 1) / 2 + k0 / 64) * 4096, sa, warp, g, t4);  // for the dQ kernel
+        wg_wait<0>();
+    };
+    int i = i0;
+    for (; i + 2 < n; i += 2) {
+        step(s0, s1, i, Flag<true>{});
+        step(s1, s0, i + 1, Flag<true>{});
     }
+    if (i + 1 < n) {
+        step(s0, s1, i, Flag<true>{});
+        step(s1, s0, i + 1, Flag<false>{});
+    } else if (i < n) {
+        step(s0, s1, i, Flag<false>{});
+    }
+    wg_regs<ND * 4>(dva);
+    wg_regs<ND * 4>(dka);
     store_rows<BF, ND>(dk, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, accumulate);
     store_rows<BF, ND>(dv, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, accumulate);
 }
 #define ATTN_WGT_INST(SUF, BF, D, P, BM, NT)                                                                 \
     extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkvt_wg_##SUF##_d##D##_r##BM(                \
-        const TmaDesc* maps, const u16* k, const u16* v, int ld, u16* dk, u16* dv, int Tn, int H, float sl2, \
-        float scale, int accumulate, u16* ds, int bh0, u16* ds2, int n1) {                                   \
-        attn_bwd_dkv_tma<BF, D, P>(maps, k, v, ld, dk, dv, Tn, H, sl2, scale, accumulate, ds, bh0, ds2, n1);  \
+        const TmaDesc* maps, int ld, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate, \
+        u16* ds, int bh0, u16* ds2, int n1) {                                                                \
+        attn_bwd_dkv_tma<BF, D, P>(maps, ld, dk, dv, Tn, H, sl2, scale, accumulate, ds, bh0, ds2, n1);        \
     }
 ATTN_WGT_INST(bf16, true, 32, 1, 64, 128) ATTN_WGT_INST(bf16, true, 32, 2, 128, 256)
 ATTN_WGT_INST(bf16, true, 64, 1, 64, 128) ATTN_WGT_INST(bf16, true, 64, 2, 128, 256)
 ATTN_WGT_INST(f16, false, 32, 1, 64, 128) ATTN_WGT_INST(f16, false, 32, 2, 128, 256)
 ATTN_WGT_INST(f16, false, 64, 1, 64, 128) ATTN_WGT_INST(f16, false, 64, 2, 128, 256)
-
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -472,10 +472,10 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
         n1, p2 = min(c1, n), ptr(ds2) if c2 else z
         if tma is not None:
             name, grid, block = _attn_launch("wgt", "dkv", prec, D, T, n, dkv_rows)
-            fn, smem = _attn_tma_kernel(name, D)
+            fn, smem = _attn_tma_kernel(name, D, block[0] // 128)
             maps = attn_tma_maps(tma[0], tma[1], lse2, dvec, B, T, C)
-            fn(grid, block, (maps, k, v, i32(3 * C), ptr(dqkv, C), ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2),
-                             f32(scale), acc, ptr(ds1), i32(bh0), p2, i32(n1)), shared_mem=smem)
+            fn(grid, block, (maps, i32(3 * C), ptr(dqkv, C), ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale),
+                             acc, ptr(ds1), i32(bh0), p2, i32(n1)), shared_mem=smem)
         else:
             name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
             kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
@@ -491,11 +491,12 @@ ATTN_NS = 4                 # attention.cu's stages of the "wgt" ring (#ifndef A
 _ATTN_MAPS: dict[tuple, object] = {}
 
 
-def _attn_tma_kernel(name: str, D: int):
+def _attn_tma_kernel(name: str, D: int, wgs: int):
     """The "wgt" dK/dV kernel ``name`` and its dynamic shared memory: ATTN_NS stages of a q and a dy
-    tile (64 x D 16-bit each) and 64 lse2 + 64 dvec floats, 2 ATTN_NS mbarriers, 1024 bytes to align."""
+    tile (64 x D 16-bit each) and 64 lse2 + 64 dvec floats, a K and a V tile for each of the ``wgs``
+    warpgroups, 2 ATTN_NS + 1 mbarriers, 1024 bytes to align."""
     fn = kernel("attention.cu", name)
-    smem = ATTN_NS * (2 * 64 * D * 2 + 512) + 16 * ATTN_NS + 1024
+    smem = ATTN_NS * (2 * 64 * D * 2 + 512) + wgs * 2 * 64 * D * 2 + 8 * (2 * ATTN_NS + 1) + 1024
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     return fn, smem
@@ -505,7 +506,7 @@ def attn_tma_maps(qkv, dy, lse2, dvec, B: int, T: int, C: int):
     """The device copy (512 bytes) of the four TMA maps k_attn_bwd_dkvt_* reads, encoded on first use of
     these buffers: qkv as (B, T, 3C) and dy as (B, T, C) 16-bit, boxes of 8 columns x 64 rows (rows past
     T of a sequence read as zeros), lse2 and dvec as flat fp32 vectors, boxes of 64."""
-    key = (qkv.data.ptr, dy.data.ptr, lse2.data.ptr, dvec.data.ptr, B, T, C)
+    key = (qkv.data.ptr, dy.data.ptr, lse2.data.ptr, dvec.data.ptr, lse2.size, dvec.size, B, T, C)
     buf = _ATTN_MAPS.get(key)
     if buf is None:
         lib, what = _libcuda(), "cuda attention (wgt)"

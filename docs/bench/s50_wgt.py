@@ -2,12 +2,13 @@
 a ring of ATTN_NS stages) against "wgds" (the same kernel with cp.async double buffers) and cuDNN's deterministic
 backward at 480M B=8 (B 8, T 1024, C 1536, 24 heads): first the bytes (wgt's dqkv and dS tiles must equal
 wgds's), then sustained us a call (3 alternating rounds, engine_gpu.sustained_ms) and each kernel's device
-time (torch.profiler / CUPTI, 20 calls). ATTN_NS=3 and 6 are built with loader defines beside the default 4.
+time (torch.profiler / CUPTI, 20 calls). S50_NS="3 6" also builds and times those ring depths (loader defines) beside the default 4.
 
     PYTHONPATH=/tmp/cfe:/tmp/deps:. python3 docs/bench/s50_wgt.py time OUT.json   # from the repo root, on the GPU
     ncu ... python3 docs/bench/s50_wgt.py once                                   # each arm once (for ncu)
 """
 import json
+import os
 import statistics
 import sys
 
@@ -29,7 +30,8 @@ lse2, dvec = cp.zeros(B * H * T, cp.float32), cp.zeros(B * H * T, cp.float32)
 ds = cp.empty(K.attn_ds_bytes(T, B * H), cp.uint8)
 K.k_attn_fwd("bf16", y, lse2, qkv, B, T, C, H)
 plain_kernel = K.kernel
-mods = {ns: loader.build("attention.cu", (f"ATTN_NS={ns}",)) for ns in (3, 6)}
+NS = [int(x) for x in os.environ.get("S50_NS", "").split()]   # other ring depths to build and time
+mods = {ns: loader.build("attention.cu", (f"ATTN_NS={ns}",)) for ns in NS}
 
 
 def bwd(impl, rows, ns=K.ATTN_NS):
@@ -42,9 +44,9 @@ def bwd(impl, rows, ns=K.ATTN_NS):
 
 
 arms = {"wgds 128/128": bwd("wgds", (128, 128)), "wgt 128/128": bwd("wgt", (128, 128)),
-        "wgds 128/64": bwd("wgds", (128, 64)), "wgt 128/64": bwd("wgt", (128, 64)),
-        "wgt 128/128 NS3": bwd("wgt", (128, 128), 3), "wgt 128/128 NS6": bwd("wgt", (128, 128), 6),
-        "wgt 128/64 NS6": bwd("wgt", (128, 64), 6)}
+        "wgds 128/64": bwd("wgds", (128, 64)), "wgt 128/64": bwd("wgt", (128, 64))}
+for ns in NS:
+    arms[f"wgt 128/128 NS{ns}"], arms[f"wgt 128/64 NS{ns}"] = bwd("wgt", (128, 128), ns), bwd("wgt", (128, 64), ns)
 yc, lse = cp.zeros((N, C), cp.uint16), cp.zeros((B * H, T), cp.float32)
 with eg.patched(ca, DETERMINISTIC=True):
     att = ca.CudnnAttention(B, T, C, H, room=1 << 40)
