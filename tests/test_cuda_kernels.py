@@ -247,7 +247,7 @@ TENSOR_IMPLS = [("mma", (64, (64, 64))), ("mma", (128, (128, 128))), ("mma", (12
                 ("wg", (64, (64, 64))), ("wg", (128, (128, 128))), ("wg", (64, (128, 64))),
                 ("wg", (256, (128, 64))),
                 ("wgds", (128, (64, 64))), ("wgds", (128, (128, 128))), ("wgds", (128, (128, 64))),
-                ("wgt", (128, (128, 64))), ("wgt", (128, (128, 128)))]
+                ("wgt", (128, (128, 64))), ("wgt", (128, (128, 128))), ("wgt", (128, (128, 192)))]
 
 
 @pytest.mark.parametrize("impl,rows", TENSOR_IMPLS)
@@ -285,7 +285,8 @@ def test_attention_wgmma_matches_mma_and_repeats(be, prec, D):
 
 
 @pytest.mark.parametrize("prec,D,T,rows", [("bf16", 64, 1024, (128, 128)), ("bf16", 64, 200, (128, 64)),
-                                           ("fp16", 32, 520, (128, 128)), ("bf16", 64, 70, (128, 128))])
+                                           ("fp16", 32, 520, (128, 192)), ("bf16", 64, 70, (128, 128)),
+                                           ("bf16", 64, 1024, (128, 192))])
 def test_attention_tma_backward_keeps_the_ds_bytes(be, prec, D, T, rows):
     # "wgt" is "wgds" with its dK/dV kernel fed by TMA: the same products in the same order, so the same
     # dqkv bytes (dQ comes from the dS tiles, so those match too), at ragged T as well; and a repeat

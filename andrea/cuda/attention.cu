@@ -1581,6 +1581,9 @@ ATTN_WGDS_INST(f16, false, 64, 1, 64, 128) ATTN_WGDS_INST(f16, false, 64, 2, 128
 #ifndef ATTN_NS
 #define ATTN_NS 4
 #endif
+#ifndef ATTN_WGT_PIPE
+#define ATTN_WGT_PIPE 0
+#endif
 #define ATTN_WATCHDOG 4000000000ull
 
 #define WG_MMA_SS_N64(TY)                                                                                \
@@ -1683,6 +1686,7 @@ __device__ void attn_bwd_dkv_tma(const TmaDesc* __restrict__ maps, int ld, u16* 
 #pragma unroll
     for (int j = 0; j < ND * 4; ++j) dka[j] = dva[j] = 0.0f;
     mbar_wait(kvbar, 0, ATTN_WATCHDOG);
+#if ATTN_WGT_PIPE
     float s0[32], s1[32], dd[32];
     if (i0 < n) {
         full_wait(i0);
@@ -1756,13 +1760,75 @@ __device__ void attn_bwd_dkv_tma(const TmaDesc* __restrict__ maps, int ld, u16* 
     } else if (i < n) {
         step(s0, s1, i, Flag<false>{});
     }
+#else
+    // One tile at a time (the order of attn_bwd_dkv_wg): S^T and dP^T, P^T (exp while dP^T is multiplied),
+    // dS^T in place, dV and dK; registers for three warpgroups a block (168).
+    for (int i = i0; i < n; ++i) {
+        if (tid == 0 && i + NS - 2 < n) produce(i + NS - 2);
+        __syncwarp();
+        full_wait(i);
+        const unsigned char* st = stage_of(i);
+        const u16* Qs = reinterpret_cast<const u16*>(st);
+        const u16* Os = reinterpret_cast<const u16*>(st + TILE);
+        const float* Ls = reinterpret_cast<const float*>(st + 2 * TILE);
+        const float* Es = Ls + 64;
+        const int qt = qt0 + i, q0 = qt * 64;
+        float sv[32], dp[32];
+        wg_fence();
+        product_s(sv, i);
+        wg_commit();
+        product_dp(dp, i);
+        wg_commit();
+        wg_wait<1>();
+        wg_regs<32>(sv);
+        // P^T, then dS^T = P^T (dP^T - D_i); only a tile crossing the diagonal or Tn is masked, and there
+        // D_i past Tn counts as 0 (the next head's values come in there), as "wgds"'s zero-filled copy has it
+        auto probs = [&](auto masked) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int c = (j >> 2) * 8 + 2 * t4 + (j & 1), qq = q0 + c;
+                const float e = exp2f(fmaf(sv[j], sl2, -Ls[c]));
+                if constexpr (decltype(masked)::value) sv[j] = (qq >= ((j & 2) ? ka1 : ka0) && qq < Tn) ? e : 0.0f;
+                else sv[j] = e;
+            }
+            wg_wait<0>();
+            wg_regs<32>(dp);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int c = (j >> 2) * 8 + 2 * t4 + (j & 1);
+                if constexpr (decltype(masked)::value) dp[j] = sv[j] * (dp[j] - (q0 + c < Tn ? Es[c] : 0.0f));
+                else dp[j] = sv[j] * (dp[j] - Es[c]);
+            }
+        };
+        if (q0 < k0 + 63 || q0 + 64 > Tn) probs(Flag<true>{});
+        else probs(Flag<false>{});
+        unsigned pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&sv[8 * kk], &sv[8 * kk + 4], pa[kk]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dva, pa[kk], desc_x_cc(Os, kk), 1);  // dV += P^T dy
+        wg_commit();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) c_to_afrag<BF>(&dp[8 * kk], &dp[8 * kk + 4], sa[kk]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<BF, D, 1>(dka, sa[kk], desc_x_cc(Qs, kk), 1);  // dK += dS^T Q
+        wg_commit();
+        ds_store_t(dsh + (long long)(qt * (qt + 1) / 2 + k0 / 64) * 4096, sa, warp, g, t4);  // for the dQ kernel
+        wg_wait<0>();
+        wg_regs<ND * 4>(dva);
+        wg_regs<ND * 4>(dka);
+        release(i);
+    }
+#endif
     wg_regs<ND * 4>(dva);
     wg_regs<ND * 4>(dka);
     store_rows<BF, ND>(dk, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dka, scale, accumulate);
     store_rows<BF, ND>(dv, rb, ka0, ka1, Tn, ld, h * D + 2 * t4, dva, 1.0f, accumulate);
 }
 #define ATTN_WGT_INST(SUF, BF, D, P, BM, NT)                                                                 \
-    extern "C" __global__ void __launch_bounds__(NT) k_attn_bwd_dkvt_wg_##SUF##_d##D##_r##BM(                \
+    extern "C" __global__ void __launch_bounds__(NT, 384 / NT) k_attn_bwd_dkvt_wg_##SUF##_d##D##_r##BM(                \
         const TmaDesc* maps, int ld, u16* dk, u16* dv, int Tn, int H, float sl2, float scale, int accumulate, \
         u16* ds, int bh0, u16* ds2, int n1) {                                                                \
         attn_bwd_dkv_tma<BF, D, P>(maps, ld, dk, dv, Tn, H, sl2, scale, accumulate, ds, bh0, ds2, n1);        \
@@ -1771,4 +1837,6 @@ ATTN_WGT_INST(bf16, true, 32, 1, 64, 128) ATTN_WGT_INST(bf16, true, 32, 2, 128, 
 ATTN_WGT_INST(bf16, true, 64, 1, 64, 128) ATTN_WGT_INST(bf16, true, 64, 2, 128, 256)
 ATTN_WGT_INST(f16, false, 32, 1, 64, 128) ATTN_WGT_INST(f16, false, 32, 2, 128, 256)
 ATTN_WGT_INST(f16, false, 64, 1, 64, 128) ATTN_WGT_INST(f16, false, 64, 2, 128, 256)
+ATTN_WGT_INST(bf16, true, 32, 3, 192, 384) ATTN_WGT_INST(bf16, true, 64, 3, 192, 384)
+ATTN_WGT_INST(f16, false, 32, 3, 192, 384) ATTN_WGT_INST(f16, false, 64, 3, 192, 384)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

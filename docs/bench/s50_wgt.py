@@ -44,9 +44,10 @@ def bwd(impl, rows, ns=K.ATTN_NS):
 
 
 arms = {"wgds 128/128": bwd("wgds", (128, 128)), "wgt 128/128": bwd("wgt", (128, 128)),
-        "wgds 128/64": bwd("wgds", (128, 64)), "wgt 128/64": bwd("wgt", (128, 64))}
+        "wgt 128/192": bwd("wgt", (128, 192)), "wgt 128/64": bwd("wgt", (128, 64))}
 for ns in NS:
-    arms[f"wgt 128/128 NS{ns}"], arms[f"wgt 128/64 NS{ns}"] = bwd("wgt", (128, 128), ns), bwd("wgt", (128, 64), ns)
+    for r in (64, 128, 192):
+        arms[f"wgt 128/{r} NS{ns}"] = bwd("wgt", (128, r), ns)
 yc, lse = cp.zeros((N, C), cp.uint16), cp.zeros((B * H, T), cp.float32)
 with eg.patched(ca, DETERMINISTIC=True):
     att = ca.CudnnAttention(B, T, C, H, room=1 << 40)
