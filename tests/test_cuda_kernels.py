@@ -239,15 +239,14 @@ def test_attention_pair_causal_uneven_T(be, prec, D):
 def _need_wg(impl):
     from andrea.cuda.kernels import hopper
 
-    if impl in ("wg", "wgds", "wgt") and not hopper():
+    if impl in ("wg", "wgds") and not hopper():
         pytest.skip("the wgmma attention kernels need a compute capability 9.0 device")
 
 
 TENSOR_IMPLS = [("mma", (64, (64, 64))), ("mma", (128, (128, 128))), ("mma", (128, (64, 128))),
                 ("wg", (64, (64, 64))), ("wg", (128, (128, 128))), ("wg", (64, (128, 64))),
                 ("wg", (256, (128, 64))),
-                ("wgds", (128, (64, 64))), ("wgds", (128, (128, 128))), ("wgds", (128, (128, 64))),
-                ("wgt", (128, (128, 64))), ("wgt", (128, (128, 128))), ("wgt", (128, (128, 192)))]
+                ("wgds", (128, (64, 64))), ("wgds", (128, (128, 128))), ("wgds", (128, (128, 64)))]
 
 
 @pytest.mark.parametrize("impl,rows", TENSOR_IMPLS)
@@ -284,34 +283,6 @@ def test_attention_wgmma_matches_mma_and_repeats(be, prec, D):
     assert np.max(np.abs(lsa - lsb)) <= 1e-4 * np.abs(lsb).max(), "wgmma vs mma.sync lse2"
 
 
-@pytest.mark.parametrize("prec,D,T,rows", [("bf16", 64, 1024, (128, 128)), ("bf16", 64, 200, (128, 64)),
-                                           ("fp16", 32, 520, (128, 192)), ("bf16", 64, 70, (128, 128)),
-                                           ("bf16", 64, 1024, (128, 192))])
-def test_attention_tma_backward_keeps_the_ds_bytes(be, prec, D, T, rows):
-    # "wgt" is "wgds" with its dK/dV kernel fed by TMA: the same products in the same order, so the same
-    # dqkv bytes (dQ comes from the dS tiles, so those match too), at ragged T as well; and a repeat
-    from andrea.cuda import kernels as K
-
-    _need_wg("wgt")
-    B, H = 2, 3
-    rng = np.random.default_rng(T + D)
-    C, N = H * D, B * T
-    qkv, _ = to_dev(rng.normal(0, 1, (N, 3 * C)), prec)
-    dout, _ = to_dev(rng.normal(0, 1, (N, C)), prec)
-    y, lse = empty((N, C), prec), cp.full(B * H * T, np.nan, np.float32)
-    be.k_attn_fwd(prec, y, lse, qkv, B, T, C, H, impl="wg")
-    got = []
-    for impl in ("wgds", "wgt", "wgt"):
-        d = empty((N, 3 * C), prec)
-        ds = cp.full(K.attn_ds_bytes(T, B * H), 0xFF, np.uint8)
-        be.k_attn_bwd(prec, d, dout, y, lse, cp.full(B * H * T, np.nan, np.float32), qkv, B, T, C, H,
-                      accumulate=False, rows=rows, impl=impl, ds=ds)
-        got.append((cp.asnumpy(d).tobytes(), cp.asnumpy(ds).tobytes()))
-    assert got[1][0] == got[0][0], "wgt's dqkv differs from wgds's"
-    assert got[1][1] == got[0][1], "wgt's dS tiles differ from wgds's"
-    assert got[2] == got[1], "wgt does not repeat its bytes"
-
-
 def _attn_inputs(be, rng, B, T, H, D, impl):
     """bf16 qkv and dout (B*T rows) from ``rng``, and the forward's y and lse2 by ``impl``'s kernels:
     (C, N, qkv, dout, dout as float64, y, lse2)."""
@@ -324,7 +295,7 @@ def _attn_inputs(be, rng, B, T, H, D, impl):
     return C, N, qkv, dout, dout64, y, lse
 
 
-@pytest.mark.parametrize("impl", ["mma", "wg", "wgds", "wgt"])
+@pytest.mark.parametrize("impl", ["mma", "wg", "wgds"])
 def test_attention_mma_writes_dvec_and_accumulates(be, impl):
     _need_wg(impl)
     B, T, H, D = 2, 320, 2, 64
@@ -357,11 +328,10 @@ def test_attention_ds_backward_in_head_groups_keeps_the_bytes(be):
     got = []
     for ds in (scratch(B * H), scratch(2), (scratch(2), scratch(4)), (scratch(1), scratch(2)),
                (scratch(4), cp.full(100, 0xFF, np.uint8))):
-        for impl in ("wgds", "wgt"):       # "wgt": the dK/dV kernel fed by TMA, the same bytes
-            d = empty((N, 3 * C), "bf16")
-            be.k_attn_bwd("bf16", d, dout, y, lse, cp.full(B * H * T, np.nan, np.float32), qkv, B, T, C, H,
-                          accumulate=False, impl=impl, ds=ds)
-            got.append(cp.asnumpy(d).tobytes())
+        d = empty((N, 3 * C), "bf16")
+        be.k_attn_bwd("bf16", d, dout, y, lse, cp.full(B * H * T, np.nan, np.float32), qkv, B, T, C, H,
+                      accumulate=False, impl="wgds", ds=ds)
+        got.append(cp.asnumpy(d).tobytes())
     assert all(g == got[0] for g in got[1:])
     with pytest.raises(AndreaError, match="dS scratch holds 100 bytes"):
         be.k_attn_bwd("bf16", d, dout, y, lse, cp.zeros(B * H * T, np.float32), qkv, B, T, C, H,

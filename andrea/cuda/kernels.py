@@ -347,10 +347,9 @@ def _attn_launch(impl: str, which: str, prec: str, D: int, T: int, BH: int, rows
     ATTN_MMA_ROWS / ATTN_WG_ROWS. simt blocks have one thread per row (64, or 32 at D = 128).
     "wgds" is the wgmma backward whose dK/dV kernel stores dS for a dQ kernel of one product a tile."""
     name = {"fwd": "fwd", "dq": "bwd_dq", "dkv": "bwd_dkv"}[which]
-    if impl in ("wgds", "wgt"):
+    if impl == "wgds":
         tile = rows or ATTN_WG_ROWS[(which, D)]
-        kind = "t" if impl == "wgt" and which == "dkv" else "s"
-        return f"k_attn_{name}{kind}_wg_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (2 * tile,)
+        return f"k_attn_{name}s_wg_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (2 * tile,)
     if impl == "wg":
         tile = rows or ATTN_WG_ROWS[(which, D)]
         return f"k_attn_{name}_wg_{SUFFIX[prec]}_d{D}_r{tile}", ((T + tile - 1) // tile, BH), (2 * tile,)
@@ -367,9 +366,9 @@ def _tensor_impl(prec: str, D: int, ld: int, impl: str | None, which: str) -> st
     auto = attn_impl(prec, D, ld, which)
     if impl is None or auto == "simt":
         return auto
-    if impl in ("wgds", "wgt") and which == "fwd":
+    if impl == "wgds" and which == "fwd":
         impl = "wg"
-    if impl in ("wg", "wgds", "wgt") and not hopper():
+    if impl in ("wg", "wgds") and not hopper():
         raise AndreaError("cuda attention: the wgmma kernels need a compute capability 9.0 device (H100/H200)")
     return impl
 
@@ -423,11 +422,9 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
     if e4m3 is not None and (impl != "wgds" or prec != "bf16" or accumulate):
         raise AndreaError(f"cuda attention: an E4M3 dqkv needs the \"wgds\" backward in bf16 without accumulate "
                           f"(got {impl}, {prec}, accumulate={accumulate})")
-    if impl == "wgt" and e4m3 is not None:
-        raise AndreaError("cuda attention: an E4M3 dqkv needs the \"wgds\" backward (\"wgt\" writes 16-bit only)")
-    if impl in ("wgds", "wgt"):
+    if impl == "wgds":
         _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds,
-                     e4m3, tma=(qkv, dy) if impl == "wgt" else None)
+                     e4m3)
         return
     name, grid, block = _attn_launch(impl, "dq", prec, D, T, B * H, dq_rows)
     if impl != "simt":
@@ -445,10 +442,9 @@ def k_attn_bwd(prec, dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, accumulate: bool,
 
 
 def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale, acc, dq_rows, dkv_rows, ds,
-                 e4m3=None, tma=None):
+                 e4m3=None):
     """The "wgds" backward: dvec, then per group of heads that fits ``ds`` the dK/dV kernel (storing
-    dS) and the dQ kernel (one product per tile, no recomputed S and dP); ``e4m3`` as k_attn_bwd's.
-    ``tma`` (qkv, dy): "wgt", the same with the dK/dV kernel fed by TMA (k_attn_bwd_dkvt_*)."""
+    dS) and the dQ kernel (one product per tile, no recomputed S and dP); ``e4m3`` as k_attn_bwd's."""
     D, BH = C // H, B * H
     z = np.uint64(0)
     dq8 = dk8 = dv8 = sc = rec = dq8t = dk8t = dv8t = z
@@ -470,54 +466,14 @@ def _attn_bwd_ds(prec, dqkv, dy, y, lse2, dvec, q, k, v, B, T, C, H, sl2, scale,
     for bh0 in range(0, BH, c1 + c2):       # a launch: its first n1 heads' tiles in ds1, the rest in ds2
         n = min(c1 + c2, BH - bh0)
         n1, p2 = min(c1, n), ptr(ds2) if c2 else z
-        if tma is not None:
-            name, grid, block = _attn_launch("wgt", "dkv", prec, D, T, n, dkv_rows)
-            fn, smem = _attn_tma_kernel(name, D, block[0] // 128)
-            maps = attn_tma_maps(tma[0], tma[1], lse2, dvec, B, T, C)
-            fn(grid, block, (maps, i32(3 * C), ptr(dqkv, C), ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale),
-                             acc, ptr(ds1), i32(bh0), p2, i32(n1)), shared_mem=smem)
-        else:
-            name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
-            kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
-                                                       ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
-                                                       ptr(ds1), i32(bh0), dk8, dv8, sc, rec, p2, i32(n1), dk8t,
-                                                       dv8t, ldt))
+        name, grid, block = _attn_launch("wgds", "dkv", prec, D, T, n, dkv_rows)
+        kernel("attention.cu", name)(grid, block, (q, k, v, i32(3 * C), dy, i32(C), lse2, dvec, ptr(dqkv, C),
+                                                   ptr(dqkv, 2 * C), i32(T), i32(H), f32(sl2), f32(scale), acc,
+                                                   ptr(ds1), i32(bh0), dk8, dv8, sc, rec, p2, i32(n1), dk8t,
+                                                   dv8t, ldt))
         name, grid, block = _attn_launch("wgds", "dq", prec, D, T, n, dq_rows)
         kernel("attention.cu", name)(grid, block, (k, i32(3 * C), ptr(ds1), ptr(dqkv), i32(T), i32(H), f32(scale),
                                                    acc, i32(bh0), dq8, sc, rec, p2, i32(n1), dq8t, ldt))
-
-
-ATTN_NS = 4                 # attention.cu's stages of the "wgt" ring (#ifndef ATTN_NS)
-_ATTN_MAPS: dict[tuple, object] = {}
-
-
-def _attn_tma_kernel(name: str, D: int, wgs: int):
-    """The "wgt" dK/dV kernel ``name`` and its dynamic shared memory: ATTN_NS stages of a q and a dy
-    tile (64 x D 16-bit each) and 64 lse2 + 64 dvec floats, a K and a V tile for each of the ``wgs``
-    warpgroups, 2 ATTN_NS + 1 mbarriers, 1024 bytes to align."""
-    fn = kernel("attention.cu", name)
-    smem = ATTN_NS * (2 * 64 * D * 2 + 512) + wgs * 2 * 64 * D * 2 + 8 * (2 * ATTN_NS + 1) + 1024
-    if fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-    return fn, smem
-
-
-def attn_tma_maps(qkv, dy, lse2, dvec, B: int, T: int, C: int):
-    """The device copy (512 bytes) of the four TMA maps k_attn_bwd_dkvt_* reads, encoded on first use of
-    these buffers: qkv as (B, T, 3C) and dy as (B, T, C) 16-bit, boxes of 8 columns x 64 rows (rows past
-    T of a sequence read as zeros), lse2 and dvec as flat fp32 vectors, boxes of 64."""
-    key = (qkv.data.ptr, dy.data.ptr, lse2.data.ptr, dvec.data.ptr, lse2.size, dvec.size, B, T, C)
-    buf = _ATTN_MAPS.get(key)
-    if buf is None:
-        lib, what = _libcuda(), "cuda attention (wgt)"
-        flat = lambda a: encode_map(lib, _FLOAT32, a.data.ptr, (a.size,), (), (64,), _SWIZZLE_NONE, what)  # noqa: E731
-        enc = b"".join((
-            encode_map(lib, _UINT16, qkv.data.ptr, (3 * C, T, B), (3 * C * 2, T * 3 * C * 2), (8, 64, 1),
-                       _SWIZZLE_NONE, what),
-            encode_map(lib, _UINT16, dy.data.ptr, (C, T, B), (C * 2, T * C * 2), (8, 64, 1), _SWIZZLE_NONE, what),
-            flat(lse2), flat(dvec)))
-        buf = _ATTN_MAPS[key] = cp().asarray(np.frombuffer(enc, dtype=np.uint8))
-    return buf
 
 
 def _row_ld(op: str, x, N: int, V: int) -> int:
@@ -694,8 +650,7 @@ MM_BM, MM_BK, MM_THREADS = 128, 64, 384
 SMEM_LIMIT = 232448                # sm_90's opt-in dynamic shared memory a block (227 KB)
 
 # cuTensorMapEncodeTiled's enums (cuda.h)
-_UINT16, _FLOAT32, _BFLOAT16 = 1, 7, 9
-_INTERLEAVE_NONE, _SWIZZLE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE = 0, 0, 3, 3, 0
+_BFLOAT16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE = 9, 0, 3, 3, 0
 
 
 def mm_dgelu_config(defines: tuple[str, ...] = ()) -> dict[str, int]:
@@ -774,27 +729,20 @@ def _libcuda():
         raise AndreaError(f"mm_dgelu: the CUDA driver library (libcuda.so.1) does not load ({e})") from None
 
 
-def encode_map(lib, dtype: int, addr: int, dims, strides, box, swizzle: int, what: str) -> bytes:
-    """The 128-byte CUtensorMap (cuTensorMapEncodeTiled) of a tensor at device address ``addr``: ``dims``
-    innermost first, ``strides`` the byte strides of dims 1.., ``box`` the box's extent in each dim, no
-    interleave, L2 promotion 256 B, out-of-bounds elements read as zeros; AndreaError names ``what``."""
-    n = len(dims)
-    out = (ctypes.c_uint64 * 16)()
-    rc = lib.cuTensorMapEncodeTiled(out, dtype, n, ctypes.c_void_p(addr), (ctypes.c_uint64 * n)(*dims),
-                                    (ctypes.c_uint64 * max(n - 1, 1))(*strides), (ctypes.c_uint32 * n)(*box),
-                                    (ctypes.c_uint32 * n)(*([1] * n)), _INTERLEAVE_NONE, swizzle, _L2_PROMOTION_256B,
-                                    _OOB_FILL_NONE)
-    if rc != 0:
-        raise AndreaError(f"{what}: cuTensorMapEncodeTiled failed (CUresult {rc}) for a tensor of dims {tuple(dims)} "
-                          f"(strides {tuple(strides)} bytes) at 0x{addr:x} with boxes of {tuple(box)}")
-    return bytes(out)
-
-
 def tensor_map(lib, addr: int, rows: int, cols: int, box_rows: int) -> bytes:
-    """The CUtensorMap of a row-major (rows, cols) bf16 matrix at device address ``addr``: boxes of
-    box_rows x 64 columns (128 bytes, one swizzle row), 128-byte swizzle."""
-    return encode_map(lib, _BFLOAT16, addr, (cols, rows), (cols * 2,), (MM_BK, box_rows), _SWIZZLE_128B,
-                      "mm_dgelu")
+    """The 128-byte CUtensorMap of a row-major (rows, cols) bf16 matrix at device address ``addr``: boxes
+    of box_rows x 64 columns (128 bytes, one swizzle row), 128-byte swizzle, L2 promotion 256 B."""
+    out = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(cols * 2)
+    box = (ctypes.c_uint32 * 2)(MM_BK, box_rows)
+    ones = (ctypes.c_uint32 * 2)(1, 1)
+    rc = lib.cuTensorMapEncodeTiled(out, _BFLOAT16, 2, ctypes.c_void_p(addr), dims, strides, box, ones,
+                                    _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE)
+    if rc != 0:
+        raise AndreaError(f"mm_dgelu: cuTensorMapEncodeTiled failed (CUresult {rc}) for a ({rows}, {cols}) bf16 "
+                          f"matrix at 0x{addr:x} with boxes of {box_rows} x {MM_BK}")
+    return bytes(out)
 
 
 class MmDgelu:

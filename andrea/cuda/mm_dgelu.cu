@@ -77,15 +77,53 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+// CUtensorMap's storage (cuda.h is not needed under NVRTC): 128 opaque bytes the host encodes
+struct __align__(64) TmaDesc { unsigned long long v[16]; };
+
 #define MM_A_BYTES (MM_BM * MM_BK * 2)
 #define MM_B_BYTES (MM_BN * MM_BK * 2)
 #define MM_X_BYTES (MM_BM * MM_BN * 2)
 #define MM_GELU_THREADS 96
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 // arrive on the barrier at the same offset in CTA `cta` of this cluster
 __device__ __forceinline__ void mbar_arrive_cta(unsigned bar, unsigned cta) {
     asm volatile("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
                  "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar), "r"(cta) : "memory");
+}
+// until the phase of parity `parity` has completed. A wait that never ends (a barrier count or phase gone
+// wrong) traps once it has lasted MM_WATCHDOG ns by the global timer (read every 1024 polls: a try_wait may
+// itself suspend for a while), so the launch fails with an error where it would hang the process; no wait
+// of a working launch comes near it.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done, polls = 0;
+    unsigned long long t0 = 0;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if (!done && (++polls & 1023u) == 0) {
+            unsigned long long now;
+            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+            if (t0 == 0) t0 = now;
+            else if (now - t0 > (unsigned long long)MM_WATCHDOG) __trap();
+        }
+    } while (!done);
+}
+
+// 2-D TMA: box at (c0 = column, c1 = row) of the map's tensor into shared memory, completing on bar
+__device__ __forceinline__ void tma_load(unsigned dst, const TmaDesc* map, unsigned bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+                 ::"r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1) : "memory");
 }
 // the same box into every CTA of `mask` (same offsets there), completing on each one's bar
 __device__ __forceinline__ void tma_load_mc(unsigned dst, const TmaDesc* map, unsigned bar, int c0, int c1,
@@ -248,7 +286,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K, const uint4* _
                 const int m0 = (um * MM_CLUSTER + ry) * MM_BM, n0 = (un * MM_CLUSTER_N + rx) * MM_BN;
                 for (int kb = 0; kb < kbs; ++kb, ++it) {
                     const int s = it % MM_STAGES;
-                    mbar_wait(EMPTY(s), ((it / MM_STAGES) & 1) ^ 1, MM_WATCHDOG);  // the first pass finds every stage free
+                    mbar_wait(EMPTY(s), ((it / MM_STAGES) & 1) ^ 1);  // the first pass finds every stage free
                     mbar_expect_tx(FULL(s), MM_A_BYTES + MM_B_BYTES);
 #if MM_CLUSTER_N > 1  // part rx of A to the CTAs of row ry
                     tma_load_mc(sA + s * MM_A_BYTES + rx * (MM_A_BYTES / MM_CLUSTER_N), maps + 0, FULL(s), kb * MM_BK,
@@ -275,7 +313,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K, const uint4* _
             const int m0 = (um * MM_CLUSTER + ry) * MM_BM, n0 = (un * MM_CLUSTER_N + rx) * MM_BN;
             if (gt == 0) {
                 if (j > 0) {  // the previous tile's D out first: xbuf is free once the store has read it
-                    mbar_wait(DREADY, (j - 1) & 1, MM_WATCHDOG);
+                    mbar_wait(DREADY, (j - 1) & 1);
                     for (int b = 0; b < MM_BN / 64; ++b) tma_store(maps + 3, sX + b * (MM_BM * 128), pn0 + 64 * b, pm0);
                     bulk_commit();
                     bulk_wait_read();
@@ -289,7 +327,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K, const uint4* _
             }
             pm0 = m0;
             pn0 = n0;
-            mbar_wait(XFULL, j & 1, MM_WATCHDOG);
+            mbar_wait(XFULL, j & 1);
 #if MM_XREG
             // X's tile from global memory, 16 bytes a load, row by row; g goes where TMA's 128-byte swizzle
             // would have put X: box k / 8 (64 columns each), row r, chunk (k % 8) ^ (r % 8)
@@ -320,7 +358,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K, const uint4* _
             mbar_arrive(GREADY);
         }
         if (gt == 0 && j > 0) {
-            mbar_wait(DREADY, (j - 1) & 1, MM_WATCHDOG);
+            mbar_wait(DREADY, (j - 1) & 1);
             for (int b = 0; b < MM_BN / 64; ++b) tma_store(maps + 3, sX + b * (MM_BM * 128), pn0 + 64 * b, pm0);
             bulk_commit();
             bulk_wait_all();
@@ -336,7 +374,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K, const uint4* _
             int prev = -1;
             for (int kb = 0; kb < kbs; ++kb, ++it) {
                 const int s = it % MM_STAGES;
-                mbar_wait(FULL(s), (it / MM_STAGES) & 1, MM_WATCHDOG);
+                mbar_wait(FULL(s), (it / MM_STAGES) & 1);
                 mm_fence();
                 const unsigned a0 = sA + s * MM_A_BYTES + wg * (64 * 128), b0 = sB + s * MM_B_BYTES;
 #pragma unroll
@@ -355,7 +393,7 @@ k_mm_dgelu(const TmaDesc* __restrict__ maps, int M, int N, int K, const uint4* _
             // rows 16 w + l / 4 (+ 8) and columns 8 n + 2 (l % 4) (+ 1): acc[4 n + 2 h + e]
             // xbuf holds MM_BN / 64 boxes of [MM_BM rows][64 columns]; TMA's 128-byte swizzle puts the 16-byte
             // chunk k of row r at chunk k ^ (r % 8).
-            mbar_wait(GREADY, j & 1, MM_WATCHDOG);
+            mbar_wait(GREADY, j & 1);
 #if MM_LDSM
             // ldmatrix / stmatrix .x4: an 8x8 16-bit matrix is the m16n8 accumulator layout (thread l: row l / 4,
             // columns 2 (l % 4), + 1), so one instruction moves 8 values a thread. Lane i gives the address of

@@ -4,6 +4,10 @@ backward at 480M B=8 (B 8, T 1024, C 1536, 24 heads): first the bytes (wgt's dqk
 wgds's), then sustained us a call (3 alternating rounds, engine_gpu.sustained_ms) and each kernel's device
 time (torch.profiler / CUPTI, 20 calls). S50_NS="3 6" also builds and times those ring depths (loader defines) beside the default 4.
 
+The "wgt" kernel is not in the tree: apply docs/bench/s50_scratch_wgt.diff (or s50_scratch_wgt_ring.diff, the
+first form) to 9dba32f first.
+
+    git apply docs/bench/s50_scratch_wgt.diff
     PYTHONPATH=/tmp/cfe:/tmp/deps:. python3 docs/bench/s50_wgt.py time OUT.json   # from the repo root, on the GPU
     ncu ... python3 docs/bench/s50_wgt.py once                                   # each arm once (for ncu)
 """
