@@ -717,12 +717,13 @@ def parse_variants(items: list[str], batch: int) -> list[tuple[str, int]]:
     out = []
     for it in items:
         name, _, bs = it.partition(":")
+        bad = AndreaError(f"--variants {it}: batches after ':' must be integers of 1 or more, e.g. andrea-12m:8,64")
         try:
             got = [(name, int(b)) for b in bs.split(",")] if bs else [(name, batch)]
         except ValueError:
-            got = [(name, 0)]
+            raise bad from None
         if min(b for _, b in got) < 1:
-            raise AndreaError(f"--variants {it}: batches after ':' must be integers of 1 or more, e.g. andrea-12m:8,64")
+            raise bad
         if not (ROOT / "params" / "profile" / f"{name}.yaml").is_file():
             raise AndreaError(f"--variants {it}: no profile params/profile/{name}.yaml")
         out += got

@@ -218,9 +218,6 @@ def test_train_attention_is_optional_and_checked_by_the_schema():
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-_gpu = cupy_with_cudnn
-
-
 def _bf16(cp, x):
     """(device bf16 bits, the float64 values they hold): round-to-nearest-even."""
     b = np.asarray(x, np.float32).view(np.uint32)
@@ -235,7 +232,7 @@ def _f64(cp, a):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,D", [(2, 200, 2, 64), (3, 1024, 2, 64), (2, 130, 4, 32)])
 def test_cudnn_attention_matches_the_numpy_twin_and_repeats_its_bytes(B, T, H, D):
-    cp = _gpu()
+    cp = cupy_with_cudnn()
     from andrea.engine import ops_numpy as ops
 
     C, N = H * D, B * T
@@ -285,7 +282,7 @@ def _batch(seed, mc, b=2):
 
 @pytest.mark.gpu
 def test_engine_with_cudnn_attention_matches_numpy_in_the_loss_and_every_gradient():
-    _gpu()
+    cupy_with_cudnn()
     from andrea.cuda.backend import make_backend
     from andrea.engine.backend import NumpyBackend
     from andrea.engine.engine import Engine
@@ -331,7 +328,7 @@ def _run(prec, steps, start=None, graph=True, **kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("prec,kw", [("bf16", {}), ("fp8", {"fp8_scaling": "delayed", "fp8_amax_history": 4})])
 def test_cudnn_attention_runs_repeat_resume_and_replay_the_same_bytes(prec, kw):
-    _gpu()
+    cupy_with_cudnn()
     if prec == "fp8":
         from andrea.cuda.loader import cupy_or_none
 

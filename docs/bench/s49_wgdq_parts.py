@@ -7,18 +7,13 @@ k_attn_bwd_dkvq_wg_bf16_d64_r128 at 480M B=8, sustained, 3 alternating rounds.
     PYTHONPATH=. python3 docs/bench/s49_wgdq_parts.py 1 2 4 8 3 7          # from the repo root, on the GPU
 """
 import re, sys, statistics
-sys.path.insert(0, "."); sys.path.insert(0, "bench")
+sys.path[:0] = [".", "bench", "docs/bench"]
 import cupy as cp, numpy as np
 import engine_gpu as eg
-from attention_gpu import random_bf16
 from andrea.cuda import kernels as K, loader
-B, T, C, H = 8, 1024, 1536, 24
-D, N = C // H, B * T
-cp.random.seed(0)
-qkv, dy = random_bf16((N, 3 * C)), random_bf16((N, C))
-y, dqkv = cp.zeros((N, C), cp.uint16), cp.zeros((N, 3 * C), cp.uint16)
-lse2, dvec = cp.zeros(B * H * T, cp.float32), cp.zeros(B * H * T, cp.float32)
-K.k_attn_fwd("bf16", y, lse2, qkv, B, T, C, H)
+from arm_times import B, C, H, N, T, inputs
+D = C // H
+qkv, dy, y, dqkv, lse2, dvec, _ = inputs()
 need = K.attn_dq_bytes(B, T, C, H)
 ds = cp.empty(need, cp.uint8)
 K.k_attn_bwd("bf16", dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, False, rows=(None, 128), impl="wgdq", ds=ds)
