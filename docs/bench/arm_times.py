@@ -3,7 +3,6 @@ operands, a cuDNN backward arm, and each arm (a callable that queues one call on
 call over 3 alternating rounds (engine_gpu.sustained_ms, after 3 warm calls each), then each kernel's device
 time over 20 calls (torch.profiler / CUPTI). Run from the repo root with bench/ on sys.path, as those scripts
 set it."""
-import json
 import statistics
 import sys
 
@@ -12,6 +11,7 @@ import cupy as cp
 import andrea.cuda.cudnn_attention as ca
 import engine_gpu as eg
 from andrea.cuda import kernels as K
+from andrea.fsutil import atomic_write_json
 from attention_gpu import random_bf16
 
 B, T, C, H = 8, 1024, 1536, 24       # 480M B=8's attention
@@ -89,4 +89,4 @@ def run(arms: dict, res: dict | None = None, width: int = 16) -> None:
             f()
         cp.cuda.Device().synchronize()
         return
-    json.dump(time_arms(arms, {} if res is None else res, width), open(sys.argv[2], "w"), indent=1)
+    atomic_write_json(sys.argv[2], time_arms(arms, {} if res is None else res, width))

@@ -28,12 +28,12 @@ mods = {ns: loader.build("attention.cu", (f"ATTN_NS={ns}",)) for ns in NS}
 
 
 def bwd(impl, rows, ns=K.ATTN_NS):
-    def run():
+    def call():
         if ns == K.ATTN_NS:
             return K.k_attn_bwd("bf16", dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, False, rows=rows, impl=impl, ds=ds)
         with eg.patched(K, ATTN_NS=ns, kernel=lambda f, n: mods[ns].get_function(n) if "dkvt" in n else plain_kernel(f, n)):
             K.k_attn_bwd("bf16", dqkv, dy, y, lse2, dvec, qkv, B, T, C, H, False, rows=rows, impl=impl, ds=ds)
-    return run
+    return call
 
 
 arms = {"wgds 128/128": bwd("wgds", (128, 128)), "wgt 128/128": bwd("wgt", (128, 128)),
